@@ -1,0 +1,107 @@
+"""The sharding vocabulary: one placement per mesh axis, as in DTensor.
+
+``Shard(dim)`` splits tensor dimension ``dim`` evenly over the axis, ``Replicate()`` keeps a full copy on every
+rank of the axis, ``Partial()`` holds addends whose sum over the axis is the value. A ``Spec`` is a tuple with
+one placement per mesh axis and prints compactly (``S(0)R``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True, order=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def to_json(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True, order=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+    def to_json(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, order=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+    def to_json(self) -> str:
+        return "P"
+
+
+Placement = Union[Shard, Replicate, Partial]
+Spec = tuple  # tuple[Placement, ...], one per mesh axis
+
+R = Replicate()
+P = Partial()
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of ``str``: ``"S(1)"``, ``"R"``, ``"P"``."""
+    text = text.strip()
+    if text == "R":
+        return R
+    if text == "P":
+        return P
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"cannot parse placement {text!r}: expected 'R', 'P' or 'S(<dim>)'")
+
+
+def spec_str(spec: Spec) -> str:
+    return "".join(str(p) for p in spec)
+
+
+def parse_spec(text: str) -> Spec:
+    out, i = [], 0
+    while i < len(text):
+        if text[i] in "RP":
+            out.append(parse_placement(text[i]))
+            i += 1
+        elif text.startswith("S(", i):
+            j = text.index(")", i)
+            out.append(parse_placement(text[i : j + 1]))
+            i = j + 1
+        else:
+            raise ValueError(f"cannot parse spec {text!r} at position {i}")
+    return tuple(out)
+
+
+def local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of one rank's piece of a tensor of global ``shape`` under ``spec`` (even sharding only)."""
+    out = list(shape)
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            d = p.dim % len(out)
+            assert out[d] % n == 0, f"dim {d} of {shape} not divisible by {n}"
+            out[d] //= n
+    return tuple(out)
+
+
+def shard_factor(spec: Spec, mesh_shape: tuple[int, ...]) -> int:
+    """How many ranks split the tensor's elements (product of axis sizes where the spec shards)."""
+    f = 1
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            f *= n
+    return f
+
+
+def to_dtensor_placements(spec: Spec):
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    return tuple(DShard(p.dim) if isinstance(p, Shard) else DPartial() if isinstance(p, Partial) else DReplicate()
+                 for p in spec)
