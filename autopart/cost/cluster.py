@@ -1,0 +1,255 @@
+"""The machine the plan is priced for: one device type, a logical mesh of ranks, and one link per mesh axis.
+
+A ``Cluster`` is pure data. Collective costs (``autopart.cost.comm``) read ``cluster.link(axis)``; compute costs
+(``autopart.cost.compute``) read ``cluster.device``; memory limits read ``cluster.memory_budget``.
+
+Presets derive the link of every mesh axis from where the axis falls in the machine: axes are laid out
+innermost-first (the last axis varies fastest over ranks), so an axis lies inside one node when its size times the
+sizes of all axes to its right is at most the number of devices per node. Such an axis gets the intra-node link
+(NVLink), any other the inter-node link (InfiniBand). This is why TP goes on the last axis and DP on the first
+(REFERENCE.md, "Place the innermost groups ... on the fastest links").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta model of one link: a message of S bytes takes ``alpha + S * beta`` seconds."""
+
+    alpha: float  # seconds per message
+    beta: float  # seconds per byte
+
+    def __post_init__(self) -> None:
+        if not self.alpha >= 0:
+            raise ValueError(f"Link alpha must be >= 0 seconds, got {self.alpha}")
+        if not self.beta > 0:
+            raise ValueError(f"Link beta must be > 0 seconds per byte, got {self.beta}")
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second (1 / beta)."""
+        return 1.0 / self.beta
+
+    def __str__(self) -> str:
+        return f"{self.alpha * 1e6:.3g}us@{self.bandwidth / 1e9:.3g}GB/s"
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one CPU rank). ``mfu`` is the fraction of ``peak_flops`` large matmuls achieve."""
+
+    name: str
+    peak_flops: float  # dense FLOP/s for the training dtype (bf16 on GPUs, fp32 on cpu)
+    mem_bandwidth: float  # bytes/s
+    memory_bytes: int
+    host_bandwidth: float  # bytes/s device<->host
+    mfu: float = 1.0
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"Device {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
+
+    @property
+    def achievable_flops(self) -> float:
+        """FLOP/s large matmuls reach: ``peak_flops * mfu``."""
+        return self.peak_flops * self.mfu
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}({self.peak_flops / 1e12:.3g}TFLOP/s x{self.mfu:g}, "
+            f"{self.mem_bandwidth / 1e12:.3g}TB/s, {self.memory_bytes / GiB:.3g}GiB)"
+        )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A mesh of identical devices with one ``Link`` per mesh axis (``links[i]`` serves axis ``i``)."""
+
+    name: str
+    device: Device
+    mesh_shape: tuple[int, ...]
+    links: tuple[Link, ...]  # one per mesh axis
+    reserve_bytes: int  # device memory the plan may not use: CUDA context, NCCL buffers, fragmentation
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh_shape", tuple(int(x) for x in self.mesh_shape))
+        object.__setattr__(self, "links", tuple(self.links))
+        if not self.mesh_shape:
+            raise ValueError(f"Cluster {self.name!r}: mesh_shape must have at least one axis, got ()")
+        if any(size < 1 for size in self.mesh_shape):
+            raise ValueError(f"Cluster {self.name!r}: mesh axis sizes must be >= 1, got mesh_shape {self.mesh_shape}")
+        if len(self.links) != len(self.mesh_shape):
+            raise ValueError(
+                f"Cluster {self.name!r}: need one link per mesh axis, got {len(self.links)} links "
+                f"for mesh_shape {self.mesh_shape} ({len(self.mesh_shape)} axes)"
+            )
+        if not 0 <= self.reserve_bytes < self.device.memory_bytes:
+            raise ValueError(
+                f"Cluster {self.name!r}: reserve_bytes ({self.reserve_bytes}) must be >= 0 and below the "
+                f"device memory ({self.device.memory_bytes})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes per device a plan may fill: device memory minus ``reserve_bytes``."""
+        return self.device.memory_bytes - self.reserve_bytes
+
+    def link(self, axis: int) -> Link:
+        if not -len(self.mesh_shape) <= axis < len(self.mesh_shape):
+            raise ValueError(f"Cluster {self.name!r}: axis {axis} out of range for mesh_shape {self.mesh_shape}")
+        return self.links[axis]
+
+    def with_mesh(self, mesh_shape: tuple[int, ...]) -> Cluster:
+        """The same machine viewed as another mesh.
+
+        For a preset name the links are re-derived by the preset's placement rule (device and reserve kept);
+        otherwise a cluster whose axes all share one link keeps that link on every new axis.
+        """
+        mesh_shape = tuple(mesh_shape)
+        if self.name in PRESETS:
+            return replace(self, mesh_shape=mesh_shape, links=PRESETS[self.name].links_for(mesh_shape))
+        if len(set(self.links)) == 1:
+            return replace(self, mesh_shape=mesh_shape, links=(self.links[0],) * len(mesh_shape))
+        raise ValueError(
+            f"Cluster {self.name!r} is not a preset and its axes have different links {[str(x) for x in self.links]}: "
+            f"cannot tell which link a new axis of mesh_shape {mesh_shape} gets; build the Cluster directly"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "device": asdict(self.device),
+            "mesh_shape": list(self.mesh_shape),
+            "links": [asdict(x) for x in self.links],
+            "reserve_bytes": self.reserve_bytes,
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Cluster:
+        return Cluster(
+            name=data["name"],
+            device=Device(**data["device"]),
+            mesh_shape=tuple(data["mesh_shape"]),
+            links=tuple(Link(**x) for x in data["links"]),
+            reserve_bytes=int(data["reserve_bytes"]),
+        )
+
+    def __str__(self) -> str:
+        mesh = "x".join(str(x) for x in self.mesh_shape)
+        links = ", ".join(str(x) for x in self.links)
+        return f"{self.name}[{mesh}] {self.device} links [{links}]"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """How to build a ``Cluster`` of any mesh shape for one machine type.
+
+    ``devices_per_node`` None means every rank is on one host (all axes get ``intra_node``).
+    """
+
+    device: Device
+    intra_node: Link
+    inter_node: Link
+    devices_per_node: int | None
+    reserve_bytes: int
+
+    def links_for(self, mesh_shape: tuple[int, ...]) -> tuple[Link, ...]:
+        """Innermost-first rule: axis i is intra-node iff prod(mesh_shape[i:]) <= devices_per_node."""
+        if self.devices_per_node is None:
+            return (self.intra_node,) * len(mesh_shape)
+        return tuple(
+            self.intra_node if math.prod(mesh_shape[i:]) <= self.devices_per_node else self.inter_node
+            for i in range(len(mesh_shape))
+        )
+
+
+_CPU = Preset(
+    device=Device("cpu", peak_flops=50e9, mem_bandwidth=10e9, memory_bytes=4 * GiB, host_bandwidth=10e9, mfu=1.0),
+    intra_node=Link(alpha=50e-6, beta=1 / 1.5e9),
+    inter_node=Link(alpha=50e-6, beta=1 / 1.5e9),
+    devices_per_node=None,
+    reserve_bytes=512 * MiB,
+)
+
+_A100 = Preset(
+    device=Device(
+        "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7
+    ),
+    intra_node=Link(alpha=5e-6, beta=1 / 300e9),
+    inter_node=Link(alpha=10e-6, beta=1 / 25e9),
+    devices_per_node=8,
+    reserve_bytes=4 * GiB,
+)
+
+_H100 = Preset(
+    device=Device(
+        "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65
+    ),
+    intra_node=Link(alpha=5e-6, beta=1 / 450e9),
+    inter_node=Link(alpha=10e-6, beta=1 / 50e9),
+    devices_per_node=8,
+    reserve_bytes=4 * GiB,
+)
+
+_H200 = Preset(
+    device=replace(_H100.device, name="h200-141gb", mem_bandwidth=4.8e12, memory_bytes=143771 * MiB),
+    intra_node=_H100.intra_node,
+    inter_node=_H100.inter_node,
+    devices_per_node=8,
+    reserve_bytes=4 * GiB,
+)
+
+PRESETS: dict[str, Preset] = {"cpu": _CPU, "a100-80gb": _A100, "h100-80gb": _H100, "h200-141gb": _H200}
+
+
+def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
+    """A ``Cluster`` for a named machine type laid out as ``mesh_shape``.
+
+    Axes are assigned innermost-first (the last axis innermost); axis i lies inside a node, and gets NVLink, iff
+    ``prod(mesh_shape[i:]) <= 8``; otherwise it gets InfiniBand. Numbers and their sources:
+
+    - cpu: gloo over loopback TCP on a 2-core box, one rank per core. α = 50 µs and 1.5 GB/s are typical gloo
+      small/large all-reduce timings over loopback (measured-ish); 50 GFLOP/s is an achieved large fp32 matmul per
+      core with AVX2 (hence mfu 1.0); 10 GB/s is one core's share of DRAM bandwidth; the box's 24 GiB are shared,
+      4 GiB per rank assumed, 512 MiB of it reserved for the interpreter and gloo.
+    - a100-80gb: DGX/HGX A100 80GB SXM4. A100 datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, 80 GiB
+      (nvidia-smi 81920 MiB), PCIe Gen4 x16 (~25 GB/s achieved). NVLink 3: 600 GB/s bidirectional = 300 GB/s per
+      direction, taken as bus bandwidth (nccl-tests doc/PERFORMANCE.md), α 5 µs. InfiniBand: 8 HDR 200 Gb/s NICs
+      per node, one per GPU = 25 GB/s per GPU, α 10 µs. mfu 0.7: cuBLAS bf16 GEMMs reach ~220-250 TFLOP/s, and
+      Megatron reaches ~50-56% MFU end to end (K22).
+    - h100-80gb: DGX/HGX H100 80GB SXM5. H100 datasheet: 989 TFLOP/s dense bf16 (1,979 is with sparsity),
+      3.35 TB/s HBM3, 80 GB (nvidia-smi 81559 MiB), PCIe Gen5 x16 (~50 GB/s achieved). NVLink 4: 900 GB/s
+      bidirectional = 450 GB/s per direction, α 5 µs. InfiniBand: 8 NDR 400 Gb/s NICs per node = 50 GB/s per GPU,
+      α 10 µs. mfu 0.65: large bf16 GEMMs reach ~600-700 TFLOP/s; Megatron-Core measures 41-49% MFU end to end
+      (REFERENCE.md).
+    - h200-141gb: HGX H200: the H100 compute and network with 141 GB HBM3e (nvidia-smi 143771 MiB) at 4.8 TB/s
+      (H200 datasheet).
+
+    GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; presets are {sorted(PRESETS)}")
+    spec = PRESETS[name]
+    mesh_shape = tuple(mesh_shape)
+    return Cluster(
+        name=name,
+        device=spec.device,
+        mesh_shape=mesh_shape,
+        links=spec.links_for(mesh_shape),
+        reserve_bytes=spec.reserve_bytes,
+    )

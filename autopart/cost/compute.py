@@ -1,0 +1,213 @@
+"""FLOPs, bytes and roofline time of single ATen op calls, from shapes only (fake and meta tensors welcome).
+
+FLOP formulas come from ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm, baddbmm, convolution, the fused
+attention kernels, ...) and, for ops a high-level export keeps but the registry lacks, from ``_FORMULAS`` below
+(linear, matmul, scaled_dot_product_attention, ...). Multiply-adds count 2 FLOPs. Attention with ``is_causal`` counts
+half, as flash kernels skip the masked blocks; the registry itself ignores the mask. Every other op counts 0 FLOPs:
+it is priced by the bytes it moves (``node_bytes``) in ``roofline_time``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+
+from autopart.cost.cluster import Device
+
+aten = torch.ops.aten
+
+_FORMULAS: dict[Any, Callable[[tuple, dict, Any], int]] = {}
+
+
+def _formula(*packets: Any) -> Callable:
+    def register(fn: Callable[[tuple, dict, Any], int]) -> Callable[[tuple, dict, Any], int]:
+        for packet in packets:
+            _FORMULAS[packet] = fn
+        return fn
+
+    return register
+
+
+def _packet(target: Any) -> Any:
+    return getattr(target, "overloadpacket", target)
+
+
+def _arg(target: Any, args: tuple, kwargs: dict, name: str, default: Any) -> Any:
+    """Argument ``name`` of a call, found by keyword or by its position in the op's schema."""
+    if name in kwargs:
+        return kwargs[name]
+    op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "default", None)
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return default
+    for i, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            return args[i] if i < len(args) and not argument.kwarg_only else default
+    return default
+
+
+def _numel(shape: Any) -> int:
+    return math.prod(int(x) for x in shape)
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of an (m, k) @ (k, n) product: 2mnk."""
+    return 2 * m * n * k
+
+
+def _sdpa_forward_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """QKᵀ and PV: 2·BH·s·t·d + 2·BH·s·t·d_v with BH the query's batch×heads (GQA: query heads)."""
+    *batch_heads, s, d = query.shape
+    t, d_v = key.shape[-2], value.shape[-1]
+    return 2 * _numel(batch_heads) * int(s) * int(t) * (int(d) + int(d_v))
+
+
+@_formula(aten.linear)
+def _linear_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """input [..., k] @ weightᵀ [k, n] (+ bias): 2·M·n·k (+ M·n)."""
+    x, weight = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    k = int(x.shape[-1])
+    m = _numel(x.shape) // k if k else 0
+    n = int(weight.shape[0]) if weight.dim() == 2 else 1
+    return matmul_flops(m, n, k) + (m * n if bias is not None else 0)
+
+
+@_formula(aten.matmul)
+def _matmul_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """Broadcast batched matmul: 2·batch·m·n·k (1-D operands count as m = 1 or n = 1)."""
+    a, b = args[0], args[1]
+    m = int(a.shape[-2]) if a.dim() > 1 else 1
+    n = int(b.shape[-1]) if b.dim() > 1 else 1
+    batch_a, batch_b = list(a.shape[:-2]), list(b.shape[:-2])
+    rank = max(len(batch_a), len(batch_b))
+    batch_a, batch_b = [1] * (rank - len(batch_a)) + batch_a, [1] * (rank - len(batch_b)) + batch_b
+    batch = _numel(max(x, y) for x, y in zip(batch_a, batch_b, strict=True))
+    return batch * matmul_flops(m, n, int(a.shape[-1]))
+
+
+@_formula(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu)
+def _sdpa_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """q [b, h, s, d], k/v [b, hk, t, d]: 4·b·h·s·t·d (halved for causal masks by ``node_flops``)."""
+    return _sdpa_forward_flops(args[0], args[1], args[2])
+
+
+@_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
+def _sdpa_cpu_backward_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """Flash backward recomputes QKᵀ and runs four more products: 2.5× the forward."""
+    return _sdpa_forward_flops(args[1], args[2], args[3]) * 5 // 2
+
+
+@_formula(aten.embedding)
+def _embedding_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """A gather: no arithmetic."""
+    return 0
+
+
+@_formula(aten.cross_entropy_loss)
+def _cross_entropy_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """max, subtract, exp, sum, log-and-pick over the logits: ~5 FLOPs per logit."""
+    return 5 * _numel(args[0].shape)
+
+
+_MATMUL_FAMILY = frozenset(
+    [
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten._scaled_mm,
+        aten.linear,
+        aten.matmul,
+        aten.convolution,
+        aten._convolution,
+        aten.conv1d,
+        aten.conv2d,
+        aten.conv3d,
+        aten.einsum,
+    ]
+)
+_SDPA_FORWARD = frozenset(
+    [
+        aten.scaled_dot_product_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+        aten._flash_attention_forward,
+        aten._efficient_attention_forward,
+    ]
+)
+_SDPA_BACKWARD = frozenset(
+    [
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        aten._scaled_dot_product_flash_attention_backward,
+        aten._scaled_dot_product_efficient_attention_backward,
+        aten._scaled_dot_product_cudnn_attention_backward,
+        aten._flash_attention_backward,
+        aten._efficient_attention_backward,
+    ]
+)
+
+
+def node_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one call ``target(*args, **kwargs) -> out`` (an ATen OpOverload or OpOverloadPacket).
+
+    Tensors are read through ``.shape`` only. Ops without a formula (pointwise, views, reductions, ...) return 0.
+    """
+    kwargs = kwargs or {}
+    packet = _packet(target)
+    try:
+        if packet in _FORMULAS:
+            flops = _FORMULAS[packet](tuple(args), kwargs, out)
+        elif packet in flop_counter.flop_registry:
+            flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
+        else:
+            return 0
+    except (AssertionError, AttributeError, IndexError, TypeError, ValueError) as e:
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+        raise ValueError(
+            f"cannot count FLOPs of {target} with arguments {shapes}: {e}. The op was called with arguments its "
+            f"formula does not expect; check the graph node, or add a formula to autopart.cost.compute._FORMULAS"
+        ) from e
+    if (packet in _SDPA_FORWARD or packet in _SDPA_BACKWARD) and _arg(target, args, kwargs, "is_causal", False):
+        flops //= 2
+    return int(flops)
+
+
+def backward_flops(target: Any, fwd_flops: int) -> int:
+    """FLOPs of the backward of a call whose forward took ``fwd_flops``.
+
+    Matmul family 2× (grad input and grad weight are one product each); attention 2.5× (flash backward: QKᵀ
+    recomputed plus dV, dP, dQ, dK); everything else 1× (N21 counts backward as 2× forward overall).
+    """
+    packet = _packet(target)
+    if packet in _SDPA_FORWARD or packet is torch.ops.higher_order.flex_attention:
+        return fwd_flops * 5 // 2
+    if packet in _MATMUL_FAMILY:
+        return 2 * fwd_flops
+    return fwd_flops
+
+
+def node_bytes(args: Any, out: Any) -> int:
+    """Bytes read plus written: numel·element_size of every tensor in ``args`` and ``out`` (lists, tuples, dicts)."""
+
+    def size(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return _numel(x.shape) * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(size(y) for y in x)
+        if isinstance(x, dict):
+            return sum(size(y) for y in x.values())
+        return 0
+
+    return size(args) + size(out)
+
+
+def roofline_time(flops: float, nbytes: float, device: Device) -> float:
+    """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds."""
+    return max(flops / (device.peak_flops * device.mfu), nbytes / device.mem_bandwidth)

@@ -1,0 +1,232 @@
+"""Unit tests for autopart.cost: every formula against hand-computed or published numbers."""
+
+import math
+
+import pytest
+import torch
+
+from autopart.cost import (
+    PRESETS,
+    Cluster,
+    Device,
+    Link,
+    all_gather_time,
+    all_reduce_time,
+    all_to_all_time,
+    backward_flops,
+    collective_time,
+    gpt_params,
+    gpt_train_flops,
+    matmul_flops,
+    megatron_activation_bytes_per_layer,
+    model_state_bytes,
+    node_bytes,
+    node_flops,
+    preset,
+    reduce_scatter_time,
+    roofline_time,
+    send_recv_time,
+)
+
+aten = torch.ops.aten
+LINK = Link(alpha=1e-5, beta=1e-9)  # 10 us, 1 GB/s
+S = 8e6  # bytes
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+# collectives: (n-1)α + (n-1)/n·Sβ etc., n = 4, S = 8 MB, α = 10 us, β = 1 ns/B
+
+
+def test_all_gather_reduce_scatter_all_to_all():
+    expected = 3 * 1e-5 + 0.75 * 8e6 * 1e-9  # 30 us + 6 ms
+    assert all_gather_time(S, 4, LINK) == pytest.approx(expected)
+    assert reduce_scatter_time(S, 4, LINK) == pytest.approx(expected)
+    assert all_to_all_time(S, 4, LINK) == pytest.approx(expected)
+    assert expected == pytest.approx(6.03e-3)
+
+
+def test_all_reduce():
+    assert all_reduce_time(S, 4, LINK) == pytest.approx(2 * 3 * 1e-5 + 2 * 0.75 * 8e6 * 1e-9)
+    assert all_reduce_time(S, 8, LINK) == pytest.approx(14e-5 + 1.75 * 8e-3)
+
+
+def test_send_recv():
+    assert send_recv_time(S, LINK) == pytest.approx(1e-5 + 8e-3)
+
+
+def test_single_rank_costs_nothing():
+    for fn in (all_reduce_time, all_gather_time, reduce_scatter_time, all_to_all_time):
+        assert fn(S, 1, LINK) == 0.0
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        assert collective_time(kind, S, 1, LINK) == 0.0
+
+
+def test_collective_time_dispatch():
+    assert collective_time("all_reduce", S, 4, LINK) == all_reduce_time(S, 4, LINK)
+    assert collective_time("all_gather", S, 4, LINK) == all_gather_time(S, 4, LINK)
+    assert collective_time("send_recv", S, 2, LINK) == send_recv_time(S, LINK)
+    with pytest.raises(ValueError, match="broadcast"):
+        collective_time("broadcast", S, 4, LINK)
+    with pytest.raises(ValueError, match="n=0"):
+        all_reduce_time(S, 0, LINK)
+
+
+# clusters
+
+
+def test_a100_links_innermost_first():
+    c = preset("a100-80gb", (128, 8))
+    assert c.world_size == 1024
+    assert c.link(1).bandwidth == pytest.approx(300e9) and c.link(1).alpha == 5e-6
+    assert c.link(0).bandwidth == pytest.approx(25e9) and c.link(0).alpha == 10e-6
+    c = preset("a100-80gb", (8, 8))
+    assert c.link(0).bandwidth == pytest.approx(25e9)
+    assert c.link(1).bandwidth == pytest.approx(300e9)
+    c = preset("a100-80gb", (2, 4))  # 8 ranks: one node
+    assert c.link(0).bandwidth == c.link(1).bandwidth == pytest.approx(300e9)
+
+
+def test_presets_numbers():
+    assert set(PRESETS) == {"cpu", "a100-80gb", "h100-80gb", "h200-141gb"}
+    h100 = preset("h100-80gb", (16, 8))
+    assert h100.device.peak_flops == 989e12
+    assert h100.link(0).bandwidth == pytest.approx(50e9) and h100.link(1).bandwidth == pytest.approx(450e9)
+    h200 = preset("h200-141gb", (8,))
+    assert h200.device.mem_bandwidth == 4.8e12 and 140e9 < h200.device.memory_bytes < 152e9
+    assert h200.memory_budget == h200.device.memory_bytes - h200.reserve_bytes
+    cpu = preset("cpu", (2, 2))
+    assert cpu.link(0) == cpu.link(1) and cpu.link(0).alpha == 50e-6
+    for name in PRESETS:
+        assert 0.5 <= preset(name, (8,)).device.mfu <= 1.0
+
+
+def test_bad_preset_and_cluster():
+    with pytest.raises(ValueError, match="a100-80gb"):
+        preset("tpu-v5", (8,))
+    with pytest.raises(ValueError, match=r"\(2, 0\)"):
+        preset("cpu", (2, 0))
+    cpu = preset("cpu", (2,))
+    with pytest.raises(ValueError, match="1 links"):
+        Cluster("x", cpu.device, (2, 2), cpu.links, 0)
+    with pytest.raises(ValueError, match="mfu"):
+        Device("d", 1e12, 1e12, 2**30, 1e9, mfu=1.5)
+
+
+def test_cluster_json_with_mesh_and_str():
+    c = preset("h100-80gb", (4, 8))
+    assert Cluster.from_json(c.to_json()) == c
+    assert c.with_mesh((2, 2, 8)) == preset("h100-80gb", (2, 2, 8))
+    assert str(c) == "h100-80gb[4x8] h100-80gb(989TFLOP/s x0.65, 3.35TB/s, 79.6GiB) links [10us@50GB/s, 5us@450GB/s]"
+    custom = Cluster("custom", c.device, (4,), (LINK,), 0)
+    assert custom.with_mesh((2, 2)).links == (LINK, LINK)
+
+
+# compute
+
+
+def test_roofline():
+    dev = Device("d", peak_flops=100e12, mem_bandwidth=1e12, memory_bytes=2**30, host_bandwidth=1e9, mfu=0.5)
+    assert roofline_time(1e12, 1e9, dev) == pytest.approx(0.02)  # compute bound: 1e12 / 50e12
+    assert roofline_time(1e9, 1e11, dev) == pytest.approx(0.1)  # memory bound: 1e11 / 1e12
+    assert matmul_flops(3, 5, 7) == 210
+
+
+def test_node_flops_matmuls_on_meta():
+    assert node_flops(aten.mm.default, (meta(64, 32), meta(32, 16)), {}, meta(64, 16)) == 2 * 64 * 16 * 32
+    assert node_flops(aten.addmm.default, (meta(16), meta(64, 32), meta(32, 16)), {}, meta(64, 16)) == 65536
+    assert node_flops(aten.bmm.default, (meta(4, 64, 32), meta(4, 32, 16)), {}, meta(4, 64, 16)) == 4 * 65536
+    x, w, b = meta(2, 8, 32), meta(16, 32), meta(16)
+    assert node_flops(aten.linear.default, (x, w), {}, meta(2, 8, 16)) == 2 * 16 * 16 * 32
+    assert node_flops(aten.linear.default, (x, w, b), {}, meta(2, 8, 16)) == 2 * 16 * 16 * 32 + 16 * 16
+    assert node_flops(aten.matmul.default, (meta(3, 1, 8, 32), meta(5, 32, 16)), {}, None) == 15 * 2 * 8 * 16 * 32
+
+
+def test_node_flops_sdpa_on_meta():
+    q, kv = meta(2, 8, 128, 64), meta(2, 2, 256, 64)  # GQA: 8 query heads, 2 kv heads
+    full = 4 * 2 * 8 * 128 * 256 * 64
+    sdpa = aten.scaled_dot_product_attention.default
+    assert node_flops(sdpa, (q, kv, kv), {"enable_gqa": True}, q) == full
+    assert node_flops(sdpa, (q, kv, kv, None, 0.0, True), {}, q) == full // 2
+    assert node_flops(sdpa, (q, kv, kv), {"is_causal": True}, q) == full // 2
+    flash = aten._scaled_dot_product_flash_attention.default  # torch's registry entry, causal halved on top
+    assert node_flops(flash, (q, q, q), {}, None) == 4 * 2 * 8 * 128 * 128 * 64
+    assert node_flops(flash, (q, q, q, 0.0, True), {}, None) == 2 * 2 * 8 * 128 * 128 * 64
+
+
+def test_node_flops_others():
+    logits = meta(4, 100)
+    assert node_flops(aten.cross_entropy_loss.default, (logits, meta(4, dtype=torch.long)), {}, meta()) == 2000
+    assert node_flops(aten.embedding.default, (meta(100, 8), meta(4, dtype=torch.long)), {}, meta(4, 8)) == 0
+    assert node_flops(aten.gelu.default, (meta(4, 8),), {}, meta(4, 8)) == 0
+    with pytest.raises(ValueError, match="aten.mm"):
+        node_flops(aten.mm.default, (meta(4, 8), meta(9, 2)), {}, None)
+
+
+def test_backward_flops():
+    assert backward_flops(aten.mm.default, 100) == 200
+    assert backward_flops(aten.linear.default, 100) == 200
+    assert backward_flops(aten.scaled_dot_product_attention.default, 100) == 250
+    assert backward_flops(aten.add.Tensor, 100) == 100
+
+
+def test_node_bytes():
+    a, b = meta(4, 8), meta(8, dtype=torch.float32)
+    assert node_bytes((a, [b, (b, 3)], 1.0), meta(4, 8)) == 64 + 32 + 32 + 64
+
+
+# memory and FLOP closed forms
+
+ZERO_TABLE = {  # Ψ -> d -> GB for ZeRO-1, 2, 3 (REFERENCE.md, from Z20 Figure 1)
+    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30.0), 64: (31.4, 16.6, 1.88), 1024: (30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 64: (536, 284, 32), 1024: (514, 258, 2)},
+}
+
+
+@pytest.mark.parametrize("psi", sorted(ZERO_TABLE))
+def test_zero_table(psi):
+    for d, row in ZERO_TABLE[psi].items():
+        for level, gb in zip((1, 2, 3), row, strict=True):
+            # abs: the table prints 0.117 GB as 0.12
+            assert model_state_bytes(psi, d, level) / 1e9 == pytest.approx(gb, rel=0.01, abs=0.005), (psi, d, level)
+    assert model_state_bytes(psi, 64, 0) == 16 * psi
+    with pytest.raises(ValueError):
+        model_state_bytes(psi, 4, 4)
+
+
+K22 = {  # (h, a) -> GB per layer at s 2048, b 1, t 8: none, TP, TP+SP, TP+SP+selective, full recompute
+    (6144, 64): (1.770, 0.331, 0.221, 0.053, 0.025),
+    (12288, 96): (2.869, 0.579, 0.359, 0.107, 0.050),
+}
+
+
+@pytest.mark.parametrize("h,a", sorted(K22))
+def test_k22_activation_table(h, a):
+    none, tp, tp_sp, selective, full = K22[h, a]
+    act = megatron_activation_bytes_per_layer
+    assert act(2048, 1, h, a) / 1e9 == pytest.approx(none, rel=0.05)
+    assert act(2048, 1, h, a, t=8) / 1e9 == pytest.approx(tp, rel=0.05)
+    assert act(2048, 1, h, a, t=8, sp=True) / 1e9 == pytest.approx(tp_sp, rel=0.05)
+    assert act(2048, 1, h, a, t=8, sp=True, recompute="selective") / 1e9 == pytest.approx(selective, rel=0.05)
+    assert act(2048, 1, h, a, t=8, recompute="full") / 1e9 == pytest.approx(full, rel=0.05)
+
+
+def test_k22_formulas_exact():
+    s, b, h, a, t = 2048, 2, 4096, 32, 4
+    sbh = s * b * h
+    act = megatron_activation_bytes_per_layer
+    assert act(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert act(s, b, h, a, t=t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    with pytest.raises(ValueError, match="partial"):
+        act(s, b, h, a, recompute="partial")
+
+
+def test_gpt3_params_and_flops():
+    assert gpt_params(96, 12288, 51200, 2048) == pytest.approx(174.6e9, rel=1e-3)
+    flops = gpt_train_flops(1, 2048, 96, 12288, 51200)
+    assert flops == pytest.approx(72 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (12 * 96 * 12288)))
+    assert flops == pytest.approx(6 * 2048 * gpt_params(96, 12288, 51200, 2048), rel=0.05)  # ≈ 6·tokens·Ψ
+    recompute = gpt_train_flops(1, 2048, 96, 12288, 51200, recompute=True)
+    assert math.isclose(recompute / flops, 4 / 3, rel_tol=0.01)
