@@ -1,0 +1,5 @@
+"""What we choose: one sharding option per group, minimising time within a memory budget (see `ilp`)."""
+
+from autopart.solver.ilp import InfeasibleError, Problem, Solution, SolverOptions, solve
+
+__all__ = ["InfeasibleError", "Problem", "Solution", "SolverOptions", "solve"]

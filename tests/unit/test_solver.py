@@ -1,0 +1,200 @@
+"""Solver units: hand-made graphs with known optima, brute force on random small problems, DP vs MIP, JSON."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from autopart.solver import InfeasibleError, Problem, Solution, SolverOptions, solve
+
+INF = math.inf
+EXACT = SolverOptions(relative_gap=0.0, time_limit_s=10.0)
+MIP_ONLY = SolverOptions(relative_gap=0.0, time_limit_s=10.0, presolve=False, use_dp=False)
+SWITCH = np.array([[0.0, 10.0], [10.0, 0.0]])
+
+
+def brute_force(p: Problem) -> tuple[float, tuple[int, ...]] | None:
+    best = None
+    for choice in itertools.product(*(range(len(c)) for c in p.node_cost)):
+        cost, peak = p.evaluate(choice)
+        if not math.isfinite(cost) or (p.memory_limit is not None and peak > p.memory_limit):
+            continue
+        if best is None or cost < best[0]:
+            best = (cost, choice)
+    return best
+
+
+def random_problem(rng: np.random.Generator, tree: bool = False, memory: bool = False) -> Problem:
+    n = int(rng.integers(2, 7))
+    ks = rng.integers(1, 5, size=n)
+    cost = [np.where(rng.random(k) < 0.1, INF, rng.random(k)) for k in ks]
+    for c in cost:
+        c[rng.integers(len(c))] = rng.random()
+    mem = [rng.integers(1, 100, size=k).astype(float) for k in ks]
+    if tree:
+        pairs = [(int(rng.integers(0, v)), v) for v in range(1, n)]
+    else:
+        pairs = [(u, v) for u in range(n) for v in range(n) if u != v and rng.random() < 0.35]
+    edges = []
+    for u, v in pairs:
+        mat = rng.random((ks[u], ks[v])) * rng.choice([0.1, 1.0, 3.0])
+        mat[rng.random(mat.shape) < (0.0 if tree else 0.15)] = INF
+        edges.append((u, v, mat))
+    limit = None
+    if memory:
+        lo, hi = sum(m.min() for m in mem), sum(m.max() for m in mem)
+        limit = float(lo + rng.uniform(0.1, 0.8) * (hi - lo))
+    return Problem([f"g{i}" for i in range(n)], cost, mem, edges, memory_limit=limit)
+
+
+def test_chain_resharding_beats_locally_cheapest():
+    # Locally cheapest is option 0, 0, 1 (1 + 1 + 1 = 3, plus a switch of 10); the optimum stays on option 1 (5).
+    p = Problem(
+        ["a", "b", "c"],
+        [np.array([1.0, 2.0]), np.array([1.0, 2.0]), np.array([5.0, 1.0])],
+        [np.zeros(2)] * 3,
+        [(0, 1, SWITCH), (1, 2, SWITCH)],
+    )
+    for options in (EXACT, MIP_ONLY, SolverOptions(backend="cp-sat", use_dp=False, presolve=False)):
+        sol = solve(p, options)
+        assert sol.choice == (1, 1, 1)
+        assert sol.objective == pytest.approx(5.0)
+        assert sol.status == "optimal" and sol.bound == pytest.approx(5.0, rel=1e-6)
+
+
+def test_diamond():
+    # a -> b, a -> c, b -> d, c -> d: b prefers 1, c prefers 0; a and d must agree with both or pay.
+    cheap1, cheap0 = np.array([3.0, 0.0]), np.array([0.0, 3.0])
+    p = Problem(
+        ["a", "b", "c", "d"],
+        [np.zeros(2), cheap1, cheap0, np.array([0.0, 0.5])],
+        [np.zeros(2)] * 4,
+        [(0, 1, SWITCH * 0.1), (0, 2, SWITCH * 0.1), (1, 3, SWITCH * 0.1), (2, 3, SWITCH * 0.1)],
+    )
+    sol = solve(p, EXACT)
+    assert sol.objective == pytest.approx(brute_force(p)[0])
+    assert sol.choice[1:3] == (1, 0)
+    assert sol.objective == pytest.approx(2.0)
+    assert solve(p, MIP_ONLY).objective == pytest.approx(2.0)
+
+
+def test_memory_limit_forces_costlier_option():
+    p = Problem(
+        ["w1", "w2"],
+        [np.array([1.0, 3.0]), np.array([1.0, 2.0])],
+        [np.array([100.0, 10.0]), np.array([100.0, 50.0])],
+        [],
+        memory_limit=170.0,
+        memory_base=20.0,
+    )
+    sol = solve(p, EXACT)
+    assert sol.choice == (0, 1) and sol.objective == pytest.approx(3.0)
+    p.memory_limit = 90.0
+    sol = solve(p, EXACT)
+    assert sol.choice == (1, 1) and sol.objective == pytest.approx(5.0)
+
+
+def test_forbidden_pairs_and_options():
+    p = Problem(
+        ["a", "b"],
+        [np.array([0.0, 1.0]), np.array([INF, 0.0, 0.5])],
+        [np.zeros(2), np.zeros(3)],
+        [(0, 1, np.array([[0.0, INF, INF], [0.0, 0.0, 0.0]]))],
+    )
+    for options in (EXACT, MIP_ONLY):
+        sol = solve(p, options)
+        assert sol.choice == (1, 1) and sol.objective == pytest.approx(1.0)
+
+
+def test_no_usable_option_is_infeasible():
+    p = Problem(["a", "b"], [np.zeros(1), np.zeros(2)], [np.zeros(1), np.zeros(2)], [(0, 1, np.array([[INF, INF]]))])
+    with pytest.raises(InfeasibleError, match="no usable option"):
+        solve(p, EXACT)
+
+
+def test_infeasible_memory_reports_minimum_and_contributors():
+    gib = float(1 << 30)
+    p = Problem(
+        ["embed", "mlp", "head"],
+        [np.array([0.0, 1.0]), np.array([0.0, 1.0, 2.0]), np.array([0.0, 1.0])],
+        [np.array([8.0, 2.0]) * gib, np.array([16.0, 4.0, 1.0]) * gib, np.array([6.0, 3.0]) * gib],
+        # mlp's smallest option (1 GiB) is forbidden next to head's smallest (3 GiB): min is 2 + 1 + 6 or 2 + 4 + 3.
+        [(1, 2, np.array([[0.0, 0.0], [0.0, 0.0], [0.0, INF]]))],
+        memory_limit=5.0 * gib,
+        memory_base=1.0 * gib,
+    )
+    for options in (EXACT, MIP_ONLY):
+        with pytest.raises(InfeasibleError) as info:
+            solve(p, options)
+        err = info.value
+        assert err.min_memory == pytest.approx(10.0 * gib)
+        assert dict(err.contributors) in (
+            {"embed": 2 * gib, "mlp": 1 * gib, "head": 6 * gib},
+            {"embed": 2 * gib, "mlp": 4 * gib, "head": 3 * gib},
+        )
+        assert err.contributors[0][1] == max(b for _, b in err.contributors)
+        assert "at least 10 GiB" in str(err)
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_random_small_problems_match_brute_force(memory):
+    rng = np.random.default_rng(1 if memory else 0)
+    checked = 0
+    for _ in range(30):
+        p = random_problem(rng, memory=memory)
+        best = brute_force(p)
+        for options in (EXACT, MIP_ONLY, SolverOptions(backend="scip", relative_gap=0.0)):
+            if best is None:
+                with pytest.raises(InfeasibleError):
+                    solve(p, options)
+                continue
+            sol = solve(p, options)
+            assert sol.objective == pytest.approx(best[0], rel=1e-9, abs=1e-12), (options, sol, best)
+            assert p.evaluate(sol.choice)[0] == sol.objective
+            checked += 1
+    assert checked > 40
+
+
+def test_cpsat_matches_brute_force():
+    rng = np.random.default_rng(7)
+    for _ in range(8):
+        p = random_problem(rng, memory=True)
+        best = brute_force(p)
+        if best is None:
+            continue
+        sol = solve(p, SolverOptions(backend="cp-sat", relative_gap=0.0, use_dp=False))
+        assert sol.objective == pytest.approx(best[0], rel=1e-6)
+
+
+def test_dp_equals_mip_on_random_trees():
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        p = random_problem(rng, tree=True)
+        dp = solve(p, EXACT)
+        mip = solve(p, MIP_ONLY)
+        assert dp.backend in ("dp",) and dp.status == "optimal" and dp.gap == 0.0
+        assert dp.objective == pytest.approx(mip.objective, rel=1e-9, abs=1e-12)
+
+
+def test_hint_and_options_are_accepted():
+    rng = np.random.default_rng(5)
+    p = random_problem(rng, memory=True)
+    best = brute_force(p)
+    while best is None:
+        p = random_problem(rng, memory=True)
+        best = brute_force(p)
+    p.hint = list(best[1])
+    for backend in ("highs", "scip", "cp-sat"):
+        sol = solve(p, SolverOptions(backend=backend, seed=3, relative_gap=0.0, presolve=False))
+        assert sol.objective == pytest.approx(best[0], rel=1e-6)
+    with pytest.raises(ValueError, match="backend"):
+        SolverOptions(backend="gurobi")
+
+
+def test_solution_json_round_trip():
+    sol = Solution((0, 2, 1), "feasible", 1.5e-3, 1.2e-3, 0.2, 0.01, "highs", 40, 12)
+    assert Solution.from_json(json.loads(json.dumps(sol.to_json()))) == sol
