@@ -618,7 +618,7 @@ def _run_mathopt(
         threads=None if backend == "highs" else options.threads,
     )
     model_params = model_parameters_pb2.ModelSolveParametersProto()
-    if hint is not None and backend != "highs":
+    if hint is not None:
         sol = model_params.solution_hints.add()
         sol.variable_values.ids.extend(range(mip.num_vars))
         sol.variable_values.values.extend(hint.tolist())

@@ -1,0 +1,32 @@
+"""The one place autopart touches private torch APIs. Each helper names what it wraps; keep this module thin."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def fake_mode_from_tensors(tensors: list[Any]):
+    """The FakeTensorMode that produced ``tensors`` (torch._guards.detect_fake_mode)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(tensors)
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def fake_store():
+    """A store for the ``fake`` process-group backend (torch.testing._internal.distributed.fake_pg)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor without autograd (DTensor._local_tensor)."""
+    return t._local_tensor  # type: ignore[attr-defined]

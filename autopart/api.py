@@ -1,0 +1,118 @@
+"""Orchestration only: trace -> plan -> passes -> runtime."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from autopart.cost import Cluster, preset
+from autopart.plan import Plan
+from autopart.planner import PlanOptions, make_plan, needs_grad_map
+from autopart.runtime.mesh import Mesh
+from autopart.runtime.mesh import mesh as make_mesh
+from autopart.trace import Traced, trace
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(x: str | float | int | None) -> float | None:
+    """``"12GiB"`` -> bytes; numbers pass through."""
+    if x is None or isinstance(x, (int, float)):
+        return x
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", x)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read memory size {x!r}: write a number of bytes or e.g. '12GiB', '80GB'")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _as_mesh(mesh: Mesh | tuple | int) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, (tuple, list, int)):
+        return Mesh(tuple(mesh) if not isinstance(mesh, int) else (mesh,),
+                    tuple(f"axis{i}" for i in range(1 if isinstance(mesh, int) else len(mesh))))
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
+        return Mesh(tuple(mesh.shape), tuple(names), device_mesh=mesh)
+    raise ValueError(f"mesh must be autopart.mesh(...), a DeviceMesh, or a shape tuple; got {type(mesh).__name__}")
+
+
+def _as_cluster(cluster: str | Cluster, m: Mesh) -> Cluster:
+    if isinstance(cluster, Cluster):
+        if tuple(cluster.mesh_shape) != m.shape:
+            cluster = cluster.with_mesh(m.shape)
+        return cluster
+    return preset(cluster, m.shape)
+
+
+def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend) -> PlanOptions:
+    return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=parse_bytes(memory_budget),
+                       time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend)
+
+
+def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
+         cluster: str | Cluster = "cpu", roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
+         memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
+         local_batch: bool = False, backend: str = "auto", traced: Traced | None = None) -> Plan:
+    """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
+    (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: weights replicated); ``pins`` fixes the
+    placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``)."""
+    m = _as_mesh(mesh)
+    c = _as_cluster(cluster, m)
+    t = traced or trace(model, example_inputs, example_kwargs)
+    p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend))
+    p.solver["export_s"] = t.export_seconds
+    return p
+
+
+def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
+                loss_fn: Callable | None = None, plan: Plan | None = None, cluster: str | Cluster = "cpu",
+                roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
+                memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
+                local_batch: bool = False, backend: str = "auto"):
+    """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program.
+
+    Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
+    parameters are broadcast from rank 0 before sharding.
+    """
+    import torch.distributed as dist
+
+    from autopart.passes import run_passes
+    from autopart.runtime.module import ParallelModule
+
+    m = _as_mesh(mesh)
+    if m.device_mesh is None:
+        m = make_mesh(m.shape, m.names)
+        if m.device_mesh is None:
+            raise RuntimeError("parallelize needs a process group: run under torchrun (or init_process_group "
+                               "first); to plan without one, use autopart.plan(...)")
+    if local_batch:
+        raise_if_local_batch_unsupported(example_inputs, example_kwargs)
+    t = trace(model, example_inputs, example_kwargs)
+    if plan is None:
+        text = [None]
+        if dist.get_rank() == 0:
+            text[0] = globals()["plan"](model, m, traced=t, cluster=cluster, roles=roles, pins=pins,
+                                        memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
+                                        local_batch=local_batch, backend=backend).to_json()
+        dist.broadcast_object_list(text, src=0)
+        plan = Plan.from_json(text[0])
+    if tuple(plan.mesh_shape) != m.shape:
+        raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
+    gm = run_passes(t, plan, needs_grad_map(t))
+    out_spec = None
+    return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
+                          user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
+                          out_spec=out_spec, loss_fn=loss_fn, local_batch=local_batch)
+
+
+def raise_if_local_batch_unsupported(example_inputs, example_kwargs) -> None:
+    """With ``local_batch=True`` the example inputs are one rank's slice: planning sees the global batch, so the
+    batch dimension is scaled up by the data-parallel degree in ``parallelize``'s caller; nothing to check here."""
+    return None

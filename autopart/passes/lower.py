@@ -1,0 +1,64 @@
+"""lower: give each decided node the local program its option needs.
+
+Requires: ``annotate`` and ``insert_collectives`` ran. Ensures: size arguments of view/reshape/expand are the
+local shapes; options whose local program is not "the same op on the shard" are replaced: vocab-parallel
+embedding (rows sharded, Partial output), cross-entropy over a sharded batch (sum / global count), mean over a
+sharded dimension (divided by the axis size, Partial).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopart.placement import Partial, Shard, local_shape
+from autopart.runtime import collectives as C
+
+aten = torch.ops.aten
+_SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+
+
+def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModule, bool]:
+    graph = gm.graph
+    changed = False
+    for node in list(graph.nodes):
+        out = node.meta.get("autopart.output")
+        ins = node.meta.get("autopart.inputs")
+        if node.op != "call_function" or out is None or ins is None:
+            continue
+        val = node.meta.get("val")
+        if node.target in _SIZE_ARG_OPS:
+            loc = list(local_shape(tuple(val.shape), out, mesh_shape))
+            node.args = (node.args[0], loc) + tuple(node.args[2:])
+            changed = True
+        elif node.target == aten.embedding.default:
+            w_spec = ins[0] if node.args[0] is node.all_input_nodes[0] else ins[1]
+            vocab_axes = [i for i, p in enumerate(w_spec) if p == Shard(0)]
+            if vocab_axes:
+                extra = tuple(node.args[2:])
+                node.target = C.vocab_parallel_embedding
+                node.args = (node.args[0], node.args[1], vocab_axes[0]) + extra
+                changed = True
+        elif node.target == aten.cross_entropy_loss.default and isinstance(out, tuple) and \
+                any(isinstance(p, Partial) for p in out):
+            axes = tuple(i for i, p in enumerate(out) if isinstance(p, Partial))
+            args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
+            reduction = node.kwargs.get("reduction", args[3])
+            ignore = node.kwargs.get("ignore_index", args[4])
+            node.target = C.sharded_cross_entropy
+            node.args = (args[0], args[1], axes, None, reduction, ignore, 0.0)
+            node.kwargs = {}
+            changed = True
+        elif node.target in (aten.mean.dim, aten.mean.default):
+            x_spec = ins[0]
+            n = 1
+            for i, (a, b) in enumerate(zip(x_spec, out)):
+                if isinstance(a, Shard) and isinstance(b, Partial):
+                    n *= mesh_shape[i]
+            if n > 1:
+                with graph.inserting_after(node):
+                    div = graph.call_function(aten.div.Tensor, (node, float(n)))
+                node.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+                div.meta.update({k: v for k, v in node.meta.items() if k.startswith("autopart.output") or k == "val"})
+                changed = True
+    return gm, changed

@@ -1,0 +1,219 @@
+"""The Plan: the contract between planning and running.
+
+A versioned, JSON-serialisable record of the mesh, the cluster, every decision with its predicted cost, and a
+fingerprint of the graph it was made for. It prints as a per-layer table, explains any decision beside its
+alternatives, diffs against another plan, and loads without executing code (plain JSON, no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PLAN_VERSION = 1
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+@dataclass
+class Plan:
+    fingerprint: str
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    cluster: dict
+    options: dict
+    nodes: dict[str, dict]  # node name -> {"op", "inputs", "output", "layer", "group"}
+    params: dict[str, str]  # parameter FQN -> spec
+    inputs: dict[str, str]  # user input placeholder -> spec
+    outputs: dict[str, str]  # output node -> spec before the final gather
+    reduced: dict[str, list[int]]  # parameter FQN -> mesh axes its gradient is summed over after backward
+    collectives: list[dict]
+    alternatives: dict[str, dict]
+    solver: dict
+    predicted: dict
+    unsupported_ops: list[str] = field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    # ---- serialisation -------------------------------------------------------------------------------------
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(asdict(self), indent=indent, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        data = json.loads(text)
+        if data.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {data.get('version')} is not supported by this autopart "
+                             f"(expects {PLAN_VERSION}); re-plan the model with this version")
+        data["mesh_shape"] = tuple(data["mesh_shape"])
+        data["axis_names"] = tuple(data["axis_names"])
+        return Plan(**data)
+
+    def save(self, path: str) -> None:
+        import os
+
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(self.to_json(indent=1))
+        os.replace(tmp, path)
+
+    @staticmethod
+    def load(path: str) -> Plan:
+        with open(path) as f:
+            return Plan.from_json(f.read())
+
+    # ---- queries -------------------------------------------------------------------------------------------
+    def axis_role(self, axis: int) -> str:
+        """What the solver made of a mesh axis: 'data' (batch sharded), 'tensor' (weights sharded), both, or idle."""
+        p_shard = any(spec_axis(s, axis).startswith("S") for s in self.params.values())
+        i_shard = any(spec_axis(s, axis).startswith("S") for s in self.inputs.values())
+        return {(True, True): "data+tensor", (True, False): "tensor", (False, True): "data"}.get(
+            (p_shard, i_shard), "replicated")
+
+    def collective_counts(self, layer: str | None = None, direction: str = "fwd") -> Counter:
+        """Counter of (kind, axis name) over edges (optionally of one layer), forward or backward."""
+        c: Counter = Counter()
+        for rec in self.collectives:
+            if layer is not None and rec["layer"] != layer:
+                continue
+            for axis, fwd, bwd in rec["steps"]:
+                kind = fwd if direction == "fwd" else bwd
+                if kind not in ("none", "shard", "mask"):
+                    c[(kind, self.axis_names[axis])] += 1
+        return c
+
+    def layers(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for rec in self.nodes.values():
+            seen.setdefault(rec["layer"], None)
+        return list(seen)
+
+    # ---- printing ------------------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
+        roles = ", ".join(f"{n}: {self.axis_role(i)}" for i, n in enumerate(self.axis_names))
+        pred, sol = self.predicted, self.solver
+        lines = [
+            f"autopart plan  mesh {mesh}  on {self.cluster.get('name')}  (graph {self.fingerprint})",
+            f"axes: {roles}",
+            f"predicted step {_fmt_time(pred['step_time_s'])} = compute {_fmt_time(pred['compute_s'])} + comm "
+            f"{_fmt_time(pred['comm_s'])};  memory/device "
+            + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in pred["memory_bytes"].items()),
+            f"solver {sol.get('backend')} {sol.get('status')}: objective {_fmt_time(sol.get('objective', 0))}, "
+            f"bound {_fmt_time(sol.get('bound', 0))}, gap {sol.get('gap', 0):.2%}, {sol.get('wall_time_s', 0):.2f} s, "
+            f"{sol.get('groups')} decision groups ({sol.get('graph_nodes')} nodes, {sol.get('tied_layers')} tied "
+            f"layers), {sol.get('num_variables')} variables",
+            "",
+        ]
+        by_layer: dict[str, list[str]] = defaultdict(list)
+        for fqn, spec in self.params.items():
+            by_layer[_param_layer(fqn)].append(f"{fqn.split('.', 2)[-1] if _param_layer(fqn) else fqn}={spec}")
+        acts: dict[str, list[str]] = defaultdict(list)
+        for name, rec in self.nodes.items():
+            if any(k in rec["op"] for k in ("linear", "addmm", "scaled_dot_product", "embedding", "cross_entropy",
+                                            "layer_norm", "mm.default")):
+                out = rec["output"] if isinstance(rec["output"], str) else ",".join(rec["output"])
+                acts[rec["layer"]].append(f"{name}:{out}")
+        header = f"{'layer':<14} {'weights':<60} {'activations':<48} {'collectives fwd (bwd)':<30}"
+        lines.append(header)
+        lines.append("-" * len(header))
+        for layer in self.layers():
+            fwd, bwd = self.collective_counts(layer, "fwd"), self.collective_counts(layer, "bwd")
+            coll = ", ".join(f"{k}@{a}x{v}" for (k, a), v in sorted(fwd.items())) or "-"
+            coll += " (" + (", ".join(f"{k}@{a}x{v}" for (k, a), v in sorted(bwd.items())) or "-") + ")"
+            w = " ".join(by_layer.get(layer, [])) or "-"
+            a = " ".join(acts.get(layer, [])) or "-"
+            lines.append(f"{layer or '(top)':<14} {_clip(w, 60):<60} {_clip(a, 48):<48} {coll}")
+        if self.reduced:
+            axes = Counter(tuple(self.axis_names[i] for i in v) for v in self.reduced.values())
+            lines.append("")
+            lines.append("gradient reduction after backward (bucketed): " + ", ".join(
+                f"{n} parameters over {'+'.join(k)}" for k, n in axes.items()))
+        if self.unsupported_ops:
+            lines.append("ops without a sharding rule (replicated): " + ", ".join(self.unsupported_ops))
+        return "\n".join(lines)
+
+    def explain(self, node: str) -> str:
+        """The option chosen for ``node`` (graph node name or parameter FQN) beside its alternatives and costs."""
+        name = node
+        if node in self.params:
+            name = next((n for n, r in self.nodes.items() if r["op"] == "param" and _fqn_match(n, node)), node)
+        if name not in self.nodes:
+            close = [n for n in self.nodes if node.replace(".", "_") in n][:5]
+            raise ValueError(f"no node or parameter {node!r} in this plan" + (f"; did you mean {close}?" if close
+                                                                            else ""))
+        rec = self.nodes[name]
+        alt = self.alternatives[str(rec["group"])]
+        members = alt["members"]
+        lines = [f"{name}  ({rec['op']}, layer {rec['layer'] or '-'}; decided together with {len(members)} "
+                 f"tied node(s))", f"chosen: {alt['options'][alt['chosen']]}", "",
+                 f"{'option (inputs -> output)':<50} {'cost (sum over tied)':>20} {'memory/device':>16}"]
+        order = sorted(range(len(alt["options"])), key=lambda i: alt["cost_s"][i])
+        for i in order:
+            mark = "*" if i == alt["chosen"] else " "
+            lines.append(f"{mark}{alt['options'][i]:<49} {_fmt_time(alt['cost_s'][i]):>20} "
+                         f"{_fmt_bytes(alt['memory_bytes'][i]):>16}")
+        edges = [c for c in self.collectives if c["user"] == name or c["value"] == name]
+        if edges:
+            lines.append("")
+            lines.append("conversions on its edges (axis: forward / backward):")
+            for c in edges:
+                steps = "; ".join(f"{self.axis_names[a]}: {f} / {b}" for a, f, b in c["steps"])
+                lines.append(f"  {c['value']} -> {c['user']}: {steps}  ({_fmt_time(c['time_s'])})")
+        lines.append("")
+        lines.append("costs are node costs (compute, output gathers) summed over tied layers; edge conversions are "
+                     "priced separately and shared with the neighbours")
+        return "\n".join(lines)
+
+    def diff(self, other: Plan) -> str:
+        """Parameters and nodes whose placement differs between two plans of the same graph."""
+        lines = []
+        if self.fingerprint != other.fingerprint:
+            lines.append(f"graphs differ ({self.fingerprint} vs {other.fingerprint})")
+        for fqn in sorted(set(self.params) | set(other.params)):
+            a, b = self.params.get(fqn), other.params.get(fqn)
+            if a != b:
+                lines.append(f"param {fqn}: {a} -> {b}")
+        for n in self.nodes:
+            if n in other.nodes and self.nodes[n]["output"] != other.nodes[n]["output"]:
+                lines.append(f"node {n}: {self.nodes[n]['output']} -> {other.nodes[n]['output']}")
+        a, b = self.predicted["step_time_s"], other.predicted["step_time_s"]
+        lines.append(f"predicted step {_fmt_time(a)} -> {_fmt_time(b)}")
+        return "\n".join(lines)
+
+
+def spec_axis(spec: str, axis: int) -> str:
+    from autopart.placement import parse_spec
+
+    return str(parse_spec(spec)[axis])
+
+
+def _param_layer(fqn: str) -> str:
+    import re
+
+    m = re.match(r"^(.*?)\.(\d+)(?:\.|$)", fqn)
+    return f"{m.group(1)}.{m.group(2)}" if m else ""
+
+
+def _fqn_match(node_name: str, fqn: str) -> bool:
+    return node_name == "p_" + fqn.replace(".", "_")
+
+
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+

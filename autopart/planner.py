@@ -1,0 +1,639 @@
+"""From a traced graph to a Plan: list options, price them, tie repeated layers, solve, record.
+
+Pricing conventions (the runtime's ``autopart.passes.collectives`` implements exactly these):
+
+* a node's option is *split* on mesh axis ``i`` when any of its input or output placements there is not
+  ``Replicate``; its compute (forward + backward roofline) divides by the size of every split axis;
+* an edge converts the producer's output placement into the consumer's input placement axis by axis; a
+  value's gradient has the dual placement (``Shard`` -> ``Shard``, ``Partial`` -> ``Replicate``, ``Replicate`` ->
+  ``Replicate``), so each conversion has a forward and a backward collective:
+
+  ====================  ==================  ===========================================================
+  conversion            forward             backward (only if the value needs a gradient)
+  ====================  ==================  ===========================================================
+  R -> R, split user    none                all-reduce (the user's local backward gives addends)
+  S(d) -> R             all-gather          reduce-scatter if the user is split, else take own shard
+  P -> R                all-reduce          all-reduce if the user is split, else none
+  R -> S(d)             take own shard      all-gather
+  P -> S(d)             reduce-scatter      all-gather
+  S(d) -> S(e)          all-to-all          all-to-all
+  R -> P                keep on rank 0      none
+  S -> P                forbidden
+  ====================  ==================  ===========================================================
+
+* parameters whose every use needs the "R -> R, split user" backward all-reduce on an axis skip it there and are
+  reduced after backward in buckets instead (data-parallel gradient reduction), priced the same way.
+* memory per device: parameters + gradients + optimizer states (Adam: 2 states of the parameter's dtype... taken
+  as ``optimizer_bytes_per_param``) for the local shard, plus the local bytes of every activation kept for
+  backward.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopart.cost import Cluster, Link, collective_time, node_bytes, node_flops, backward_flops, roofline_time
+from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
+from autopart.strategy import OpOption, options_for, tensor_inputs
+from autopart.trace import Traced
+
+aten = torch.ops.aten
+_VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.t.default,
+             aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.alias.default,
+             aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.chunk.default, aten.contiguous.default}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the user pins and how hard the solver works."""
+
+    roles: dict[str, str] = field(default_factory=dict)  # mesh axis name -> "dp" | "tp"
+    pins: dict[str, str] = field(default_factory=dict)  # parameter FQN or node name -> spec string ("S(0)R")
+    memory_limit: float | None = None  # bytes per device; None = the cluster's budget
+    time_limit_s: float = 30.0
+    seed: int = 0
+    backend: str = "auto"
+    optimizer_bytes_per_param: float = 8.0  # Adam: two fp32 states per fp32 parameter
+    local_batch: bool = False  # each rank passes only its own data-parallel slice of the inputs
+    tie_layers: bool = True
+
+    def __post_init__(self) -> None:
+        for axis, role in self.roles.items():
+            if role not in ("dp", "tp"):
+                raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp'")
+
+
+def value_of(node: fx.Node) -> Any:
+    return node.meta.get("val")
+
+
+def tensor_bytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
+    f = 1
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            f *= n
+    return tensor_bytes(val.shape, val.dtype) / f
+
+
+def is_split(option: OpOption, axis: int) -> bool:
+    outs = option.output if option.output and isinstance(option.output[0], tuple) else (option.output,)
+    return any(not isinstance(s[axis], Replicate) for s in option.inputs) or \
+        any(not isinstance(o[axis], Replicate) for o in outs)
+
+
+def output_spec(option: OpOption, index: int | None):
+    return option.output[index] if index is not None else option.output
+
+
+@dataclass(frozen=True)
+class Step:
+    """One axis of a conversion: forward collective and the backward collective autograd will run."""
+
+    axis: int
+    src: Any
+    dst: Any
+    fwd: str  # "none" | "all_gather" | "all_reduce" | "shard" | "reduce_scatter" | "all_to_all" | "mask"
+    bwd: str  # "none" | "all_reduce" | "reduce_scatter" | "shard" | "all_gather" | "all_to_all"
+
+
+def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape,
+                     param_reduced: tuple[bool, ...] = ()) -> list[Step] | None:
+    """The per-axis steps converting ``src`` to ``dst`` (None if impossible); see the module docstring table."""
+    steps = []
+    for i, n in enumerate(mesh_shape):
+        a, b = src[i], dst[i]
+        if n == 1:
+            continue
+        g = needs_grad
+        if a == b:
+            if isinstance(a, Replicate) and split[i] and g and not (param_reduced and param_reduced[i]):
+                steps.append(Step(i, a, b, "none", "all_reduce"))
+            continue
+        if isinstance(b, Replicate):
+            if isinstance(a, Shard):
+                steps.append(Step(i, a, b, "all_gather", ("reduce_scatter" if split[i] else "shard") if g else "none"))
+            else:
+                steps.append(Step(i, a, b, "all_reduce", "all_reduce" if g and split[i] else "none"))
+        elif isinstance(b, Shard):
+            if isinstance(a, Replicate):
+                steps.append(Step(i, a, b, "shard", "all_gather" if g else "none"))
+            elif isinstance(a, Partial):
+                steps.append(Step(i, a, b, "reduce_scatter", "all_gather" if g else "none"))
+            else:
+                steps.append(Step(i, a, b, "all_to_all", "all_to_all" if g else "none"))
+        else:
+            if isinstance(a, Shard):
+                return None
+            steps.append(Step(i, a, b, "mask", "none"))
+    return steps
+
+
+_COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
+              "all_to_all": "all_to_all"}
+
+
+def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
+                    param_reduced: tuple[bool, ...] = (), bucketed: bool = False) -> float:
+    """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
+    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency)."""
+    mesh = cluster.mesh_shape
+    steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
+    if steps is None:
+        return math.inf
+    total = 0.0
+    cur = list(src)
+    for st in steps:
+        full = list(cur)
+        full[st.axis] = Replicate()
+        nbytes = _local_bytes(val, full, mesh)
+        for kind in (st.fwd, st.bwd):
+            if kind in _COMM_KIND:
+                link = cluster.link(st.axis)
+                if bucketed and st.fwd == "none":
+                    link = Link(0.0, link.beta)
+                total += collective_time(_COMM_KIND[kind], nbytes, mesh[st.axis], link)
+        cur[st.axis] = st.dst
+    return total
+
+
+@dataclass
+class Graphinfo:
+    """Per node: options, whether real rules made them, whether its value needs a gradient, its layer."""
+
+    nodes: list[fx.Node]
+    options: dict[str, list[OpOption]]
+    known: dict[str, bool]
+    needs_grad: dict[str, bool]
+    layer: dict[str, str]
+    kind: dict[str, str]  # "param" | "buffer" | "input" | "constant" | "op"
+
+
+_LAYER_RE = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def _layer_of(node: fx.Node, traced: Traced) -> str:
+    if node.op == "placeholder":
+        fqn = traced.params.get(node.name) or traced.buffers.get(node.name) or ""
+        m = _LAYER_RE.match(fqn)
+        return f"{m.group(1)}.{m.group(2)}" if m else ""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        m = _LAYER_RE.match(path.replace("L['self'].", "").replace("L__self__.", ""))
+        if m:
+            return f"{m.group(1)}.{m.group(2)}"
+    return ""
+
+
+def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]:
+    val = value_of(node)
+    per_axis = []
+    for n in mesh_shape:
+        choices = [Replicate()]
+        if kind in ("param", "input") and n > 1:
+            choices += [Shard(d) for d in range(val.dim()) if val.shape[d] % n == 0 and val.shape[d] >= n]
+        per_axis.append(choices)
+    import itertools
+
+    out = []
+    for combo in itertools.product(*per_axis):
+        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            continue
+        out.append(OpOption((), tuple(combo)))
+    return out
+
+
+def analyze(traced: Traced, mesh_shape: tuple[int, ...]) -> Graphinfo:
+    nodes, options, known, needs_grad, layer, kind = [], {}, {}, {}, {}, {}
+    for node in traced.graph.nodes:
+        val = value_of(node)
+        if node.op == "placeholder":
+            k = ("param" if node.name in traced.params else "buffer" if node.name in traced.buffers
+                 else "constant" if node.name in traced.constants else "input")
+            if not isinstance(val, torch.Tensor):
+                continue
+            kind[node.name] = k
+            options[node.name] = _placeholder_options(node, k, mesh_shape)
+            known[node.name] = True
+            needs_grad[node.name] = k == "param" and val.dtype.is_floating_point
+        elif node.op == "call_function":
+            if node.target.__name__ == "getitem" if hasattr(node.target, "__name__") else False:
+                continue
+            if not isinstance(val, torch.Tensor) and not (
+                    isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val)):
+                continue
+            kind[node.name] = "op"
+            options[node.name], known[node.name] = options_for(node, mesh_shape)
+            floaty = any(v.dtype.is_floating_point for v in (val if isinstance(val, (tuple, list)) else [val]))
+            needs_grad[node.name] = floaty and any(needs_grad.get(_producer(a)[0].name, False)
+                                                   for a in tensor_inputs(node))
+        else:
+            continue
+        nodes.append(node)
+        layer[node.name] = _layer_of(node, traced)
+    return Graphinfo(nodes, options, known, needs_grad, layer, kind)
+
+
+def needs_grad_map(traced: Traced) -> dict[str, bool]:
+    """Which nodes' values need a gradient: float values downstream of a floating-point parameter."""
+    out: dict[str, bool] = {}
+    for node in traced.graph.nodes:
+        val = value_of(node)
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        floaty = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
+        if node.op == "placeholder":
+            out[node.name] = node.name in traced.params and floaty
+        elif node.op == "call_function":
+            out[node.name] = floaty and any(out.get(a.name, False) for a in node.all_input_nodes)
+    return out
+
+
+def _producer(a: fx.Node) -> tuple[fx.Node, int | None]:
+    """Resolve ``getitem(multi_output_node, i)`` to its producer and index."""
+    if a.op == "call_function" and getattr(a.target, "__name__", "") == "getitem":
+        return a.args[0], a.args[1]
+    return a, None
+
+
+def param_reduced_axes(node: fx.Node, chosen: dict[str, OpOption], info: Graphinfo, mesh_shape) -> tuple[bool, ...]:
+    """Axes on which a parameter's every use adds up gradients across ranks (reduced after backward)."""
+    spec = chosen[node.name].output
+    out = []
+    for i, n in enumerate(mesh_shape):
+        ok = n > 1 and isinstance(spec[i], Replicate) and info.needs_grad.get(node.name, False)
+        for user in node.users:
+            if not ok:
+                break
+            uopt = chosen.get(user.name)
+            if uopt is None:
+                ok = False
+                break
+            j = tensor_inputs(user).index(node)
+            ok = isinstance(uopt.inputs[j][i], Replicate) and is_split(uopt, i)
+        out.append(ok)
+    return tuple(out)
+def _fx_vals(x: Any) -> Any:
+    return torch.utils._pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, x)
+
+
+def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int, str], traced: Traced,
+                 info: Graphinfo) -> list[OpOption]:
+    if not roles:
+        return opts
+    val = value_of(node)
+    keep = []
+    for o in opts:
+        ok = True
+        for axis, role in roles.items():
+            if kind == "param":
+                p = o.output[axis]
+                if role == "dp" and not isinstance(p, Replicate):
+                    ok = False
+                if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any(
+                        isinstance(q.output[axis], Shard) for q in opts):
+                    ok = False
+            if kind == "input" and role == "tp" and not isinstance(o.output[axis], Replicate):
+                ok = False
+            if kind == "input" and role == "dp" and val.dim() > 0 and val.shape[0] % len(opts) >= 0 and any(
+                    q.output[axis] == Shard(0) for q in opts) and o.output[axis] != Shard(0):
+                ok = False
+        if ok:
+            keep.append(o)
+    return keep
+
+
+def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
+    spec = parse_spec(pin)
+    keep = [o for o in opts if (o.output if not (o.output and isinstance(o.output[0], tuple)) else o.output[0]) == spec]
+    if not keep:
+        raise ValueError(f"pin {name}={pin!r} is not a legal placement here; legal output specs: "
+                         f"{sorted({spec_str(o.output) for o in opts if not isinstance(o.output[0], tuple)})}")
+    return keep
+
+
+@dataclass
+class Problem:
+    """The planner's view before solving: groups of tied nodes and their priced options."""
+
+    info: Graphinfo
+    groups: list[list[str]]
+    group_of: dict[str, int]
+    node_cost: list[np.ndarray]
+    compute_cost: list[np.ndarray]
+    node_memory: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    tied_layers: int
+
+
+def _tie_groups(info: Graphinfo, enabled: bool) -> tuple[list[list[str]], dict[str, int], int]:
+    """Group nodes of structurally identical repeated layers (``blocks.0`` ~ ``blocks.1`` ~ ...)."""
+    by_layer: dict[str, list[fx.Node]] = defaultdict(list)
+    for n in info.nodes:
+        if info.layer[n.name]:
+            by_layer[info.layer[n.name]].append(n)
+    tied: dict[str, int] = {}
+    groups: list[list[str]] = []
+    layers = 0
+    if enabled:
+        families: dict[str, list[str]] = defaultdict(list)
+        for lay in by_layer:
+            families[lay.rsplit(".", 1)[0]].append(lay)
+
+        def sig(n: fx.Node):
+            v = value_of(n)
+            shp = tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(tuple(x.shape) for x in v)
+            return (n.op, str(n.target) if n.op != "placeholder" else info.kind[n.name], shp,
+                    len(info.options[n.name]))
+
+        for fam, lays in families.items():
+            seqs = [[sig(n) for n in by_layer[lay]] for lay in lays]
+            if len(lays) < 2 or any(s != seqs[0] for s in seqs):
+                continue
+            layers = max(layers, len(lays))
+            for j in range(len(seqs[0])):
+                gid = len(groups)
+                groups.append([by_layer[lay][j].name for lay in lays])
+                for name in groups[-1]:
+                    tied[name] = gid
+    for n in info.nodes:
+        if n.name not in tied:
+            tied[n.name] = len(groups)
+            groups.append([n.name])
+    return groups, tied, layers
+
+
+def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions) -> Problem:
+    mesh = cluster.mesh_shape
+    info = analyze(traced, mesh)
+    roles = {}
+    for name, role in opts.roles.items():
+        if name not in axis_names:
+            raise ValueError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
+        roles[axis_names.index(name)] = role
+    fqn_to_node = {fqn: n for n, fqn in traced.params.items()}
+    for fqn, others in traced.aliases.items():
+        for o in others:
+            fqn_to_node.setdefault(o, next(n for n, f in traced.params.items() if f == fqn))
+    for key, pin in opts.pins.items():
+        name = fqn_to_node.get(key, key)
+        if name not in info.options:
+            raise ValueError(f"pin for {key!r}: no parameter or graph node has that name")
+        info.options[name] = _pin_filter(key, info.options[name], pin)
+    for n in info.nodes:
+        info.options[n.name] = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info) \
+            or info.options[n.name]
+    if opts.local_batch:
+        dp_axes = [i for i, r in roles.items() if r == "dp"] or list(range(len(mesh)))
+        for n in info.nodes:
+            if info.kind[n.name] == "input" and value_of(n).dim() > 0:
+                keep = [o for o in info.options[n.name]
+                        if all(o.output[i] == Shard(0) for i in dp_axes)]
+                if not keep:
+                    raise ValueError(f"local_batch=True needs input {n.name} (shape {tuple(value_of(n).shape)}) "
+                                     f"sharded on dim 0 over axes {dp_axes}, which its size does not allow")
+                info.options[n.name] = keep
+    groups, group_of, tied_layers = _tie_groups(info, opts.tie_layers)
+    device = cluster.device
+    node_cost, compute_cost, node_memory = [], [], []
+    cache: dict = {}
+    out_nodes = set()
+    for o in traced.graph.find_nodes(op="output"):
+        for a in torch.utils._pytree.tree_leaves(o.args):
+            if isinstance(a, fx.Node):
+                out_nodes.add(_producer(a))
+    for members in groups:
+        rep = next(n for n in info.nodes if n.name == members[0]) if len(members) == 1 else None
+        rep = rep or _node_by_name(traced, members[0])
+        k = len(members)
+        opts_r = info.options[rep.name]
+        comp = np.zeros(len(opts_r))
+        mem = np.zeros(len(opts_r))
+        val = value_of(rep)
+        if info.kind[rep.name] == "op":
+            flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
+            nbytes = node_bytes(_fx_vals(list(rep.args) + list(rep.kwargs.values())), val)
+            g = info.needs_grad[rep.name]
+            tflops = flops + (backward_flops(rep.target, flops) if g else 0)
+            tbytes = nbytes * (3 if g else 1)
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            for a, o in enumerate(opts_r):
+                f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
+                comp[a] = roofline_time(tflops / f, tbytes / f, device)
+                if g and rep.target not in _VIEW_OPS:
+                    outs = o.output if isinstance(o.output[0], tuple) else (o.output,)
+                    mem[a] = sum(_local_bytes(v, s, mesh) for v, s in zip(vals, outs))
+        elif info.kind[rep.name] == "param":
+            per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
+            for a, o in enumerate(opts_r):
+                mem[a] = _local_bytes(val, o.output, mesh) * per
+        elif info.kind[rep.name] in ("buffer", "constant"):
+            for a, o in enumerate(opts_r):
+                mem[a] = _local_bytes(val, o.output, mesh)
+        cost = comp.copy()
+        for name in members:
+            for prod, idx in out_nodes:
+                if prod.name == name:
+                    v = value_of(prod) if idx is None else value_of(prod)[idx]
+                    rr = tuple(Replicate() for _ in mesh)
+                    for a, o in enumerate(opts_r):
+                        cost[a] += transition_time(v, output_spec(o, idx), rr, (False,) * len(mesh), False, cluster)
+        node_cost.append(cost * k if len(members) > 1 else cost)
+        compute_cost.append(comp * k)
+        node_memory.append(mem * k)
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    for v in info.nodes:
+        if info.kind[v.name] != "op":
+            continue
+        vopts = info.options[v.name]
+        for j, a in enumerate(tensor_inputs(v)):
+            u, idx = _producer(a)
+            if u.name not in info.options:
+                continue
+            gu, gv = group_of[u.name], group_of[v.name]
+            key = (gu, gv)
+            if key in edges and (len(groups[gu]) > 1 or len(groups[gv]) > 1) and v.name != groups[gv][0]:
+                continue  # tied: priced once on the representative, scaled by the layer count
+            val = value_of(a)
+            uopts = info.options[u.name]
+            g = info.needs_grad[u.name]
+            fixed_axes = [i for i, r in roles.items() if r == "tp"] if info.kind[u.name] == "param" else \
+                [i for i, r in roles.items() if r == "dp"] if info.kind[u.name] == "input" else []
+            bucketed = info.kind[u.name] == "param"
+            mat = np.zeros((len(uopts), len(vopts)))
+            for bi, bo in enumerate(vopts):
+                dst = bo.inputs[j]
+                split = tuple(is_split(bo, i) for i in range(len(mesh)))
+                for ai, ao in enumerate(uopts):
+                    src = output_spec(ao, idx)
+                    ck = (tuple(val.shape), val.dtype, src, dst, split, g, bucketed)
+                    t = cache.get(ck)
+                    if t is None:
+                        t = cache[ck] = transition_time(val, src, dst, split, g, cluster, bucketed=bucketed)
+                    if any(isinstance(src[i], Shard) and src[i] != dst[i] for i in fixed_axes):
+                        t = math.inf  # tp axis: weights stay sharded in use; dp axis: the batch stays sharded
+                    mat[ai, bi] = t
+            scale = len(groups[gv]) if len(groups[gv]) > 1 else 1
+            edges[key] = edges.get(key, 0) + mat * scale
+    return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers)
+
+
+def _node_by_name(traced: Traced, name: str) -> fx.Node:
+    for n in traced.graph.nodes:
+        if n.name == name:
+            return n
+    raise KeyError(name)
+
+
+def _outs(o: OpOption) -> tuple:
+    return o.output if o.output and isinstance(o.output[0], tuple) else (o.output,)
+
+
+def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
+    """Price every option, solve, and return the ``Plan`` (raises ``ValueError`` if no plan fits)."""
+    from autopart.plan import Plan
+    from autopart.solver import InfeasibleError, SolverOptions, solve
+    from autopart.solver import Problem as IlpProblem
+
+    timings = {}
+    t0 = time.perf_counter()
+    prob = build_problem(traced, cluster, axis_names, opts)
+    timings["strategies_and_costs_s"] = time.perf_counter() - t0
+    info, groups = prob.info, prob.groups
+    names = [",".join(g[:2]) + (f",+{len(g) - 2}" if len(g) > 2 else "") for g in groups]
+    limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
+    edge_list = [(u, v, m) for (u, v), m in prob.edges.items() if u != v]
+    node_cost = [c.copy() for c in prob.node_cost]
+    for (u, v), m in prob.edges.items():
+        if u == v:  # an edge between two members of one tied group: both ends take the same option
+            node_cost[u] = node_cost[u] + np.diag(m)
+    ilp = IlpProblem(names=names, node_cost=node_cost, node_memory=prob.node_memory, edges=edge_list,
+                     memory_limit=float(limit))
+    t0 = time.perf_counter()
+    try:
+        sol = solve(ilp, SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend))
+    except InfeasibleError as exc:
+        contrib = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in exc.contributors)
+        raise ValueError(
+            f"no plan fits in {limit / 2**30:.2f} GiB per device on {cluster.name} mesh {cluster.mesh_shape}: the "
+            f"smallest per-device memory any plan needs is {exc.min_memory / 2**30:.2f} GiB (largest contributors: "
+            f"{contrib}). Raise memory_budget to at least {exc.min_memory / 2**30:.2f} GiB, use more devices, or "
+            f"shard more (later: ZeRO, activation checkpointing)."
+        ) from exc
+    timings["solve_s"] = time.perf_counter() - t0
+    chosen: dict[str, OpOption] = {}
+    for gid, members in enumerate(groups):
+        for name in members:
+            chosen[name] = info.options[name][sol.choice[gid]]
+    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings)
+
+
+def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings):
+    from autopart.plan import Plan
+
+    info, mesh = prob.info, cluster.mesh_shape
+    nodes, params, inputs, reduced = {}, {}, {}, {}
+    compute = 0.0
+    memory = defaultdict(float)
+    for gid, members in enumerate(prob.groups):
+        a = sol.choice[gid]
+        compute += float(prob.compute_cost[gid][a])
+        kind = info.kind[members[0]]
+        bucket = {"param": "model_states", "op": "activations"}.get(kind, "buffers")
+        memory[bucket] += float(prob.node_memory[gid][a])
+    node_by_name = {n.name: n for n in info.nodes}
+    comm_total = 0.0
+    collectives = []
+    for n in info.nodes:
+        o = chosen[n.name]
+        rec = {"op": str(n.target) if n.op == "call_function" else info.kind[n.name],
+               "inputs": [spec_str(s) for s in o.inputs],
+               "output": [spec_str(s) for s in _outs(o)] if isinstance(o.output[0], tuple) else spec_str(o.output),
+               "layer": info.layer[n.name], "group": prob.group_of[n.name]}
+        nodes[n.name] = rec
+        if info.kind[n.name] == "param":
+            fqn = traced.params[n.name]
+            params[fqn] = spec_str(o.output)
+            for alias in traced.aliases.get(fqn, []):
+                params[alias] = spec_str(o.output)
+            axes = param_reduced_axes(n, chosen, info, mesh)
+            if any(axes):
+                reduced[fqn] = [i for i, x in enumerate(axes) if x]
+        elif info.kind[n.name] == "input":
+            inputs[n.name] = spec_str(o.output)
+        if info.kind[n.name] != "op":
+            continue
+        split = tuple(is_split(o, i) for i in range(len(mesh)))
+        for j, a in enumerate(tensor_inputs(n)):
+            u, idx = _producer(a)
+            if u.name not in chosen:
+                continue
+            src = output_spec(chosen[u.name], idx)
+            pr = param_reduced_axes(u, chosen, info, mesh) if info.kind[u.name] == "param" else ()
+            steps = conversion_steps(src, o.inputs[j], split, info.needs_grad[u.name], mesh, pr)
+            t = transition_time(value_of(a), src, o.inputs[j], split, info.needs_grad[u.name], cluster, pr)
+            comm_total += t
+            if steps:
+                collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
+                                    "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t})
+    # gradient reduction of parameters after backward (priced as all-reduce per reduced axis)
+    from autopart.cost import collective_time
+
+    buckets: dict[tuple[int, ...], float] = defaultdict(float)
+    for fqn, axes in reduced.items():
+        pname = next(k for k, v in traced.params.items() if v == fqn)
+        buckets[tuple(axes)] += _local_bytes(value_of(node_by_name[pname]), parse_spec(params[fqn]), mesh)
+    for axes, nbytes in buckets.items():
+        for i in axes:
+            comm_total += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+    out_specs = {}
+    for o in traced.graph.find_nodes(op="output"):
+        for a in torch.utils._pytree.tree_leaves(o.args):
+            if isinstance(a, fx.Node):
+                u, idx = _producer(a)
+                if u.name in chosen:
+                    out_specs[a.name] = spec_str(output_spec(chosen[u.name], idx))
+    alternatives = {}
+    for gid, members in enumerate(prob.groups):
+        opts_r = info.options[members[0]]
+        alternatives[str(gid)] = {
+            "members": members,
+            "options": [str(o) for o in opts_r],
+            "cost_s": [float(x) for x in prob.node_cost[gid]],
+            "memory_bytes": [float(x) for x in prob.node_memory[gid]],
+            "chosen": int(sol.choice[gid]),
+        }
+    unsupported = sorted({str(n.target) for n in info.nodes if not info.known[n.name]})
+    memory["total"] = sum(memory.values())
+    return Plan(
+        fingerprint=traced.fingerprint,
+        mesh_shape=tuple(mesh),
+        axis_names=tuple(axis_names),
+        cluster=cluster.to_json(),
+        options={"roles": dict(opts.roles), "pins": dict(opts.pins), "local_batch": opts.local_batch,
+                 "memory_limit": limit},
+        nodes=nodes,
+        params=params,
+        inputs=inputs,
+        outputs=out_specs,
+        reduced=reduced,
+        collectives=collectives,
+        alternatives=alternatives,
+        solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
+                                "graph_nodes": len(info.nodes)} | timings,
+        predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
+                   "memory_bytes": dict(memory)},
+        unsupported_ops=unsupported,
+    )

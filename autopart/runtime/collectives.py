@@ -1,0 +1,213 @@
+"""Autograd-aware collectives on one mesh axis, the targets the collectives pass writes into per-rank graphs.
+
+Each forward collective has the backward that keeps gradients in the dual placement (see ``autopart.planner``):
+all-gather's backward is a reduce-scatter (or taking one's own shard), the tensor-parallel copy's backward an
+all-reduce, reduce-scatter's backward an all-gather. The process group of each axis comes from ``axis_groups``,
+which the runtime sets before running a graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+class _State(threading.local):
+    groups: list = []
+    coords: list[int] = []
+    sizes: list[int] = []
+
+
+_STATE = _State()
+
+
+@contextlib.contextmanager
+def axis_groups(groups: list, coords: list[int], sizes: list[int]):
+    """Make ``groups[i]`` the process group of mesh axis ``i`` while graphs run."""
+    old = (_STATE.groups, _STATE.coords, _STATE.sizes)
+    _STATE.groups, _STATE.coords, _STATE.sizes = list(groups), list(coords), list(sizes)
+    try:
+        yield
+    finally:
+        _STATE.groups, _STATE.coords, _STATE.sizes = old
+
+
+def _g(axis: int):
+    return _STATE.groups[axis]
+
+
+def _n(axis: int) -> int:
+    return _STATE.sizes[axis]
+
+
+def _gather(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+    n = _n(axis)
+    xt = x.movedim(dim, 0).contiguous()
+    out = xt.new_empty((xt.shape[0] * n, *xt.shape[1:]))
+    dist.all_gather_into_tensor(out, xt, group=_g(axis))
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+    n = _n(axis)
+    xt = x.movedim(dim, 0).contiguous()
+    out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
+    dist.reduce_scatter_tensor(out, xt, group=_g(axis))
+    return out.movedim(0, dim)
+
+
+def _all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_g(axis))
+    return out
+
+
+def _own(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+    return x.chunk(_n(axis), dim=dim)[_STATE.coords[axis]].contiguous()
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim, bwd):
+        ctx.axis, ctx.dim, ctx.bwd = axis, dim, bwd
+        return _gather(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.bwd == "reduce_scatter":
+            return _reduce_scatter(g, ctx.axis, ctx.dim), None, None, None
+        return _own(g, ctx.axis, ctx.dim), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, bwd):
+        ctx.axis, ctx.bwd = axis, bwd
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_all_reduce(g, ctx.axis) if ctx.bwd == "all_reduce" else g), None, None
+
+
+class _Shard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _own(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.axis, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim):
+        ctx.axis, ctx.dim = axis, dim
+        return _reduce_scatter(x, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.axis, ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, src, dst):
+        ctx.axis, ctx.src, ctx.dst = axis, src, dst
+        return _own(_gather(x, axis, src), axis, dst)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _own(_gather(g, ctx.axis, ctx.dst), ctx.axis, ctx.src), None, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.axis), None
+
+
+class _Mask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return x.clone() if _STATE.coords[axis] == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def all_gather(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
+    """Shard(dim) -> Replicate; backward ``"reduce_scatter"`` (user split on the axis) or ``"shard"``."""
+    return _AllGather.apply(x, axis, dim, bwd)
+
+
+def all_reduce(x: torch.Tensor, axis: int, bwd: str) -> torch.Tensor:
+    """Partial -> Replicate; backward ``"all_reduce"`` (user split on the axis) or identity."""
+    return _AllReduce.apply(x, axis, bwd)
+
+
+def shard(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+    """Replicate -> Shard(dim): keep this rank's chunk; backward all-gather."""
+    return _Shard.apply(x, axis, dim)
+
+
+def reduce_scatter(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
+    """Partial -> Shard(dim); backward all-gather."""
+    return _ReduceScatter.apply(x, axis, dim)
+
+
+def all_to_all(x: torch.Tensor, axis: int, src: int, dst: int) -> torch.Tensor:
+    """Shard(src) -> Shard(dst)."""
+    return _AllToAll.apply(x, axis, src, dst)
+
+
+def grad_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Identity forward, all-reduce backward: a replicated value used by computation split on the axis."""
+    return _GradAllReduce.apply(x, axis)
+
+
+def mask_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Replicate -> Partial: the value on the axis' first rank, zeros elsewhere; backward identity."""
+    return _Mask.apply(x, axis)
+
+
+def count_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Sum over the axis with no gradient (global counts)."""
+    return _all_reduce(x.detach(), axis)
+
+
+def axis_coord(axis: int) -> int:
+    return _STATE.coords[axis]
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: int, *extra) -> torch.Tensor:
+    """Embedding with rows sharded over ``axis``: ids outside this rank's rows give zeros (a Partial sum)."""
+    rows = weight.shape[0]
+    lo = _STATE.coords[axis] * rows
+    inside = (ids >= lo) & (ids < lo + rows)
+    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+    out = torch.nn.functional.embedding(local, weight)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axes: tuple[int, ...], weight=None,
+                          reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of a batch sharded over ``axes``: local sum / global count of non-ignored targets (Partial)."""
+    s = torch.ops.aten.cross_entropy_loss.default(logits, target, None, 2, ignore_index, 0.0)
+    if reduction != 1:
+        return s
+    count = (target != ignore_index).sum().to(s.dtype)
+    for a in axes:
+        count = count_all_reduce(count, a)
+    return s / count

@@ -1,0 +1,110 @@
+"""Matmul-family rules written once as einsum equations (``"mk,kn->mn"``), as DTensor does.
+
+For an equation, each index letter gives one sharding: a letter kept in the output shards that dimension in
+every operand holding it and in the output; a contracted letter shards it in the operands and leaves the output
+``Partial``. The product is linear in each operand, so one ``Partial`` operand with the others replicated gives a
+``Partial`` output. A bias added to a ``Partial`` product must itself be ``Partial`` (added once over the axis).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopart.placement import Placement, Shard
+from autopart.strategy.registry import P, R, NodeInfo, Option1D, register
+
+aten = torch.ops.aten
+
+
+def einsum_options(equation: str) -> list[tuple[tuple[Placement, ...], Placement]]:
+    lhs, out = equation.split("->")
+    operands = lhs.split(",")
+    letters = sorted(set("".join(operands)))
+    opts: list[tuple[tuple[Placement, ...], Placement]] = [(tuple(R for _ in operands), R)]
+    for c in letters:
+        ins = tuple(Shard(op.index(c)) if c in op else R for op in operands)
+        opts.append((ins, Shard(out.index(c)) if c in out else P))
+    for i in range(len(operands)):
+        opts.append((tuple(P if j == i else R for j in range(len(operands))), P))
+    return opts
+
+
+def _batch_letters(rank: int) -> str:
+    return "abcdefgh"[: rank]
+
+
+def _matmul_rule(equation: str, info: NodeInfo, tensor_args: list, bias_arg=None) -> list[Option1D]:
+    """Map einsum options onto the node's distinct tensor inputs (an operand may repeat: ``mm(x, x)``)."""
+    opts = []
+    for ins, out in einsum_options(equation):
+        placement: dict[int, Placement] = {}
+        ok = True
+        for a, p in zip(tensor_args, ins):
+            i = info.index(a)
+            if i is None:
+                continue
+            if i in placement and placement[i] != p:
+                ok = False
+            placement[i] = p
+        if not ok:
+            continue
+        bi = info.index(bias_arg)
+        if bi is not None:
+            bias_shape = info.shape(bi)
+            if out == P:
+                bp: Placement = P
+            elif isinstance(out, Shard) and out.dim == len(info.out_shape) - 1 and bias_shape and bias_shape[-1] > 1:
+                bp = Shard(len(bias_shape) - 1)
+            elif isinstance(out, Shard) and len(bias_shape) == len(info.out_shape) and bias_shape[out.dim] > 1:
+                bp = Shard(out.dim)
+            else:
+                bp = R
+            placement[bi] = bp
+        if len(placement) != len(info.inputs):
+            continue
+        opts.append(Option1D(tuple(placement[i] for i in range(len(info.inputs))), out))
+    return opts
+
+
+@register(aten.linear.default)
+def _linear(info: NodeInfo, n: int) -> list[Option1D]:
+    x, w = info.args[0], info.args[1]
+    b = info.args[2] if len(info.args) > 2 else None
+    batch = _batch_letters(len(info.shape(info.index(x))) - 1)
+    return _matmul_rule(f"{batch}k,nk->{batch}n", info, [x, w], b)
+
+
+@register(aten.addmm.default)
+def _addmm(info: NodeInfo, n: int) -> list[Option1D]:
+    b, x, w = info.args[0], info.args[1], info.args[2]
+    return _matmul_rule("mk,kn->mn", info, [x, w], b)
+
+
+@register(aten.mm.default)
+def _mm(info: NodeInfo, n: int) -> list[Option1D]:
+    return _matmul_rule("mk,kn->mn", info, [info.args[0], info.args[1]])
+
+
+@register(aten.bmm.default)
+def _bmm(info: NodeInfo, n: int) -> list[Option1D]:
+    return _matmul_rule("bmk,bkn->bmn", info, [info.args[0], info.args[1]])
+
+
+@register(aten.outer.default)
+def _outer(info: NodeInfo, n: int) -> list[Option1D]:
+    return _matmul_rule("m,n->mn", info, [info.args[0], info.args[1]])
+
+
+@register(aten.matmul.default)
+def _matmul(info: NodeInfo, n: int) -> list[Option1D]:
+    a, b = info.args[0], info.args[1]
+    ra, rb = len(info.shape(info.index(a))), len(info.shape(info.index(b)))
+    if ra < 2 or rb < 2:
+        from autopart.strategy.registry import replicate_only
+
+        return replicate_only(info, n)
+    nb = max(ra, rb) - 2
+    batch = _batch_letters(nb)
+    ea = batch[nb - (ra - 2):] + "mk"
+    eb = batch[nb - (rb - 2):] + "kn"
+    return _matmul_rule(f"{ea},{eb}->{batch}mn", info, [a, b])

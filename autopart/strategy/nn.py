@@ -1,0 +1,130 @@
+"""Neural-network ops: embedding, layer norm, softmax, attention, reductions, cross-entropy.
+
+Some options need a different local program than "run the op on the shard" (a *lowering*, done by
+``autopart.passes.lower``): vocab-parallel embedding masks ids outside the rank's rows; cross-entropy over a
+sharded batch divides the local sum by the global count of non-ignored targets; ``mean`` over a sharded dim
+divides by the axis size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopart.placement import Shard
+from autopart.strategy.registry import P, R, NodeInfo, Option1D, register, replicate_only
+
+aten = torch.ops.aten
+
+
+@register(aten.embedding.default)
+def _embedding(info: NodeInfo, n: int) -> list[Option1D]:
+    w, ids = info.index(info.args[0]), info.index(info.args[1])
+    ids_shape, out_nd = info.shape(ids), len(info.out_shape)
+
+    def opt(pw, pi, out):
+        ins = [None, None]
+        ins[w], ins[ids] = pw, pi
+        return Option1D(tuple(ins), out)
+
+    opts = [opt(R, R, R), opt(Shard(1), R, Shard(out_nd - 1)), opt(Shard(0), R, P)]
+    for d in range(len(ids_shape)):
+        if ids_shape[d] > 1:
+            opts.append(opt(R, Shard(d), Shard(d)))
+    return opts
+
+
+@register(aten.layer_norm.default, aten.rms_norm.default)
+def _norm(info: NodeInfo, n: int) -> list[Option1D]:
+    x = info.shape(0)
+    norm_nd = len(info.args[1])
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    for d in range(len(x) - norm_nd):
+        if x[d] > 1:
+            opts.append(Option1D((Shard(d),) + tuple(R for _ in range(k - 1)), Shard(d)))
+    return opts
+
+
+@register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int)
+def _softmax(info: NodeInfo, n: int) -> list[Option1D]:
+    x = info.shape(0)
+    dim = info.args[1] % len(x)
+    opts = [Option1D((R,), R)]
+    for d in range(len(x)):
+        if d != dim and x[d] > 1:
+            opts.append(Option1D((Shard(d),), Shard(d)))
+    return opts
+
+
+@register(aten.scaled_dot_product_attention.default)
+def _sdpa(info: NodeInfo, n: int) -> list[Option1D]:
+    """Batch (dim 0) or heads (dim 1) split; grouped-query attention needs kv heads divisible too (checked by
+    the caller's evenness filter). A mask follows where it is not broadcast."""
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    for d in (0, 1):
+        if info.out_shape[d] <= 1:
+            continue
+        ins = []
+        for i in range(k):
+            s = info.shape(i)
+            di = d - (4 - len(s))
+            ins.append(R if di < 0 or s[di] == 1 else Shard(di))
+        opts.append(Option1D(tuple(ins), Shard(d)))
+    return opts
+
+
+def _reduce_dims(info: NodeInfo) -> tuple[list[int], bool]:
+    nd = len(info.shape(0))
+    dims = info.args[1] if len(info.args) > 1 else None
+    if dims is None or dims == []:
+        return list(range(nd)), False
+    if isinstance(dims, int):
+        dims = [dims]
+    keep = bool(info.args[2]) if len(info.args) > 2 else bool(info.kwargs.get("keepdim", False))
+    return sorted(d % nd for d in dims), keep
+
+
+@register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default, aten.amax.default,
+          aten.amin.default)
+def _reduction(info: NodeInfo, n: int) -> list[Option1D]:
+    if not isinstance(info.val, torch.Tensor):
+        return replicate_only(info, n)
+    x = info.shape(0)
+    if info.node.target in (aten.sum.default, aten.mean.default):
+        dims, keep = list(range(len(x))), False
+    else:
+        dims, keep = _reduce_dims(info)
+    linear = info.node.target in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
+    opts = [Option1D((R,), R)]
+    if linear and info.val.dtype.is_floating_point:
+        opts.append(Option1D((P,), P))
+    for d in range(len(x)):
+        if x[d] <= 1:
+            continue
+        if d in dims:
+            if linear and info.val.dtype.is_floating_point:
+                opts.append(Option1D((Shard(d),), P))
+        else:
+            e = d if keep else d - sum(1 for r in dims if r < d)
+            opts.append(Option1D((Shard(d),), Shard(e)))
+    return opts
+
+
+@register(aten.cross_entropy_loss.default)
+def _cross_entropy(info: NodeInfo, n: int) -> list[Option1D]:
+    """Batch-sharded logits and targets give a Partial loss (lowered to sum / global count for ``mean``)."""
+    args = list(info.args) + [None] * (6 - len(info.args))
+    weight = args[2] if args[2] is not None else info.kwargs.get("weight")
+    label_smoothing = args[5] if args[5] is not None else info.kwargs.get("label_smoothing", 0.0)
+    reduction = args[3] if args[3] is not None else info.kwargs.get("reduction", 1)
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    if weight is not None or label_smoothing:
+        return opts
+    logits, target = info.index(args[0]), info.index(args[1])
+    if info.shape(logits)[0] > 1 and k == 2:
+        ins = [None, None]
+        ins[logits], ins[target] = Shard(0), Shard(0)
+        opts.append(Option1D(tuple(ins), Shard(0) if reduction == 0 else P))
+    return opts

@@ -1,0 +1,82 @@
+"""Pointwise ops (found by ``torch.Tag.pointwise``) and identity-like ops: shard any dimension the output has,
+broadcasting inputs that are size 1 there; ``Partial`` passes through the ops that are linear in it."""
+
+from __future__ import annotations
+
+import torch
+
+from autopart.strategy.registry import P, R, NodeInfo, Option1D, register
+from autopart.placement import Shard
+
+aten = torch.ops.aten
+
+# op -> which inputs may carry Partial: "all" (sum of partials: add/sub), "one" (exactly one P, others R),
+# "first" (only the first tensor input P, others R: division by a replicated tensor)
+_LINEAR = {
+    aten.add.Tensor: "all",
+    aten.sub.Tensor: "all",
+    aten.mul.Tensor: "one",
+    aten.div.Tensor: "first",
+    aten.neg.default: "one",
+}
+
+
+def _is_float(info: NodeInfo) -> bool:
+    v = info.val
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _shard_options(info: NodeInfo) -> list[Option1D]:
+    out = info.out_shape
+    nd = len(out)
+    opts = [Option1D(tuple(R for _ in info.inputs), R)]
+    for d in range(nd):
+        if out[d] == 1:
+            continue
+        ins = []
+        for i in range(len(info.inputs)):
+            s = info.shape(i)
+            di = d - (nd - len(s))
+            ins.append(R if di < 0 or s[di] == 1 else Shard(di))
+        opts.append(Option1D(tuple(ins), Shard(d)))
+    return opts
+
+
+def pointwise_rule(info: NodeInfo, n: int) -> list[Option1D]:
+    if not isinstance(info.val, torch.Tensor):
+        from autopart.strategy.registry import replicate_only
+
+        return replicate_only(info, n)
+    opts = _shard_options(info)
+    kind = _LINEAR.get(info.node.target)
+    k = len(info.inputs)
+    if kind and _is_float(info) and k:
+        non_tensor_scalar = any(not hasattr(a, "meta") and isinstance(a, (int, float)) for a in info.args)
+        if kind == "all" and not non_tensor_scalar:
+            opts.append(Option1D(tuple(P for _ in range(k)), P))
+        elif kind == "one":
+            for i in range(k):
+                opts.append(Option1D(tuple(P if j == i else R for j in range(k)), P))
+        elif kind == "first" and info.index(info.args[0]) == 0:
+            opts.append(Option1D(tuple(P if j == 0 else R for j in range(k)), P))
+    return opts
+
+
+def _identity_like(info: NodeInfo, n: int) -> list[Option1D]:
+    """Unary ops that keep the layout (casts, copies, aliases): every placement passes through, Partial too."""
+    opts = _shard_options(info)
+    if _is_float(info) and len(info.inputs) == 1:
+        opts.append(Option1D((P,), P))
+    return opts
+
+
+register(
+    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.to.dtype, aten.to.dtype_layout,
+    aten.to.device, aten._to_copy.default, aten.detach.default, aten.lift_fresh_copy.default,
+)(_identity_like)
+
+
+@register(aten.dropout.default, aten.native_dropout.default)
+def _dropout(info: NodeInfo, n: int) -> list[Option1D]:
+    # the mask is drawn per rank: shard or replicate the data, never Partial (the mask would scale addends apart)
+    return _shard_options(info)

@@ -1,0 +1,179 @@
+"""The strategy registry: for each ATen op, its legal shardings on one mesh axis.
+
+A *rule* sees one node and answers, for a single mesh axis of size ``n``, the list of legal
+``Option1D(inputs, output)``: one placement per distinct tensor input, and the output's placement (a tuple for
+ops with several outputs). ``options_for`` combines the per-axis answers across the mesh axes and drops any
+combination that would need uneven shards. Rules are registered by decorator, keyed by ``OpOverload`` or by
+``OpOverloadPacket`` (all overloads). An op without a rule gets the safe default, everything replicated, and is
+reported in the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopart.placement import Partial, Placement, Replicate, Shard, Spec
+
+R = Replicate()
+P = Partial()
+
+
+@dataclass(frozen=True)
+class Option1D:
+    inputs: tuple[Placement, ...]
+    output: Any  # Placement, or tuple[Placement, ...] for multi-output ops
+
+
+@dataclass(frozen=True)
+class OpOption:
+    """One legal sharding of a node over the whole mesh."""
+
+    inputs: tuple[Spec, ...]
+    output: Any  # Spec, or tuple[Spec, ...] for multi-output ops
+
+    def __str__(self) -> str:
+        from autopart.placement import spec_str
+
+        out = self.output
+        outs = "(" + ",".join(spec_str(o) for o in out) + ")" if out and isinstance(out[0], tuple) else spec_str(out)
+        return f"{','.join(spec_str(i) for i in self.inputs) or '-'} -> {outs}"
+
+
+Rule = Callable[["NodeInfo", int], list[Option1D]]
+_RULES: dict[Any, Rule] = {}
+
+
+def register(*ops: Any) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def rule_for(target: Any) -> Rule | None:
+    if target in _RULES:
+        return _RULES[target]
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None and packet in _RULES:
+        return _RULES[packet]
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        from autopart.strategy.pointwise import pointwise_rule
+
+        return pointwise_rule
+    return None
+
+
+def is_tensor_node(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Distinct tensor-valued fx nodes among the node's inputs, in first-use order."""
+    out: list[fx.Node] = []
+    for a in node.all_input_nodes:
+        if is_tensor_node(a) and a not in out:
+            out.append(a)
+    return out
+
+
+@dataclass
+class NodeInfo:
+    """What a rule needs to know about a node: its inputs' and outputs' shapes and the call's arguments."""
+
+    node: fx.Node
+    inputs: list[fx.Node]
+
+    @property
+    def args(self) -> tuple:
+        return self.node.args
+
+    @property
+    def kwargs(self) -> dict:
+        return self.node.kwargs
+
+    @property
+    def val(self) -> Any:
+        return self.node.meta.get("val")
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.inputs[i].meta["val"].shape)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.val.shape)
+
+    def index(self, arg: Any) -> int | None:
+        return self.inputs.index(arg) if isinstance(arg, fx.Node) and arg in self.inputs else None
+
+
+def replicate_only(info: NodeInfo, n: int) -> list[Option1D]:
+    out = info.val
+    outp = tuple(R for _ in out) if isinstance(out, (tuple, list)) else R
+    return [Option1D(tuple(R for _ in info.inputs), outp)]
+
+
+def _shape_of(v: Any) -> tuple[int, ...] | None:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes: list[int]) -> bool:
+    if shape is None:
+        return all(not isinstance(p, Shard) for p in placements)
+    used: set[int] = set()
+    for p, n in zip(placements, sizes):
+        if isinstance(p, Shard):
+            if not shape:
+                return False
+            d = p.dim % len(shape)
+            if d in used or shape[d] % n != 0 or shape[d] < n:
+                return False
+            used.add(d)
+    return True
+
+
+def options_for(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[list[OpOption], bool]:
+    """All legal mesh-wide options of ``node``; the flag says whether a real rule (not the default) produced them."""
+    info = NodeInfo(node, tensor_inputs(node))
+    rule = rule_for(node.target)
+    known = rule is not None
+    per_axis = [(rule or replicate_only)(info, n) for n in mesh_shape]
+    out_val = info.val
+    multi = isinstance(out_val, (tuple, list))
+    in_shapes = [info.shape(i) for i in range(len(info.inputs))]
+    options = []
+    for combo in itertools.product(*per_axis):
+        ok = True
+        for i, shp in enumerate(in_shapes):
+            if not _divisible(shp, [c.inputs[i] for c in combo], list(mesh_shape)):
+                ok = False
+                break
+        if not ok:
+            continue
+        if multi:
+            for j, v in enumerate(out_val):
+                if not _divisible(_shape_of(v), [c.output[j] for c in combo], list(mesh_shape)):
+                    ok = False
+                    break
+            if not ok:
+                continue
+            output = tuple(tuple(c.output[j] for c in combo) for j in range(len(out_val)))
+        else:
+            if not _divisible(_shape_of(out_val), [c.output for c in combo], list(mesh_shape)):
+                continue
+            output = tuple(c.output for c in combo)
+        inputs = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(info.inputs)))
+        options.append(OpOption(inputs, output))
+    if not options:  # every sharded option was uneven: replicate is always legal
+        base = replicate_only(info, 1)[0]
+        options.append(OpOption(tuple(tuple(base.inputs[i] for _ in mesh_shape) for i in range(len(info.inputs))),
+                                tuple(tuple(o for _ in mesh_shape) for o in base.output) if multi
+                                else tuple(base.output for _ in mesh_shape)))
+    return options, known

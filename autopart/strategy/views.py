@@ -1,0 +1,195 @@
+"""Layout ops: view/reshape, transpose/permute, (un)squeeze, expand, slice, split/chunk, cat, select.
+
+A sharded dimension survives a layout op when it maps to one output dimension that holds its elements as
+contiguous equal blocks: for ``view`` that is the outermost dimension of a merged or split group. ``Partial``
+passes through every layout op (they are linear).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autopart.placement import Shard
+from autopart.strategy.registry import P, R, NodeInfo, Option1D, register
+
+aten = torch.ops.aten
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of ``src`` dims with runs of ``dst`` dims of equal element count (size-1 dims ride along)."""
+    dst = tuple(dst)
+    if -1 in dst:
+        known = math.prod(d for d in dst if d != -1)
+        dst = tuple(math.prod(src) // known if d == -1 else d for d in dst)
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        while True:
+            if i < len(src) and (pi <= pj or j >= len(dst)) and (not gi or pi != pj or src[i] == 1):
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst) and (not gj or pi != pj or dst[j] == 1):
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+            if pi == pj and gi and gj and (i >= len(src) or src[i] != 1) and (j >= len(dst) or dst[j] != 1):
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _view_rule(info: NodeInfo, n: int) -> list[Option1D]:
+    src, dst = info.shape(0), info.out_shape
+    opts = [Option1D((R,), R), Option1D((P,), P)]
+    for gi, gj in view_groups(src, dst):
+        a = next((d for d in gi if src[d] > 1), None)
+        b = next((d for d in gj if dst[d] > 1), None)
+        if a is None or b is None:
+            continue
+        if src[a] % n == 0 and dst[b] % n == 0:
+            opts.append(Option1D((Shard(a),), Shard(b)))
+    return opts
+
+
+register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)(_view_rule)
+
+
+def _dim_map_rule(info: NodeInfo, mapping: dict[int, int]) -> list[Option1D]:
+    """Output dim ``mapping[d]`` holds input dim ``d`` unchanged."""
+    opts = [Option1D((R,), R), Option1D((P,), P)]
+    src = info.shape(0)
+    for d, e in mapping.items():
+        if src[d] > 1:
+            opts.append(Option1D((Shard(d),), Shard(e)))
+    return opts
+
+
+@register(aten.transpose.int)
+def _transpose(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    a, b = info.args[1] % nd, info.args[2] % nd
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _dim_map_rule(info, {perm[e]: e for e in range(nd)})
+
+
+@register(aten.t.default)
+def _t(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)})
+
+
+@register(aten.permute.default)
+def _permute(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    dims = [d % nd for d in info.args[1]]
+    return _dim_map_rule(info, {dims[e]: e for e in range(nd)})
+
+
+@register(aten.unsqueeze.default)
+def _unsqueeze(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    u = info.args[1] % (nd + 1)
+    return _dim_map_rule(info, {d: d if d < u else d + 1 for d in range(nd)})
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(info: NodeInfo, n: int) -> list[Option1D]:
+    src, dst = info.shape(0), info.out_shape
+    kept = [d for d in range(len(src)) if not (src[d] == 1 and len(dst) < len(src))]
+    if len(kept) != len(dst):
+        kept = [d for d in range(len(src)) if src[d] != 1]
+    return _dim_map_rule(info, {d: e for e, d in enumerate(kept) if src[d] > 1})
+
+
+@register(aten.expand.default)
+def _expand(info: NodeInfo, n: int) -> list[Option1D]:
+    src, dst = info.shape(0), info.out_shape
+    off = len(dst) - len(src)
+    opts = [Option1D((R,), R)]
+    for e in range(len(dst)):
+        d = e - off
+        if d >= 0 and src[d] == dst[e] and src[d] > 1:
+            opts.append(Option1D((Shard(d),), Shard(e)))
+        elif dst[e] > 1 and (d < 0 or src[d] == 1):
+            opts.append(Option1D((R,), Shard(e)))
+    return opts
+
+
+def _other_dims(info: NodeInfo, dim: int, multi: int | None = None) -> list[Option1D]:
+    """Ops acting along ``dim`` only: any other dim may be sharded; Partial passes (linear)."""
+    src = info.shape(0)
+    nd = len(src)
+    dim %= nd
+    k = len(info.inputs)
+
+    def out(p):
+        return tuple(p for _ in range(multi)) if multi is not None else p
+
+    opts = [Option1D(tuple(R for _ in range(k)), out(R))]
+    if info.val is not None and (multi or info.val.dtype.is_floating_point):
+        opts.append(Option1D(tuple(P if i == 0 else R for i in range(k)), out(P)))
+    for d in range(nd):
+        if d != dim and src[d] > 1:
+            opts.append(Option1D(tuple(Shard(d) if i == 0 else R for i in range(k)), out(Shard(d))))
+    return opts
+
+
+@register(aten.slice.Tensor)
+def _slice(info: NodeInfo, n: int) -> list[Option1D]:
+    return _other_dims(info, info.args[1] if len(info.args) > 1 else 0)
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+def _split(info: NodeInfo, n: int) -> list[Option1D]:
+    if info.node.target == aten.unbind.int:
+        dim = info.args[1] if len(info.args) > 1 else 0
+    else:
+        dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
+    return _other_dims(info, dim, multi=len(info.val))
+
+
+@register(aten.select.int)
+def _select(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    dim = info.args[1] % nd
+    opts = [Option1D((R,), R), Option1D((P,), P)]
+    for d in range(nd):
+        if d != dim and info.shape(0)[d] > 1:
+            opts.append(Option1D((Shard(d),), Shard(d if d < dim else d - 1)))
+    return opts
+
+
+@register(aten.cat.default)
+def _cat(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.out_shape)
+    dim = (info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0)) % nd
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R), Option1D(tuple(P for _ in range(k)), P)]
+    for d in range(nd):
+        if d != dim and info.out_shape[d] > 1:
+            opts.append(Option1D(tuple(Shard(d) for _ in range(k)), Shard(d)))
+    return opts
+
+
+@register(aten.cumsum.default)
+def _cumsum(info: NodeInfo, n: int) -> list[Option1D]:
+    return _other_dims(info, info.args[1])
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def _pad(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    npad = len(info.args[1]) // 2
+    src = info.shape(0)
+    opts = [Option1D((R,), R)]
+    for d in range(nd - npad):
+        if src[d] > 1:
+            opts.append(Option1D((Shard(d),), Shard(d)))
+    return opts

@@ -1,0 +1,153 @@
+"""Model -> ATen-level ``torch.fx.GraphModule`` with fake-tensor metadata on every tensor node.
+
+Uses ``torch.export.export(strict=False)`` (training IR). Models on the ``meta`` device trace without allocating.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+@dataclass
+class Traced:
+    """A traced model: the graph plus how its placeholders map to the model's parameters, buffers and inputs."""
+
+    gm: fx.GraphModule
+    params: dict[str, str]  # placeholder name -> parameter FQN (one FQN per tensor; tied aliases in ``aliases``)
+    buffers: dict[str, str]  # placeholder name -> buffer FQN
+    constants: dict[str, str]  # placeholder name -> lifted constant FQN
+    user_inputs: list[str]  # placeholder names of user inputs, in call order
+    input_paths: list[str]  # "args[0]" / "kwargs['labels']" per user input
+    outputs: list[str]  # names of output nodes (tensors)
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # FQN used in graph -> other FQNs tying to it
+    fingerprint: str = ""
+    export_seconds: float = 0.0
+    constant_values: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+
+def _flat_input_paths(args: tuple, kwargs: dict) -> list[str]:
+    paths = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            paths.append(f"args[{i}]")
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            paths.append(f"kwargs[{k!r}]")
+    return paths
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        h.update(f"{n.op}|{n.target}|{n.name}|{shape}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _where(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages/torch" not in f.filename
+              and "/torch/" not in f.filename and "autopart/trace.py" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} ({f.name}): {f.line}"
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Traced:
+    """Export ``model`` called as ``model(*example_inputs, **example_kwargs)`` to an ATen graph.
+
+    Raises ValueError naming the model's source line when ``torch.export`` fails, with what to try.
+    """
+    import time
+
+    example_kwargs = dict(example_kwargs or {})
+    if not isinstance(example_inputs, tuple):
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    # torch.export merges a tensor passed twice (ids as input and as labels) into one placeholder: clone duplicates.
+    seen: set[int] = set()
+
+    def dedup(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            if id(t) in seen:
+                return t.clone()
+            seen.add(id(t))
+        return t
+
+    example_inputs = tuple(dedup(a) for a in example_inputs)
+    example_kwargs = {k: dedup(v) for k, v in example_kwargs.items()}
+    t0 = time.perf_counter()
+    try:
+        ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - re-raised with context
+        where = _where(exc)
+        msg = str(exc).strip().splitlines()
+        first = msg[0] if msg else type(exc).__name__
+        hint = "Try: pass use_cache=False for Hugging Face models; avoid data-dependent Python control flow " \
+               "(branching on tensor values, nonzero/boolean-mask indexing) or move it behind a " \
+               "torch.library.custom_op with a fake implementation."
+        if "DynamicCache" in str(exc):
+            hint = "The model returns a KV cache object: build it with use_cache=False (config.use_cache = False)."
+        raise ValueError(
+            f"autopart could not trace {type(model).__name__} with torch.export: {type(exc).__name__}: {first}\n"
+            + (f"  at {where}\n" if where else "")
+            + f"  {hint}"
+        ) from exc
+    export_seconds = time.perf_counter() - t0
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    params, buffers, constants, user_inputs = {}, {}, {}, []
+    from torch.export.graph_signature import InputKind
+
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constants[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+    outputs = []
+    for spec in sig.output_specs:
+        arg = spec.arg
+        if hasattr(arg, "name"):
+            outputs.append(arg.name)
+    # tied parameters: export keeps one placeholder per tensor; record the other names
+    aliases: dict[str, list[str]] = {}
+    by_id: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(fqn)
+    for fqn in params.values():
+        for names in by_id.values():
+            if fqn in names:
+                aliases[fqn] = [n for n in names if n != fqn]
+    constant_values = {name: ep.constants[t] for name, t in constants.items() if t in ep.constants}
+    # drop unused placeholders' users bookkeeping: keep graph as exported
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and "val" not in node.meta:
+            raise ValueError(f"traced placeholder {node.name} has no fake-tensor metadata")
+    return Traced(
+        gm=gm,
+        params=params,
+        buffers=buffers,
+        constants=constants,
+        user_inputs=user_inputs,
+        input_paths=_flat_input_paths(example_inputs, example_kwargs),
+        outputs=outputs,
+        aliases=aliases,
+        fingerprint=graph_fingerprint(gm),
+        export_seconds=export_seconds,
+        constant_values=constant_values,
+    )
