@@ -35,112 +35,111 @@ def axis_groups(groups: list, coords: list[int], sizes: list[int]):
         _STATE.groups, _STATE.coords, _STATE.sizes = old
 
 
-def _g(axis: int):
-    return _STATE.groups[axis]
+class Ax:
+    """One mesh axis as seen by this rank: its process group, size and this rank's coordinate."""
+
+    __slots__ = ("group", "n", "coord")
+
+    def __init__(self, axis: int) -> None:
+        self.group, self.n, self.coord = _STATE.groups[axis], _STATE.sizes[axis], _STATE.coords[axis]
 
 
-def _n(axis: int) -> int:
-    return _STATE.sizes[axis]
-
-
-def _gather(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
-    n = _n(axis)
+def _gather(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
-    out = xt.new_empty((xt.shape[0] * n, *xt.shape[1:]))
-    dist.all_gather_into_tensor(out, xt, group=_g(axis))
+    out = xt.new_empty((xt.shape[0] * ax.n, *xt.shape[1:]))
+    dist.all_gather_into_tensor(out, xt, group=ax.group)
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
-    n = _n(axis)
+def _reduce_scatter(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
-    out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
-    dist.reduce_scatter_tensor(out, xt, group=_g(axis))
+    out = xt.new_empty((xt.shape[0] // ax.n, *xt.shape[1:]))
+    dist.reduce_scatter_tensor(out, xt, group=ax.group)
     return out.movedim(0, dim)
 
 
-def _all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, ax: Ax) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_g(axis))
+    dist.all_reduce(out, group=ax.group)
     return out
 
 
-def _own(x: torch.Tensor, axis: int, dim: int) -> torch.Tensor:
-    return x.chunk(_n(axis), dim=dim)[_STATE.coords[axis]].contiguous()
+def _own(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
+    return x.chunk(ax.n, dim=dim)[ax.coord].contiguous()
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, bwd):
-        ctx.axis, ctx.dim, ctx.bwd = axis, dim, bwd
-        return _gather(x, axis, dim)
+        ctx.ax, ctx.dim, ctx.bwd = Ax(axis), dim, bwd
+        return _gather(x, ctx.ax, dim)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.bwd == "reduce_scatter":
-            return _reduce_scatter(g, ctx.axis, ctx.dim), None, None, None
-        return _own(g, ctx.axis, ctx.dim), None, None, None
+            return _reduce_scatter(g, ctx.ax, ctx.dim), None, None, None
+        return _own(g, ctx.ax, ctx.dim), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, bwd):
-        ctx.axis, ctx.bwd = axis, bwd
-        return _all_reduce(x, axis)
+        ctx.ax, ctx.bwd = Ax(axis), bwd
+        return _all_reduce(x, ctx.ax)
 
     @staticmethod
     def backward(ctx, g):
-        return (_all_reduce(g, ctx.axis) if ctx.bwd == "all_reduce" else g), None, None
+        return (_all_reduce(g, ctx.ax) if ctx.bwd == "all_reduce" else g), None, None
 
 
 class _Shard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return _own(x, axis, dim)
+        ctx.ax, ctx.dim = Ax(axis), dim
+        return _own(x, ctx.ax, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.axis, ctx.dim), None, None
+        return _gather(g, ctx.ax, ctx.dim), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim):
-        ctx.axis, ctx.dim = axis, dim
-        return _reduce_scatter(x, axis, dim)
+        ctx.ax, ctx.dim = Ax(axis), dim
+        return _reduce_scatter(x, ctx.ax, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.axis, ctx.dim), None, None
+        return _gather(g, ctx.ax, ctx.dim), None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, src, dst):
-        ctx.axis, ctx.src, ctx.dst = axis, src, dst
-        return _own(_gather(x, axis, src), axis, dst)
+        ctx.ax, ctx.src, ctx.dst = Ax(axis), src, dst
+        return _own(_gather(x, ctx.ax, src), ctx.ax, dst)
 
     @staticmethod
     def backward(ctx, g):
-        return _own(_gather(g, ctx.axis, ctx.dst), ctx.axis, ctx.src), None, None, None
+        return _own(_gather(g, ctx.ax, ctx.dst), ctx.ax, ctx.src), None, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
-        ctx.axis = axis
+        ctx.ax = Ax(axis)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.axis), None
+        return _all_reduce(g, ctx.ax), None
 
 
 class _Mask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
-        return x.clone() if _STATE.coords[axis] == 0 else torch.zeros_like(x)
+        return x.clone() if Ax(axis).coord == 0 else torch.zeros_like(x)
 
     @staticmethod
     def backward(ctx, g):
@@ -184,7 +183,7 @@ def mask_partial(x: torch.Tensor, axis: int) -> torch.Tensor:
 
 def count_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     """Sum over the axis with no gradient (global counts)."""
-    return _all_reduce(x.detach(), axis)
+    return _all_reduce(x.detach(), Ax(axis))
 
 
 def axis_coord(axis: int) -> int:

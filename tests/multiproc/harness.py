@@ -1,0 +1,45 @@
+"""Run a function on N real gloo processes (torch.multiprocessing spawn) and collect per-rank results."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(*args)
+        torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args):
+    """``fn(*args)`` on every rank of a fresh gloo world; returns the list of per-rank results."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_worker, args=(world, _free_port(), fn, args, d), nprocs=world, start_method="spawn")
+        out = []
+        for r in range(world):
+            res = torch.load(os.path.join(d, f"{r}.pt"), weights_only=False)
+            if not res["ok"]:
+                raise AssertionError(f"rank {r} failed:\n{res['error']}")
+            out.append(res["result"])
+        return out

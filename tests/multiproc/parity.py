@@ -1,0 +1,91 @@
+"""The parity check shared by multi-process tests: one process vs autopart on N ranks, 3 AdamW steps."""
+
+from __future__ import annotations
+
+import torch
+
+import autopart
+
+STEPS = 3
+# Adam divides by sqrt(v) + eps: a parameter whose true gradient is zero (the key bias: softmax ignores a shift)
+# gets float-noise gradients ~1e-11 that eps=1e-8 would blow up to lr-sized, order-dependent steps. eps=1e-6
+# keeps that noise below the 1e-5 tolerance without hiding real differences (those are >= 1e-4 here).
+OPT = {"lr": 1e-2, "eps": 1e-6}
+
+
+def make_model(name: str):
+    torch.manual_seed(0)
+    if name == "gpt":
+        from autopart.models import GPT, GPTConfig
+
+        return GPT(GPTConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=4, d_model=32))
+    if name == "llama":
+        from autopart.models import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                                 d_ff=64))
+    if name == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg)
+    if name == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(name)
+
+
+def batches(steps: int = STEPS, b: int = 4, s: int = 16, vocab: int = 128):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (b, s), generator=g) for _ in range(steps)]
+
+
+def loss_of(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def reference(name: str):
+    model = make_model(name)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    losses = []
+    for ids in batches():
+        loss = loss_of(model(ids, labels=ids))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False):
+    model = make_model(name)
+    model.train()
+    mesh = autopart.mesh(shape, names)
+    ids0 = batches()[0]
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False)
+    opt = torch.optim.AdamW(pm.parameters(), **OPT)
+    losses = []
+    for ids in batches():
+        loss = pm.forward_backward(ids, labels=ids)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return losses, full, str(pm.plan), pm.plan.to_json()
+
+
+def check(name: str, results, ref) -> None:
+    ref_losses, ref_params = ref
+    for rank, (losses, params, plan_text, _) in enumerate(results):
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5, f"{name} rank {rank} step {step}: loss {a} vs single-process {b}\n{plan_text}"
+        for k, v in ref_params.items():
+            assert k in params, f"{name}: parameter {k} missing from full_state_dict"
+            err = (params[k] - v).abs().max().item()
+            assert err <= 1e-5, f"{name} rank {rank}: parameter {k} differs by {err} after {STEPS} steps\n{plan_text}"
