@@ -49,7 +49,7 @@ def sharding_chain(n: int, k: int, tight: bool, seed: int = 0, skip: int | None 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="larger shapes and CP-SAT on all of them")
-    parser.add_argument("--time-limit", type=float, default=10.0)
+    parser.add_argument("--time-limit", type=float, default=6.0)
     args = parser.parse_args()
     shapes = [(50, 4, 3), (50, 12, 3), (150, 8, 3), (250, 8, None)]
     if args.full:

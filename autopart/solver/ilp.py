@@ -62,7 +62,8 @@ same model; chain of N groups, K options, skip edges every other group, "-" = no
     250  8  -    tight    9.43         limit 0.4%   limit 0.2%                           9.82
     250  8  3    none     0.62         1.98         9.88                                 0.67
     250  8  3    tight    limit 0.8%   limit 51%    limit 2.3%                           limit 1.1%
-    250  12 3    none     2.72         6.12         -                                    -
+    250  12 3    none     2.72         6.12         19.35                                1.72
+    250  12 3    tight    limit 1.3%   limit 49%    limit 23%                            -
 
 HiGHS is fastest to proven optimality on every shape but the smallest tight one, so ``backend="auto"`` picks it.
 The tree DP turns a 0.55 s MIP into 0.02 s. Presolve removes nothing on these random matrices (no option is dominated
