@@ -64,6 +64,24 @@ def _where(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno} ({f.name}): {f.line}"
 
 
+def _source_line(node: fx.Node) -> str:
+    st = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File")]
+    return lines[-1] if lines else "(no source line recorded)"
+
+
+def _check_static(node: fx.Node, model_name: str) -> None:
+    """autopart plans static shapes: a data-dependent size (boolean masks, nonzero) cannot be sharded evenly."""
+    vals = node.meta.get("val")
+    for v in vals if isinstance(vals, (tuple, list)) else [vals]:
+        if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+            raise ValueError(
+                f"{model_name} has a data-dependent shape at node {node.name} ({node.target}), shape "
+                f"{tuple(v.shape)}\n  at {_source_line(node)}\n  autopart plans fixed shapes. Try: replace boolean-mask "
+                "indexing / nonzero with a dense formulation (torch.where, masking by multiplication), or move the "
+                "code behind a torch.library.custom_op with a fake implementation.")
+
+
 def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Traced:
     """Export ``model`` called as ``model(*example_inputs, **example_kwargs)`` to an ATen graph.
 
@@ -134,10 +152,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
             if fqn in names:
                 aliases[fqn] = [n for n in names if n != fqn]
     constant_values = {name: ep.constants[t] for name, t in constants.items() if t in ep.constants}
-    # drop unused placeholders' users bookkeeping: keep graph as exported
     for node in gm.graph.nodes:
         if node.op == "placeholder" and "val" not in node.meta:
             raise ValueError(f"traced placeholder {node.name} has no fake-tensor metadata")
+        _check_static(node, type(model).__name__)
     return Traced(
         gm=gm,
         params=params,

@@ -35,6 +35,11 @@ def axis_groups(groups: list, coords: list[int], sizes: list[int]):
         _STATE.groups, _STATE.coords, _STATE.sizes = old
 
 
+# torch 2.13 renames the single-tensor collectives; older releases only have the *_into_tensor / *_tensor names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class Ax:
     """One mesh axis as seen by this rank: its process group, size and this rank's coordinate."""
 
@@ -47,14 +52,14 @@ class Ax:
 def _gather(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] * ax.n, *xt.shape[1:]))
-    dist.all_gather_into_tensor(out, xt, group=ax.group)
+    _all_gather_single(out, xt, group=ax.group)
     return out.movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] // ax.n, *xt.shape[1:]))
-    dist.reduce_scatter_tensor(out, xt, group=ax.group)
+    _reduce_scatter_single(out, xt, group=ax.group)
     return out.movedim(0, dim)
 
 

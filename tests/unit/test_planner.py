@@ -1,0 +1,161 @@
+"""Planning without a process group: structure, pins, JSON, explain, and the errors users see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopart
+from autopart.models import GPT, GPTConfig
+from autopart.plan import Plan
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=32)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg))
+
+
+IDS = torch.randint(0, 64, (4, 16))
+
+
+@pytest.fixture(scope="module")
+def plan_2d() -> Plan:
+    return autopart.plan(_gpt(), autopart.mesh((2, 2), ("dp", "tp")), (IDS,), {"labels": IDS},
+                         roles={"dp": "dp", "tp": "tp"})
+
+
+def test_megatron_structure_from_roles(plan_2d):
+    p = plan_2d
+    assert p.params["blocks.0.attn.q.weight"] == "RS(0)"  # column parallel
+    assert p.params["blocks.0.attn.proj.weight"] == "RS(1)"  # row parallel
+    assert p.params["blocks.0.mlp.fc.weight"] == "RS(0)"
+    assert p.params["blocks.0.mlp.proj.weight"] == "RS(1)"
+    assert p.inputs["ids"].startswith("S(0)")  # batch split on dp
+    fwd = p.collective_counts("blocks.0", "fwd")
+    assert fwd == {("all_reduce", "tp"): 2}, fwd  # Megatron: one all-reduce after attention, one after the MLP
+    assert all(axis == "dp" for axis in {a for a in (p.axis_names[i] for v in p.reduced.values() for i in v)})
+    assert p.solver["status"] == "optimal" and p.solver["tied_layers"] == 2
+
+
+def test_tied_layers_share_decisions(plan_2d):
+    for name in ("q", "k", "v", "proj"):
+        assert plan_2d.params[f"blocks.0.attn.{name}.weight"] == plan_2d.params[f"blocks.1.attn.{name}.weight"]
+
+
+def test_plan_json_roundtrip_and_print(plan_2d, tmp_path):
+    text = plan_2d.to_json()
+    again = Plan.from_json(text)
+    assert again.to_json() == text
+    path = tmp_path / "plan.json"
+    plan_2d.save(str(path))
+    assert Plan.load(str(path)).params == plan_2d.params
+    s = str(plan_2d)
+    assert "blocks.0" in s and "all_reduce@tp" in s and "predicted step" in s
+    assert "aten.arange" in s  # ops without a rule are listed
+    with pytest.raises(ValueError, match="version"):
+        Plan.from_json(text.replace('"version": 1', '"version": 99'))
+
+
+def test_explain_shows_alternatives(plan_2d):
+    text = plan_2d.explain("linear")
+    assert "chosen:" in text and text.count("\n") > 5
+    assert "*" in text  # the chosen option is marked among the alternatives
+    with pytest.raises(ValueError, match="no node"):
+        plan_2d.explain("nonexistent_node")
+
+
+def test_pins_are_respected():
+    p = autopart.plan(_gpt(), autopart.mesh((2,), ("x",)), (IDS,), {"labels": IDS},
+                      pins={"blocks.1.mlp.fc.weight": "S(0)"})
+    assert p.params["blocks.1.mlp.fc.weight"] == "S(0)"
+    with pytest.raises(ValueError, match="not a legal placement"):
+        autopart.plan(_gpt(), (2,), (IDS,), {"labels": IDS}, pins={"blocks.0.mlp.fc.weight": "S(7)"})
+    with pytest.raises(ValueError, match="no parameter or graph node"):
+        autopart.plan(_gpt(), (2,), (IDS,), {"labels": IDS}, pins={"nope.weight": "R"})
+
+
+def test_unpinned_small_model_plans_and_costs_agree():
+    """Without roles the solver picks freely; its objective and the recorded prediction describe one plan."""
+    p = autopart.plan(_gpt(), autopart.mesh((2,), ("a",)), (IDS,), {"labels": IDS})
+    assert p.solver["status"] == "optimal"
+    assert p.predicted["step_time_s"] > 0 and p.predicted["memory_bytes"]["total"] > 0
+
+
+def test_memory_limit_no_plan_can_meet():
+    with pytest.raises(ValueError) as err:
+        autopart.plan(_gpt(), autopart.mesh((2, 2), ("dp", "tp")), (IDS,), {"labels": IDS},
+                      memory_budget="10KiB")
+    msg = str(err.value)
+    assert "smallest per-device memory any plan needs" in msg and "largest contributors" in msg
+    assert "GiB" in msg
+
+
+def test_memory_limit_forces_sharding():
+    """A budget below the replicated model's states makes the solver shard weights."""
+    model = _gpt(d_model=64)
+    free = autopart.plan(model, (4,), (IDS,), {"labels": IDS}, roles={"axis0": "dp"})
+    states = free.predicted["memory_bytes"]["model_states"]
+    tight = autopart.plan(model, autopart.mesh((4,), ("axis0",)), (IDS,), {"labels": IDS},
+                          memory_budget=states * 0.7)
+    assert tight.predicted["memory_bytes"]["total"] <= states * 0.7
+    assert any("S" in v for v in tight.params.values())
+
+
+def test_bad_role_and_axis_names():
+    with pytest.raises(ValueError, match="role"):
+        autopart.plan(_gpt(), autopart.mesh((2,), ("dp",)), (IDS,), {"labels": IDS}, roles={"dp": "pp"})
+    with pytest.raises(ValueError, match="mesh axes are"):
+        autopart.plan(_gpt(), autopart.mesh((2,), ("dp",)), (IDS,), {"labels": IDS}, roles={"tp": "tp"})
+    with pytest.raises(ValueError, match="names"):
+        autopart.mesh((2, 2), ("dp",))
+
+
+def test_export_failure_names_the_line():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y[y > 0].sum()  # data-dependent shape
+
+    with pytest.raises(ValueError) as err:
+        autopart.plan(Bad(), (2,), (torch.randn(4, 4),))
+    msg = str(err.value)
+    assert "data-dependent shape" in msg and "test_planner.py" in msg and "Try" in msg
+
+    class Branchy(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # Python control flow on a tensor value: export cannot trace it
+                return x * 2
+            return x
+
+    with pytest.raises(ValueError) as err:
+        autopart.plan(Branchy(), (2,), (torch.randn(4, 4),))
+    msg = str(err.value)
+    assert "could not trace Branchy" in msg and "test_planner.py" in msg and "Try" in msg
+
+
+def test_meta_model_plans_without_allocating():
+    with torch.device("meta"):
+        model = _gpt()
+        ids = torch.randint(0, 64, (4, 16))
+    p = autopart.plan(model, (2,), (ids,), {"labels": ids})
+    assert p.params
+
+
+def test_mesh_size_must_match_world_size():
+    import torch.distributed as dist
+
+    from autopart._torch_private import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=3)
+    try:
+        with pytest.raises(ValueError, match="world size is 3"):
+            autopart.mesh((2, 2), ("dp", "tp"))
+    finally:
+        dist.destroy_process_group()

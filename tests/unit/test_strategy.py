@@ -1,0 +1,104 @@
+"""Sharding rules on real traced graphs and on hand-built nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopart.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
+from autopart.strategy import options_for
+from autopart.strategy.matrix import einsum_options
+from autopart.strategy.views import view_groups
+from autopart.trace import trace
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    ids = torch.randint(0, 64, (4, 8))
+    return trace(GPT(GPTConfig(vocab_size=64, max_seq_len=8, n_layer=1, n_head=4, d_model=16)), (ids,),
+                 {"labels": ids})
+
+
+def _node(traced, target):
+    return next(n for n in traced.graph.nodes if n.target == target)
+
+
+def test_einsum_mm_rule():
+    opts = einsum_options("mk,kn->mn")
+    assert ((Shard(0), R), Shard(0)) in opts  # rows
+    assert ((R, Shard(1)), Shard(1)) in opts  # columns
+    assert ((Shard(1), Shard(0)), P) in opts  # contraction -> Partial
+    assert ((P, R), P) in opts and ((R, P), P) in opts  # linear in each operand
+    assert ((P, P), P) not in opts  # product of two partial sums is not a partial sum
+
+
+def test_linear_megatron_options(gpt_graph):
+    opts, known = options_for(_node(gpt_graph, aten.linear.default), (2,))
+    assert known
+    got = {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in opts}
+    assert (("R", "S(0)", "S(0)"), "S(2)") in got  # column parallel: weight rows, bias sharded with them
+    assert (("S(2)", "S(1)", "P"), "P") in got  # row parallel: bias added once (Partial)
+    assert (("S(0)", "R", "R"), "S(0)") in got  # data parallel
+    assert not any(o[1] == "P" and o[0][2] != "P" for o in got), "a Partial output needs a Partial bias"
+
+
+def test_view_groups():
+    assert view_groups((4, 16, 32), (4, 16, 4, 8)) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    assert view_groups((4, 16, 64), (-1, 64)) == [([0, 1], [0]), ([2], [1])]
+
+
+def test_view_maps_sharded_dims(gpt_graph):
+    view = next(n for n in gpt_graph.graph.nodes if n.target == aten.view.default
+                and len(n.meta["val"].shape) == 4)  # [b, s, h] -> [b, s, heads, hd]
+    got = {(spec_str(o.inputs[0]), spec_str(o.output)) for o in options_for(view, (2,))[0]}
+    assert ("S(2)", "S(2)") in got  # hidden split maps to heads
+    assert ("S(0)", "S(0)") in got
+    assert ("S(2)", "S(3)") not in got  # never the inner dim of a split group
+
+
+def test_uneven_heads_option_excluded():
+    """6 heads on tp=4: splitting attention by heads is not legal and is excluded, never a crash."""
+    ids = torch.randint(0, 64, (4, 8))
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=8, n_layer=1, n_head=6, d_model=24))
+    t = trace(model, (ids,), {"labels": ids})
+    sdpa = _node(t, aten.scaled_dot_product_attention.default)
+    opts = options_for(sdpa, (4,))[0]
+    assert all(not isinstance(o.output[0], Shard) or o.output[0].dim != 1 for o in opts)
+    assert any(o.output == (Shard(0),) for o in opts)  # batch 4 splits evenly
+    assert options_for(sdpa, (2,))[0] and any(o.output == (Shard(1),) for o in options_for(sdpa, (2,))[0])
+
+
+def test_gqa_heads_need_kv_heads_divisible():
+    ids = torch.randint(0, 64, (2, 8))
+    t = trace(Llama(LlamaConfig(vocab_size=64, max_seq_len=8, n_layer=1, n_head=4, n_kv_head=2, d_model=32,
+                                d_ff=64)), (ids,), {"labels": ids})
+    sdpa = _node(t, aten.scaled_dot_product_attention.default)
+    assert any(o.output == (Shard(1),) for o in options_for(sdpa, (2,))[0])
+    assert not any(o.output == (Shard(1),) for o in options_for(sdpa, (4,))[0])  # 2 kv heads on 4
+
+
+def test_cross_entropy_batch_split_is_partial(gpt_graph):
+    ce = _node(gpt_graph, aten.cross_entropy_loss.default)
+    got = {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in options_for(ce, (2,))[0]}
+    assert (("S(0)", "S(0)"), "P") in got
+    assert not any(o[0][0] == "S(1)" for o in got)  # vocab-parallel cross-entropy is not offered (yet)
+
+
+def test_unknown_op_is_replicated():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4, device="meta")
+    y = g.call_function(aten.cumprod.default, (x, 0))
+    y.meta["val"] = torch.empty(4, 4, device="meta")
+    opts, known = options_for(y, (2, 2))
+    assert not known
+    assert [spec_str(o.output) for o in opts] == ["RR"]
+
+
+def test_spec_parse_roundtrip():
+    for text in ("S(0)R", "RP", "S(2)S(0)", "R"):
+        assert spec_str(parse_spec(text)) == text
