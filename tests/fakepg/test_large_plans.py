@@ -123,7 +123,7 @@ def test_unpinned_8x8():
 
 def test_fake_pg_local_shapes_match_plan():
     """Under a 64-rank fake process group, DTensor's local shards of the planned placements have the shapes the
-    plan assumes, and they add up to the plan's predicted model-state memory (16 bytes per local parameter)."""
+    plan assumes."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
@@ -136,12 +136,21 @@ def test_fake_pg_local_shapes_match_plan():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     try:
         dm = init_device_mesh("cpu", (8, 8), mesh_dim_names=NAMES)
-        local_elems = 0
-        for fqn, param in model.named_parameters():  # tied lm_head/wte counted once
+        for fqn, param in model.named_parameters(remove_duplicate=False):
             spec = parse_spec(p.params[fqn])
             dt = distribute_tensor(param.detach(), dm, to_dtensor_placements(spec))
             assert tuple(dt.to_local().shape) == local_shape(tuple(param.shape), spec, (8, 8)), fqn
-            local_elems += dt.to_local().numel()
     finally:
         dist.destroy_process_group()
-    assert math.isclose(local_elems * 16, p.predicted["memory_bytes"]["model_states"], rel_tol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: torch.export keeps two placeholders for the tied wte/lm_head "
+                   "weight (p_wte_weight, p_lm_head_weight); the planner prices them as two parameters (memory "
+                   "counted twice, placements chosen independently) and plan.params reports lm_head's spec for both")
+def test_tied_embedding_planned_once():
+    """Model-state memory = 16 bytes x the local elements of each distinct parameter under plan.params."""
+    p = _plan(8, (8, 8), (("tp", "tp"),))
+    model, _, _ = _traced(8)
+    local = sum(math.prod(local_shape(tuple(w.shape), parse_spec(p.params[fqn]), (8, 8)))
+                for fqn, w in model.named_parameters())  # tied lm_head/wte counted once
+    assert math.isclose(local * 16, p.predicted["memory_bytes"]["model_states"], rel_tol=1e-6)
