@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import torch
 import torch.nn as nn
 
 from autopart.cost import Cluster, preset
@@ -84,7 +84,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
     import torch.distributed as dist
 
     from autopart.passes import run_passes
-    from autopart.runtime.module import ParallelModule
+    from autopart.runtime.module import ParallelModule, Program, signature
 
     m = _as_mesh(mesh)
     if m.device_mesh is None:
@@ -106,10 +106,25 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
     if tuple(plan.mesh_shape) != m.shape:
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
-    out_spec = None
+    plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
+                   local_batch=local_batch, backend=backend)
+
+    def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
+        t2 = trace(model, args, kwargs)
+        text = [None]
+        if dist.get_rank() == 0:
+            text[0] = globals()["plan"](model, m, traced=t2, pins={**(pins or {}), **param_pins},
+                                        **plan_kw).to_json()
+        dist.broadcast_object_list(text, src=0)
+        p2 = Plan.from_json(text[0])
+        return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
+                       t2.user_inputs, t2.input_paths)
+
     return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
                           user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
-                          out_spec=out_spec, loss_fn=loss_fn, local_batch=local_batch)
+                          loss_fn=loss_fn, local_batch=local_batch,
+                          example_signature=signature(example_inputs, example_kwargs or {}),
+                          make_program=make_program)
 
 
 def raise_if_local_batch_unsupported(example_inputs, example_kwargs) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 PLAN_VERSION = 1
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopart.cost import Cluster, Link, collective_time, node_bytes, node_flops, backward_flops, roofline_time
+from autopart.cost import Cluster, Link, backward_flops, collective_time, node_bytes, node_flops, roofline_time
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.trace import Traced
@@ -358,7 +358,7 @@ def _tie_groups(info: Graphinfo, enabled: bool) -> tuple[list[list[str]], dict[s
             return (n.op, str(n.target) if n.op != "placeholder" else info.kind[n.name], shp,
                     len(info.options[n.name]))
 
-        for fam, lays in families.items():
+        for lays in families.values():
             seqs = [[sig(n) for n in by_layer[lay]] for lay in lays]
             if len(lays) < 2 or any(s != seqs[0] for s in seqs):
                 continue
@@ -503,7 +503,6 @@ def _outs(o: OpOption) -> tuple:
 
 def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     """Price every option, solve, and return the ``Plan`` (raises ``ValueError`` if no plan fits)."""
-    from autopart.plan import Plan
     from autopart.solver import InfeasibleError, SolverOptions, solve
     from autopart.solver import Problem as IlpProblem
 

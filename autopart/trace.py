@@ -77,7 +77,8 @@ def _check_static(node: fx.Node, model_name: str) -> None:
         if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
             raise ValueError(
                 f"{model_name} has a data-dependent shape at node {node.name} ({node.target}), shape "
-                f"{tuple(v.shape)}\n  at {_source_line(node)}\n  autopart plans fixed shapes. Try: replace boolean-mask "
+                f"{tuple(v.shape)}\n  at {_source_line(node)}\n  autopart plans fixed shapes. "
+                "Try: replace boolean-mask "
                 "indexing / nonzero with a dense formulation (torch.where, masking by multiplication), or move the "
                 "code behind a torch.library.custom_op with a fake implementation.")
 

@@ -28,7 +28,7 @@ class GPTConfig:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
 
     @staticmethod
-    def preset(name: str) -> "GPTConfig":
+    def preset(name: str) -> GPTConfig:
         presets = {
             "tiny": GPTConfig(),
             "gpt2-124m": GPTConfig(vocab_size=50304, max_seq_len=1024, n_layer=12, n_head=12, d_model=768),

@@ -29,7 +29,7 @@ class LlamaConfig:
             )
 
     @staticmethod
-    def preset(name: str) -> "LlamaConfig":
+    def preset(name: str) -> LlamaConfig:
         presets = {
             "tiny": LlamaConfig(),
             "llama-7b": LlamaConfig(32000, 4096, 32, 32, 32, 4096, 11008),

@@ -58,7 +58,7 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             if n > 1:
                 with graph.inserting_after(node):
                     div = graph.call_function(aten.div.Tensor, (node, float(n)))
-                node.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+                node.replace_all_uses_with(div, delete_user_cb=lambda u, d=div: u is not d)
                 div.meta.update({k: v for k, v in node.meta.items() if k.startswith("autopart.output") or k == "val"})
                 changed = True
     return gm, changed

@@ -31,7 +31,7 @@ def verify(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphMod
     out = next(iter(gm.graph.find_nodes(op="output")))
     rr = tuple(Replicate() for _ in mesh_shape)
     for a in torch.utils._pytree.tree_leaves(out.args):
-        if isinstance(a, fx.Node) and a.meta.get("autopart.output") not in (None, rr) and not (
-                a.target is operator.getitem):
+        if isinstance(a, fx.Node) and a.meta.get("autopart.output") not in (None, rr) \
+                and a.target is not operator.getitem:
             raise AssertionError(f"graph output {a.name} is {a.meta['autopart.output']}, not replicated")
     return gm, False

@@ -9,7 +9,9 @@ sums the gradients the plan marks as reduced over their mesh axes, in one flat b
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,27 +32,42 @@ def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) 
     return out
 
 
+@dataclass
+class Program:
+    """One traced signature's rewritten graph and how to feed it."""
+
+    gm: fx.GraphModule
+    plan: Plan
+    params: dict[str, str]  # placeholder -> parameter FQN
+    buffers: dict[str, str]
+    constants: dict[str, Any]
+    user_inputs: list[str]
+    input_names: list[str]  # "args[0]" / "kwargs['labels']" per user input
+
+
+def signature(args: tuple, kwargs: dict) -> tuple:
+    """What a traced graph is specialised to: positions, names, shapes and dtypes of the tensor inputs."""
+    key = [(f"args[{i}]", tuple(a.shape), a.dtype) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    key += [(f"kwargs[{k!r}]", tuple(v.shape), v.dtype) for k, v in sorted(kwargs.items())
+            if isinstance(v, torch.Tensor)]
+    return tuple(key)
+
+
 class ParallelModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, plan: Plan, model: nn.Module, mesh, *, params: dict[str, str],
                  buffers: dict[str, str], constants: dict[str, Any], user_inputs: list[str],
-                 input_names: list[str], aliases: dict[str, list[str]], out_spec: Any = None,
-                 loss_fn: Callable | None = None, local_batch: bool = False, sync_params: bool = True) -> None:
+                 input_names: list[str], aliases: dict[str, list[str]],
+                 loss_fn: Callable | None = None, local_batch: bool = False, sync_params: bool = True,
+                 example_signature: tuple = (), make_program: Callable | None = None) -> None:
         super().__init__()
         self.plan = plan
-        self.gm = gm
         self.mesh = mesh
         dm = mesh.device_mesh
         self._dm = dm
         self._groups = [dm.get_group(i) for i in range(dm.ndim)]
         self._coords = list(dm.get_coordinate())
         self._sizes = list(dm.shape)
-        self._param_ph = params  # placeholder -> fqn
-        self._buffer_ph = buffers
-        self._constants = constants
-        self._user_inputs = user_inputs
-        self._input_names = input_names
         self._aliases = aliases
-        self._out_spec = out_spec
         self.loss_fn = loss_fn
         self.local_batch = local_batch
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
@@ -60,7 +77,7 @@ class ParallelModule(nn.Module):
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
         self._params = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
-        for ph, fqn in params.items():
+        for fqn in params.values():
             full = named[fqn].detach().to(device)
             if sync_params:
                 full = full.clone()
@@ -72,9 +89,10 @@ class ParallelModule(nn.Module):
             key = fqn.replace(".", "__")
             self._params[key] = nn.Parameter(dt, requires_grad=named[fqn].requires_grad)
             self._key_of[fqn] = key
-        self._buffers_local = {ph: named_buffers[fqn].detach().to(device) for ph, fqn in buffers.items()}
+        self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
         self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items()}
-        self._input_specs = {name: parse_spec(s) for name, s in plan.inputs.items()}
+        self._programs = {example_signature: Program(gm, plan, params, buffers, constants, user_inputs, input_names)}
+        self._make_program = make_program
 
     # ---- parameters ----------------------------------------------------------------------------------------
     def param(self, fqn: str) -> nn.Parameter:
@@ -94,12 +112,24 @@ class ParallelModule(nn.Module):
         return out
 
     # ---- running -------------------------------------------------------------------------------------------
-    def _bind_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def _program(self, args: tuple, kwargs: dict) -> Program:
+        key = signature(args, kwargs)
+        prog = self._programs.get(key)
+        if prog is None:
+            if self._make_program is None:
+                raise ValueError(f"this module was planned for inputs {next(iter(self._programs))}, got {key}")
+            # a new signature (forward without labels, another batch size): trace and plan it with every
+            # parameter pinned to its current placement, so the same sharded parameters serve both programs
+            prog = self._make_program(args, kwargs, {fqn: self.plan.params[fqn] for fqn in self._key_of})
+            self._programs[key] = prog
+        return prog
+
+    def _bind_inputs(self, prog: Program, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        names = [n for n in self._input_names if n.startswith("args[")]
+        names = [n for n in prog.input_names if n.startswith("args[")]
         if len(tensors) != len(names):
             raise ValueError(f"expected {len(names)} positional tensor inputs as when planned, got {len(tensors)}")
-        for name in self._input_names:
+        for name in prog.input_names:
             if name.startswith("kwargs["):
                 key = name[8:-2]
                 if key not in kwargs:
@@ -107,38 +137,37 @@ class ParallelModule(nn.Module):
                                      f"without it)")
                 tensors.append(kwargs[key])
         out = []
-        for ph, t in zip(self._user_inputs, tensors):
+        for ph, t in zip(prog.user_inputs, tensors):
             t = t.to(self._device)
-            spec = self._input_specs.get(ph)
+            spec = parse_spec(prog.plan.inputs[ph]) if ph in prog.plan.inputs else None
             if spec is not None:
-                for axis, (p, c, n) in enumerate(zip(spec, self._coords, self._sizes)):
+                for p, c, n in zip(spec, self._coords, self._sizes):
                     if isinstance(p, Shard) and not (self.local_batch and p.dim == 0):
                         t = t.chunk(n, dim=p.dim)[c]
             out.append(t)
         return out
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
-        inputs = self._bind_inputs(args, kwargs)
+        prog = self._program(args, kwargs)
+        inputs = self._bind_inputs(prog, args, kwargs)
         feed = []
         user = iter(inputs)
-        for node in self.gm.graph.find_nodes(op="placeholder"):
+        for node in prog.gm.graph.find_nodes(op="placeholder"):
             name = node.name
-            if name in self._param_ph:
-                feed.append(self._params[self._key_of[self._param_ph[name]]].to_local())
-            elif name in self._buffer_ph:
-                feed.append(self._buffers_local[name])
-            elif name in self._constants:
-                feed.append(self._constants[name])
+            if name in prog.params:
+                feed.append(self.param(prog.params[name]).to_local())
+            elif name in prog.buffers:
+                feed.append(self._buffers_local[prog.buffers[name]])
+            elif name in prog.constants:
+                feed.append(prog.constants[name])
             else:
                 feed.append(next(user))
         with C.axis_groups(self._groups, self._coords, self._sizes):
-            outs = self.gm(*feed)
+            outs = prog.gm(*feed)
         return outs
 
     def forward(self, *args, **kwargs):
         outs = self._run(args, kwargs)
-        if self._out_spec is not None:
-            return torch.utils._pytree.tree_unflatten(list(outs), self._out_spec)
         return outs[0] if len(outs) == 1 else outs
 
     def _loss_of(self, out: Any) -> torch.Tensor:
@@ -182,5 +211,5 @@ class ParallelModule(nn.Module):
                 off += g.numel()
 
     def program(self) -> str:
-        """This rank's program as Python."""
-        return self.gm.code
+        """This rank's program (for the planned signature) as Python."""
+        return next(iter(self._programs.values())).gm.code

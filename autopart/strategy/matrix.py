@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopart.placement import Placement, Shard
-from autopart.strategy.registry import P, R, NodeInfo, Option1D, register
+from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from autopart.placement import Shard
-from autopart.strategy.registry import P, R, NodeInfo, Option1D, register, replicate_only
+from autopart.strategy.registry import NodeInfo, Option1D, P, R, register, replicate_only
 
 aten = torch.ops.aten
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from autopart.strategy.registry import P, R, NodeInfo, Option1D, register
 from autopart.placement import Shard
+from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
 
 aten = torch.ops.aten
 

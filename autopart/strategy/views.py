@@ -12,7 +12,7 @@ import math
 import torch
 
 from autopart.placement import Shard
-from autopart.strategy.registry import P, R, NodeInfo, Option1D, register
+from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
 
 aten = torch.ops.aten
 

@@ -60,7 +60,10 @@ def reference(name: str):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        out = model(batches()[0])
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
 def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False):
@@ -77,12 +80,16 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch:
         opt.zero_grad()
         losses.append(loss.item())
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    return losses, full, str(pm.plan), pm.plan.to_json()
+    logits = pm(batches()[0])  # forward only, a signature the plan was not traced for: planned on first use
+    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach()
 
 
 def check(name: str, results, ref) -> None:
-    ref_losses, ref_params = ref
-    for rank, (losses, params, plan_text, _) in enumerate(results):
+    ref_losses, ref_params, ref_logits = ref
+    for rank, (losses, params, plan_text, _, logits) in enumerate(results):
+        out = logits if isinstance(logits, torch.Tensor) else logits[0]
+        err = (out - ref_logits).abs().max().item()
+        assert err <= 1e-5, f"{name} rank {rank}: forward-only logits differ by {err}\n{plan_text}"
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5, f"{name} rank {rank} step {step}: loss {a} vs single-process {b}\n{plan_text}"
         for k, v in ref_params.items():
