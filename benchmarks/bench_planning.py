@@ -1,0 +1,111 @@
+"""Planning time of autopart on this machine: models built on ``meta``, a100-80gb cluster preset.
+
+    PYTHONPATH=. python benchmarks/bench_planning.py                      # all models x all meshes (minutes)
+    PYTHONPATH=. python benchmarks/bench_planning.py --models gpt2-124m,llama-7b --meshes 8,8x8
+
+Each model is exported once (``autopart.trace.trace``) and the export is reused for every mesh (``traced=``).
+Columns: trace = torch.export; strategies+costs = listing and pricing the options; solve = the ILP; passes = graph
+rewriting (not part of planning: "-"); total = strategies+costs + solve (+ Plan assembly), i.e. time after tracing.
+Global batch: one sequence per device of the first mesh axis (at least 8), full context length of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import autopart
+from autopart.models.gpt import GPT, GPTConfig
+from autopart.models.llama import Llama, LlamaConfig
+from autopart.trace import trace
+
+MODELS = {
+    "gpt2-124m": lambda: GPT(GPTConfig.preset("gpt2-124m")),
+    "gpt-1.3b": lambda: GPT(GPTConfig.preset("gpt-1.3b")),
+    "llama-7b": lambda: Llama(LlamaConfig.preset("llama-7b")),
+    "llama-70b": lambda: Llama(LlamaConfig.preset("llama-70b")),
+}
+MESHES = {"8": (8,), "8x8": (8, 8), "128x8": (128, 8)}
+SEQ = 2048
+
+
+def _seq_len(model) -> int:
+    return min(SEQ, model.cfg.max_seq_len)
+
+
+def bench(models: list[str], meshes: list[str], time_limit_s: float) -> list[dict]:
+    rows = []
+    for name in models:
+        with torch.device("meta"):
+            model = MODELS[name]()
+        vocab = model.cfg.vocab_size
+        # batch depends on the mesh (divisible by the data-parallel axis): trace once per batch size
+        traced: dict[int, object] = {}
+        for mname in meshes:
+            shape = MESHES[mname]
+            batch = max(8, shape[0])
+            with torch.device("meta"):
+                ids = torch.randint(0, vocab, (batch, _seq_len(model)))
+            if batch not in traced:
+                traced[batch] = trace(model, (ids,), {"labels": ids})
+            t = traced[batch]
+            names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
+            t0 = time.perf_counter()
+            try:
+                p = autopart.plan(model, autopart.mesh(shape, names), (ids,), {"labels": ids},
+                                  cluster=autopart.preset("a100-80gb", shape), traced=t, time_limit_s=time_limit_s)
+                err = None
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                p, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            total = time.perf_counter() - t0
+            s = p.solver if p else {}
+            rows.append({
+                "model": name, "mesh": mname, "batch": batch, "nodes": s.get("graph_nodes", "-"),
+                "groups": s.get("groups", "-"), "trace_s": t.export_seconds,
+                "costs_s": s.get("strategies_and_costs_s"), "solve_s": s.get("solve_s"), "total_s": total,
+                "status": s.get("status", err), "gap": s.get("gap"),
+                "step_s": p.predicted["step_time_s"] if p else None,
+                "mem_gib": p.predicted["memory_bytes"]["total"] / 2**30 if p else None,
+            })
+            print(_row(rows[-1]), flush=True)
+    return rows
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+HEADER = ("| model | mesh | batch | graph nodes | decision groups | trace (export) s | strategies+costs s | solve s "
+          "| passes | planning total s (after trace) | solver status | gap | predicted step s | memory/device GiB |")
+
+
+def _row(r: dict) -> str:
+    return (f"| {r['model']} | {r['mesh']} | {r['batch']} | {r['nodes']} | {r['groups']} | {_f(r['trace_s'])} | "
+            f"{_f(r['costs_s'])} | {_f(r['solve_s'])} | - | {_f(r['total_s'])} | {r['status']} | "
+            f"{_f(r['gap'], '{:.2%}')} | {_f(r['step_s'], '{:.3f}')} | {_f(r['mem_gib'], '{:.1f}')} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
+    ap.add_argument("--meshes", default=",".join(MESHES), help=f"comma-separated subset of {list(MESHES)}")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per plan (s)")
+    a = ap.parse_args()
+    models = [m for m in a.models.split(",") if m]
+    meshes = [m for m in a.meshes.split(",") if m]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {list(MODELS)}")
+    for m in meshes:
+        if m not in MESHES:
+            ap.error(f"unknown mesh {m!r}; choose from {list(MESHES)}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cluster a100-80gb; seq {SEQ}")
+    print(HEADER)
+    print("|" + "---|" * (HEADER.count("|") - 1))
+    bench(models, meshes, a.time_limit)
+
+
+if __name__ == "__main__":
+    main()
