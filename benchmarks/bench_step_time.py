@@ -10,7 +10,8 @@
 
 A step is forward + backward + AdamW step + zero_grad on the same global batch. Each step is timed between two
 barriers; the table gives the median over ``--steps`` steps after ``--warmup`` (two interleaved rounds per
-engine, pooled). ``--profile`` prints cProfile's top functions of rank 0's autopart steps.
+engine, pooled). ``--foreach`` gives AdamW ``foreach=True`` (DDP and autopart; torch TP's mixed plain/DTensor parameters
+fail foreach). ``--profile`` prints cProfile's top functions of rank 0's autopart steps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 CFG = dict(vocab_size=1024, max_seq_len=128, n_layer=4, n_head=4, d_model=256)
 BATCH, SEQ = 8, 128
+OPT_KW: dict = {}
 
 
 def _model():
@@ -68,7 +70,7 @@ def _setup(kind: str):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, **OPT_KW)
         local = ids.chunk(world)[rank]
 
         def step():
@@ -91,6 +93,7 @@ def _setup(kind: str):
                 plan[f"blocks.{i}.{n}"] = RowwiseParallel()
             model.blocks[i].attn.forward = types.MethodType(_local_heads_forward, model.blocks[i].attn)
         parallelize_module(model, dm, plan)
+        # foreach fails on torch TP's mix of plain and DTensor parameters (aten._foreach_mul_ mixed Tensor/DTensor)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step():
@@ -103,7 +106,7 @@ def _setup(kind: str):
     role = {"autopart-dp": "dp", "autopart-tp": "tp"}[kind]
     mesh = autopart.mesh((world,), (role,))
     pm = autopart.parallelize(model, mesh, (ids,), {"labels": ids}, roles={role: role})
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, **OPT_KW)
 
     def step():
         loss = pm.forward_backward(ids, labels=ids)
@@ -125,7 +128,9 @@ def _time(step, n: int) -> list[float]:
     return out
 
 
-def run(steps: int, warmup: int, profile: bool):
+def run(steps: int, warmup: int, profile: bool, foreach: bool = False):
+    if foreach:
+        OPT_KW["foreach"] = True
     kinds = ["torch-ddp", "autopart-dp", "torch-tp", "autopart-tp"]
     fns, setup_s = {}, {}
     for k in kinds:
@@ -166,11 +171,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--show-plans", action="store_true")
+    ap.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) for DDP and autopart (torch TP cannot)")
     a = ap.parse_args()
-    res = run_ranks(2, run, a.steps, a.warmup, a.profile)[0]
+    res = run_ranks(2, run, a.steps, a.warmup, a.profile, a.foreach)[0]
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"reference GPT {CFG}, batch {BATCH} x seq {SEQ}, 2 gloo ranks x 1 thread, torch {torch.__version__}; "
-          f"median of {len(res['times']['torch-ddp'])} steps after {a.warmup} warm-up")
+          f"median of {len(res['times']['torch-ddp'])} steps after {a.warmup} warm-up; AdamW foreach={a.foreach}")
     print("| parallelism | torch engine | torch step ms | autopart step ms | autopart / torch | setup s (torch / autopart) |")
     print("|---|---|---|---|---|---|")
     for name, t, ap_ in (("data, dp=2", "torch-ddp", "autopart-dp"), ("tensor, tp=2", "torch-tp", "autopart-tp")):
