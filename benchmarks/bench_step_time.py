@@ -177,7 +177,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"reference GPT {CFG}, batch {BATCH} x seq {SEQ}, 2 gloo ranks x 1 thread, torch {torch.__version__}; "
           f"median of {len(res['times']['torch-ddp'])} steps after {a.warmup} warm-up; AdamW foreach={a.foreach}")
-    print("| parallelism | torch engine | torch step ms | autopart step ms | autopart / torch | setup s (torch / autopart) |")
+    print("| parallelism | torch engine | torch step ms | autopart step ms | autopart / torch "
+          "| setup s (torch / autopart) |")
     print("|---|---|---|---|---|---|")
     for name, t, ap_ in (("data, dp=2", "torch-ddp", "autopart-dp"), ("tensor, tp=2", "torch-tp", "autopart-tp")):
         engine = "DistributedDataParallel" if t == "torch-ddp" else "parallelize_module Colwise/Rowwise"

@@ -36,7 +36,7 @@ LINEARS = ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.proj.weight"
 ATTN = LINEARS[:4]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traced(batch: int):
     with torch.device("meta"):
         model = GPT(GPTConfig.preset("gpt-13b"))
@@ -44,7 +44,7 @@ def _traced(batch: int):
     return model, ids, trace(model, (ids,), {"labels": ids})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(batch: int, shape: tuple[int, int], roles: tuple = ()) -> autopart.Plan:
     model, ids, t = _traced(batch)
     return autopart.plan(model, autopart.mesh(shape, NAMES), (ids,), {"labels": ids},
