@@ -118,10 +118,10 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         dist.broadcast_object_list(text, src=0)
         p2 = Plan.from_json(text[0])
         return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
-                       t2.user_inputs, t2.input_paths)
+                       t2.tied, t2.user_inputs, t2.input_paths)
 
     return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
-                          user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
+                          tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
                           loss_fn=loss_fn, local_batch=local_batch,
                           example_signature=signature(example_inputs, example_kwargs or {}),
                           make_program=make_program)

@@ -221,6 +221,8 @@ def analyze(traced: Traced, mesh_shape: tuple[int, ...]) -> Graphinfo:
     for node in traced.graph.nodes:
         val = value_of(node)
         if node.op == "placeholder":
+            if node.name in traced.tied:
+                continue
             k = ("param" if node.name in traced.params else "buffer" if node.name in traced.buffers
                  else "constant" if node.name in traced.constants else "input")
             if not isinstance(val, torch.Tensor):
@@ -565,7 +567,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]
             params[fqn] = spec_str(o.output)
-            for alias in traced.aliases.get(fqn, []):
+            for alias in traced.aliases.get(fqn, []):  # tied names share the one parameter's placement
                 params[alias] = spec_str(o.output)
             axes = param_reduced_axes(n, chosen, info, mesh)
             if any(axes):

@@ -26,6 +26,7 @@ class Traced:
     input_paths: list[str]  # "args[0]" / "kwargs['labels']" per user input
     outputs: list[str]  # names of output nodes (tensors)
     aliases: dict[str, list[str]] = field(default_factory=dict)  # FQN used in graph -> other FQNs tying to it
+    tied: dict[str, str] = field(default_factory=dict)  # unused placeholder of a tied name -> canonical placeholder
     fingerprint: str = ""
     export_seconds: float = 0.0
     constant_values: dict[str, Any] = field(default_factory=dict)
@@ -143,15 +144,26 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
         arg = spec.arg
         if hasattr(arg, "name"):
             outputs.append(arg.name)
-    # tied parameters: export keeps one placeholder per tensor; record the other names
-    aliases: dict[str, list[str]] = {}
+    # tied parameters: export keeps a placeholder per *name* of one tensor (often only one of them used); merge
+    # them into one canonical placeholder so the planner prices and the runtime holds a single parameter
     by_id: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(fqn)
-    for fqn in params.values():
-        for names in by_id.values():
-            if fqn in names:
-                aliases[fqn] = [n for n in names if n != fqn]
+    fqn_group = {f: names for names in by_id.values() for f in names}
+    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    aliases: dict[str, list[str]] = {}
+    tied: dict[str, str] = {}
+    groups: dict[tuple, list[str]] = {}
+    for ph, fqn in params.items():
+        groups.setdefault(tuple(fqn_group.get(fqn, [fqn])), []).append(ph)
+    for names, phs in groups.items():
+        used = sorted(phs, key=lambda ph: (len(placeholders[ph].users) == 0, ph))
+        canon = used[0]
+        for other in used[1:]:
+            placeholders[other].replace_all_uses_with(placeholders[canon])
+            tied[other] = canon
+            del params[other]
+        aliases[params[canon]] = [f for f in names if f != params[canon]]
     constant_values = {name: ep.constants[t] for name, t in constants.items() if t in ep.constants}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and "val" not in node.meta:
@@ -166,6 +178,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
         input_paths=_flat_input_paths(example_inputs, example_kwargs),
         outputs=outputs,
         aliases=aliases,
+        tied=tied,
         fingerprint=graph_fingerprint(gm),
         export_seconds=export_seconds,
         constant_values=constant_values,

@@ -41,6 +41,7 @@ class Program:
     params: dict[str, str]  # placeholder -> parameter FQN
     buffers: dict[str, str]
     constants: dict[str, Any]
+    tied: dict[str, str]  # placeholder of a tied name (no users) -> canonical parameter placeholder
     user_inputs: list[str]
     input_names: list[str]  # "args[0]" / "kwargs['labels']" per user input
 
@@ -55,7 +56,7 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
 class ParallelModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, plan: Plan, model: nn.Module, mesh, *, params: dict[str, str],
-                 buffers: dict[str, str], constants: dict[str, Any], user_inputs: list[str],
+                 buffers: dict[str, str], constants: dict[str, Any], tied: dict[str, str], user_inputs: list[str],
                  input_names: list[str], aliases: dict[str, list[str]],
                  loss_fn: Callable | None = None, local_batch: bool = False, sync_params: bool = True,
                  example_signature: tuple = (), make_program: Callable | None = None) -> None:
@@ -91,7 +92,8 @@ class ParallelModule(nn.Module):
             self._key_of[fqn] = key
         self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
         self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items()}
-        self._programs = {example_signature: Program(gm, plan, params, buffers, constants, user_inputs, input_names)}
+        self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
+                                                     input_names)}
         self._make_program = make_program
 
     # ---- parameters ----------------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class ParallelModule(nn.Module):
         user = iter(inputs)
         for node in prog.gm.graph.find_nodes(op="placeholder"):
             name = node.name
+            if name in prog.tied:
+                name = prog.tied[name]
             if name in prog.params:
                 feed.append(self.param(prog.params[name]).to_local())
             elif name in prog.buffers:

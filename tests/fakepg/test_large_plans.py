@@ -144,11 +144,9 @@ def test_fake_pg_local_shapes_match_plan():
         dist.destroy_process_group()
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: torch.export keeps two placeholders for the tied wte/lm_head "
-                   "weight (p_wte_weight, p_lm_head_weight); the planner prices them as two parameters (memory "
-                   "counted twice, placements chosen independently) and plan.params reports lm_head's spec for both")
 def test_tied_embedding_planned_once():
-    """Model-state memory = 16 bytes x the local elements of each distinct parameter under plan.params."""
+    """Model-state memory = 16 bytes x the local elements of each distinct parameter under plan.params: the tied
+    wte/lm_head weight (two placeholders in torch.export's graph) is planned as one parameter."""
     p = _plan(8, (8, 8), (("tp", "tp"),))
     model, _, _ = _traced(8)
     local = sum(math.prod(local_shape(tuple(w.shape), parse_spec(p.params[fqn]), (8, 8)))
