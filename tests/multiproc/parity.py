@@ -88,9 +88,9 @@ def check(name: str, results, ref) -> None:
     ref_losses, ref_params, ref_logits = ref
     for rank, (losses, params, plan_text, _, logits) in enumerate(results):
         out = logits if isinstance(logits, torch.Tensor) else logits[0]
-        # logits are O(1)-O(10) values summed in another order; the spec (1e-5) is on loss and parameters, checked above
+        # logits are O(1)-O(10) values summed in another order; the 1e-5 spec is on loss and parameters (above)
         torch.testing.assert_close(out, ref_logits, rtol=1e-5, atol=5e-5,
-                                   msg=lambda m: f"{name} rank {rank}: forward-only logits: {m}\n{plan_text}")
+                                   msg=lambda m, r=rank, t=plan_text: f"{name} rank {r}: forward-only logits: {m}\n{t}")
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5, f"{name} rank {rank} step {step}: loss {a} vs single-process {b}\n{plan_text}"
         for k, v in ref_params.items():
