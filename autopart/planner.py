@@ -287,6 +287,25 @@ def param_reduced_axes(node: fx.Node, chosen: dict[str, OpOption], info: Graphin
             ok = isinstance(uopt.inputs[j][i], Replicate) and is_split(uopt, i)
         out.append(ok)
     return tuple(out)
+def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> float:
+    """Collectives an option runs inside its lowering (not on an edge): vocab-parallel cross-entropy's three
+    all-reduces of one value per token, and the global count of a batch-sharded mean cross-entropy."""
+    if node.target != aten.cross_entropy_loss.default:
+        return 0.0
+    mesh = cluster.mesh_shape
+    logits = option.inputs[0]
+    rows = value_of(node.args[0]).shape[0]
+    t = 0.0
+    for i, p in enumerate(logits):
+        if p == Shard(1):
+            local_rows = rows / math.prod(n for j, n in enumerate(mesh) if logits[j] == Shard(0))
+            t += 3 * collective_time("all_reduce", local_rows * 4, mesh[i], cluster.link(i))
+    for i, p in enumerate(option.output):
+        if isinstance(p, Partial):
+            t += collective_time("all_reduce", 8, mesh[i], cluster.link(i))
+    return t
+
+
 def _fx_vals(x: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, x)
 
@@ -422,6 +441,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         k = len(members)
         opts_r = info.options[rep.name]
         comp = np.zeros(len(opts_r))
+        icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
         val = value_of(rep)
         if info.kind[rep.name] == "op":
@@ -434,6 +454,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             for a, o in enumerate(opts_r):
                 f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
                 comp[a] = roofline_time(tflops / f, tbytes / f, device)
+                icomm[a] = internal_comm_time(rep, o, cluster)
                 if g and rep.target not in _VIEW_OPS:
                     outs = o.output if isinstance(o.output[0], tuple) else (o.output,)
                     mem[a] = sum(_local_bytes(v, s, mesh) for v, s in zip(vals, outs))
@@ -444,7 +465,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         elif info.kind[rep.name] in ("buffer", "constant"):
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh)
-        cost = comp.copy()
+        cost = comp + icomm
         for name in members:
             for prod, idx in out_nodes:
                 if prod.name == name:

@@ -39,14 +39,15 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
                 node.target = C.vocab_parallel_embedding
                 node.args = (node.args[0], node.args[1], vocab_axes[0]) + extra
                 changed = True
-        elif node.target == aten.cross_entropy_loss.default and isinstance(out, tuple) and \
-                any(isinstance(p, Partial) for p in out):
-            axes = tuple(i for i, p in enumerate(out) if isinstance(p, Partial))
+        elif node.target == aten.cross_entropy_loss.default and (
+                any(isinstance(p, Partial) for p in out) or any(p == Shard(1) for p in ins[0])):
+            batch_axes = tuple(i for i, p in enumerate(out) if isinstance(p, Partial))
+            vocab = [i for i, p in enumerate(ins[0]) if p == Shard(1)]
             args = list(node.args) + [None, 1, -100, 0.0][len(node.args) - 2:]
             reduction = node.kwargs.get("reduction", args[3])
             ignore = node.kwargs.get("ignore_index", args[4])
             node.target = C.sharded_cross_entropy
-            node.args = (args[0], args[1], axes, None, reduction, ignore, 0.0)
+            node.args = (args[0], args[1], batch_axes, vocab[0] if vocab else None, reduction, ignore)
             node.kwargs = {}
             changed = True
         elif node.target in (aten.mean.dim, aten.mean.default):

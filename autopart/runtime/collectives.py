@@ -205,13 +205,53 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: int,
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
-def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axes: tuple[int, ...], weight=None,
-                          reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Cross-entropy of a batch sharded over ``axes``: local sum / global count of non-ignored targets (Partial)."""
-    s = torch.ops.aten.cross_entropy_loss.default(logits, target, None, 2, ignore_index, 0.0)
-    if reduction != 1:
+class _VocabParallelNLL(torch.autograd.Function):
+    """Per-token cross-entropy of logits whose vocabulary is sharded over one axis (Megatron): global max,
+    global sum of exponentials and the target's logit by three all-reduces of one value per token."""
+
+    @staticmethod
+    def forward(ctx, logits, target, axis, ignore_index):
+        ax = Ax(axis)
+        rows = logits.shape[-1]
+        lo = ax.coord * rows
+        m = logits.detach().amax(dim=-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=ax.group)
+        z = logits - m.unsqueeze(-1)
+        e = z.exp()
+        sumexp = e.sum(dim=-1)
+        dist.all_reduce(sumexp, group=ax.group)
+        inside = (target >= lo) & (target < lo + rows)
+        local_t = torch.where(inside, target - lo, torch.zeros_like(target))
+        picked = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside.to(z.dtype)
+        dist.all_reduce(picked, group=ax.group)
+        valid = target != ignore_index
+        loss = (sumexp.log() - picked) * valid.to(z.dtype)
+        ctx.save_for_backward(e / sumexp.unsqueeze(-1), local_t, inside, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, inside, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(grad.dtype).unsqueeze(-1))
+        return grad * (g * valid.to(g.dtype)).unsqueeze(-1), None, None, None
+
+
+def sharded_cross_entropy(logits: torch.Tensor, target: torch.Tensor, batch_axes: tuple[int, ...],
+                          vocab_axis: int | None = None, reduction: int = 1, ignore_index: int = -100
+                          ) -> torch.Tensor:
+    """Cross-entropy with the batch sharded over ``batch_axes`` (a Partial result: local sum / global count of
+    non-ignored targets for ``mean``) and/or the vocabulary sharded over ``vocab_axis``."""
+    if vocab_axis is None:
+        per = torch.ops.aten.cross_entropy_loss.default(logits, target, None, 0, ignore_index, 0.0)
+    else:
+        per = _VocabParallelNLL.apply(logits, target, vocab_axis, ignore_index)
+    if reduction == 0:
+        return per
+    s = per.sum()
+    if reduction == 2:
         return s
     count = (target != ignore_index).sum().to(s.dtype)
-    for a in axes:
+    for a in batch_axes:
         count = count_all_reduce(count, a)
     return s / count

@@ -113,7 +113,9 @@ def _reduction(info: NodeInfo, n: int) -> list[Option1D]:
 
 @register(aten.cross_entropy_loss.default)
 def _cross_entropy(info: NodeInfo, n: int) -> list[Option1D]:
-    """Batch-sharded logits and targets give a Partial loss (lowered to sum / global count for ``mean``)."""
+    """Batch-sharded logits and targets give a Partial loss (lowered to sum / global count for ``mean``); logits
+    sharded over the vocabulary (Megatron's vocab-parallel cross-entropy) give the full loss on every rank, with
+    three all-reduces of one value per token inside the op."""
     args = list(info.args) + [None] * (6 - len(info.args))
     weight = args[2] if args[2] is not None else info.kwargs.get("weight")
     label_smoothing = args[5] if args[5] is not None else info.kwargs.get("label_smoothing", 0.0)
@@ -123,8 +125,14 @@ def _cross_entropy(info: NodeInfo, n: int) -> list[Option1D]:
     if weight is not None or label_smoothing:
         return opts
     logits, target = info.index(args[0]), info.index(args[1])
-    if info.shape(logits)[0] > 1 and k == 2:
+    if k != 2:
+        return opts
+    if info.shape(logits)[0] > 1:
         ins = [None, None]
         ins[logits], ins[target] = Shard(0), Shard(0)
         opts.append(Option1D(tuple(ins), Shard(0) if reduction == 0 else P))
+    if len(info.shape(logits)) == 2 and info.shape(logits)[1] > 1:  # vocab-parallel (Megatron)
+        ins = [None, None]
+        ins[logits], ins[target] = Shard(1), R
+        opts.append(Option1D(tuple(ins), R))
     return opts

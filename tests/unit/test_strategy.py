@@ -85,7 +85,7 @@ def test_cross_entropy_batch_split_is_partial(gpt_graph):
     ce = _node(gpt_graph, aten.cross_entropy_loss.default)
     got = {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in options_for(ce, (2,))[0]}
     assert (("S(0)", "S(0)"), "P") in got
-    assert not any(o[0][0] == "S(1)" for o in got)  # vocab-parallel cross-entropy is not offered (yet)
+    assert (("S(1)", "R"), "R") in got  # vocab-parallel: every rank gets the full loss
 
 
 def test_unknown_op_is_replicated():
