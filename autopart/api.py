@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from autopart.cost import Cluster, preset
@@ -92,8 +93,19 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         if m.device_mesh is None:
             raise RuntimeError("parallelize needs a process group: run under torchrun (or init_process_group "
                                "first); to plan without one, use autopart.plan(...)")
+    example_sig = signature(example_inputs, example_kwargs or {})
+    local_axes: tuple[int, ...] = ()
+    factor = 1
     if local_batch:
-        raise_if_local_batch_unsupported(example_inputs, example_kwargs)
+        local_axes = tuple(m.names.index(a) for a, r in (roles or {}).items() if r == "dp")
+        if not local_axes:
+            raise ValueError("local_batch=True: say which mesh axes the data loader splits the batch over with "
+                             "roles={'<axis name>': 'dp'}; each rank then passes its slice of the batch")
+        for i in local_axes:
+            factor *= m.shape[i]
+        # trace the global batch: every rank's slice has the example's shape
+        example_inputs = tuple(_repeat_batch(a, factor) for a in example_inputs)
+        example_kwargs = {k: _repeat_batch(v, factor) for k, v in (example_kwargs or {}).items()}
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
         text = [None]
@@ -110,6 +122,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                    local_batch=local_batch, backend=backend)
 
     def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
+        if local_axes:
+            args = tuple(_repeat_batch(a, factor) for a in args)
+            kwargs = {k: _repeat_batch(v, factor) for k, v in kwargs.items()}
         t2 = trace(model, args, kwargs)
         text = [None]
         if dist.get_rank() == 0:
@@ -122,12 +137,12 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
 
     return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
                           tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
-                          loss_fn=loss_fn, local_batch=local_batch,
-                          example_signature=signature(example_inputs, example_kwargs or {}),
+                          loss_fn=loss_fn, local_batch_axes=local_axes,
+                          example_signature=example_sig,
                           make_program=make_program)
 
 
-def raise_if_local_batch_unsupported(example_inputs, example_kwargs) -> None:
-    """With ``local_batch=True`` the example inputs are one rank's slice: planning sees the global batch, so the
-    batch dimension is scaled up by the data-parallel degree in ``parallelize``'s caller; nothing to check here."""
-    return None
+def _repeat_batch(x: Any, factor: int) -> Any:
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        return torch.cat([x] * factor, dim=0)
+    return x

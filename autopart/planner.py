@@ -578,6 +578,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     node_by_name = {n.name: n for n in info.nodes}
     comm_total = 0.0
     collectives = []
+    seen_conversions: set = set()
     for n in info.nodes:
         o = chosen[n.name]
         rec = {"op": str(n.target) if n.op == "call_function" else info.kind[n.name],
@@ -604,8 +605,13 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 continue
             src = output_spec(chosen[u.name], idx)
             pr = param_reduced_axes(u, chosen, info, mesh) if info.kind[u.name] == "param" else ()
-            steps = conversion_steps(src, o.inputs[j], split, info.needs_grad[u.name], mesh, pr)
-            t = transition_time(value_of(a), src, o.inputs[j], split, info.needs_grad[u.name], cluster, pr)
+            g = info.needs_grad[u.name]
+            key = (a.name, spec_str(o.inputs[j]), split if g else None)
+            if key in seen_conversions:  # the runtime converts a value once per distinct target and reuses it
+                continue
+            seen_conversions.add(key)
+            steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
+            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr)
             comm_total += t
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],

@@ -58,7 +58,7 @@ class ParallelModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, plan: Plan, model: nn.Module, mesh, *, params: dict[str, str],
                  buffers: dict[str, str], constants: dict[str, Any], tied: dict[str, str], user_inputs: list[str],
                  input_names: list[str], aliases: dict[str, list[str]],
-                 loss_fn: Callable | None = None, local_batch: bool = False, sync_params: bool = True,
+                 loss_fn: Callable | None = None, local_batch_axes: tuple[int, ...] = (), sync_params: bool = True,
                  example_signature: tuple = (), make_program: Callable | None = None) -> None:
         super().__init__()
         self.plan = plan
@@ -70,7 +70,7 @@ class ParallelModule(nn.Module):
         self._sizes = list(dm.shape)
         self._aliases = aliases
         self.loss_fn = loss_fn
-        self.local_batch = local_batch
+        self.local_batch_axes = local_batch_axes
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         self._device = device
@@ -143,8 +143,8 @@ class ParallelModule(nn.Module):
             t = t.to(self._device)
             spec = parse_spec(prog.plan.inputs[ph]) if ph in prog.plan.inputs else None
             if spec is not None:
-                for p, c, n in zip(spec, self._coords, self._sizes):
-                    if isinstance(p, Shard) and not (self.local_batch and p.dim == 0):
+                for axis, (p, c, n) in enumerate(zip(spec, self._coords, self._sizes)):
+                    if isinstance(p, Shard) and not (axis in self.local_batch_axes and p.dim == 0):
                         t = t.chunk(n, dim=p.dim)[c]
             out.append(t)
         return out
