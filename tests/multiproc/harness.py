@@ -18,11 +18,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, outdir: str) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, outdir: str, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(*args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
@@ -32,10 +34,11 @@ def _worker(rank: int, world: int, port: int, fn, args, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args):
-    """``fn(*args)`` on every rank of a fresh gloo world; returns the list of per-rank results."""
+def run_ranks(world: int, fn, *args, backend: str = "gloo"):
+    """``fn(*args)`` on every rank of a fresh gloo (or NCCL) world; returns the list of per-rank results."""
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, _free_port(), fn, args, d), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, _free_port(), fn, args, d, backend), nprocs=world,
+                           start_method="spawn")
         out = []
         for r in range(world):
             res = torch.load(os.path.join(d, f"{r}.pt"), weights_only=False)
