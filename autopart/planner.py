@@ -62,6 +62,7 @@ class PlanOptions:
     time_limit_s: float = 30.0
     seed: int = 0
     backend: str = "auto"
+    relative_gap: float = 1e-4
     optimizer_bytes_per_param: float = 8.0  # Adam: two fp32 states per fp32 parameter
     local_batch: bool = False  # each rank passes only its own data-parallel slice of the inputs
     tie_layers: bool = True
@@ -545,7 +546,8 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
                      memory_limit=float(limit))
     t0 = time.perf_counter()
     try:
-        sol = solve(ilp, SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend))
+        sol = solve(ilp, SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend,
+                                          relative_gap=opts.relative_gap))
     except InfeasibleError as exc:
         contrib = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in exc.contributors)
         raise ValueError(
