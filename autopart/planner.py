@@ -575,8 +575,15 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         a = sol.choice[gid]
         compute += float(prob.compute_cost[gid][a])
         kind = info.kind[members[0]]
-        bucket = {"param": "model_states", "op": "activations"}.get(kind, "buffers")
-        memory[bucket] += float(prob.node_memory[gid][a])
+        m = float(prob.node_memory[gid][a])
+        if kind == "param":  # split the model states the way the memory row summed them
+            val = value_of(_node_by_name(traced, members[0]))
+            per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
+            memory["parameters"] += m / per
+            memory["gradients"] += m / per
+            memory["optimizer_states"] += m * (per - 2) / per
+        else:
+            memory["activations" if kind == "op" else "buffers"] += m
     node_by_name = {n.name: n for n in info.nodes}
     comm_total = 0.0
     collectives = []

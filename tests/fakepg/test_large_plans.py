@@ -151,4 +151,6 @@ def test_tied_embedding_planned_once():
     model, _, _ = _traced(8)
     local = sum(math.prod(local_shape(tuple(w.shape), parse_spec(p.params[fqn]), (8, 8)))
                 for fqn, w in model.named_parameters())  # tied lm_head/wte counted once
-    assert math.isclose(local * 16, p.predicted["memory_bytes"]["model_states"], rel_tol=1e-6)
+    mem = p.predicted["memory_bytes"]
+    assert math.isclose(local * 4, mem["parameters"], rel_tol=1e-6)
+    assert math.isclose(local * 16, mem["parameters"] + mem["gradients"] + mem["optimizer_states"], rel_tol=1e-6)

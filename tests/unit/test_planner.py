@@ -97,7 +97,8 @@ def test_memory_limit_forces_sharding():
     """A budget below the replicated model's states makes the solver shard weights."""
     model = _gpt(d_model=64)
     free = autopart.plan(model, (4,), (IDS,), {"labels": IDS}, roles={"axis0": "dp"})
-    states = free.predicted["memory_bytes"]["model_states"]
+    mem = free.predicted["memory_bytes"]
+    states = mem["parameters"] + mem["gradients"] + mem["optimizer_states"]
     tight = autopart.plan(model, autopart.mesh((4,), ("axis0",)), (IDS,), {"labels": IDS},
                           memory_budget=states * 0.7)
     assert tight.predicted["memory_bytes"]["total"] <= states * 0.7
