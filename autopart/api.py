@@ -52,22 +52,25 @@ def _as_cluster(cluster: str | Cluster, m: Mesh) -> Cluster:
     return preset(cluster, m.shape)
 
 
-def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend) -> PlanOptions:
+def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None) -> PlanOptions:
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=parse_bytes(memory_budget),
-                       time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend)
+                       time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
+                       checkpoint=checkpoint)
 
 
 def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
          cluster: str | Cluster = "cpu", roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
          memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
-         local_batch: bool = False, backend: str = "auto", traced: Traced | None = None) -> Plan:
+         local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
+         traced: Traced | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: weights replicated); ``pins`` fixes the
     placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``)."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
-    p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend))
+    p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend,
+                                          checkpoint))
     p.solver["export_s"] = t.export_seconds
     return p
 
@@ -76,7 +79,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                 loss_fn: Callable | None = None, plan: Plan | None = None, cluster: str | Cluster = "cpu",
                 roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
                 memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
-                local_batch: bool = False, backend: str = "auto"):
+                local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None):
     """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program.
 
     Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
@@ -106,20 +109,18 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         # trace the global batch: every rank's slice has the example's shape
         example_inputs = tuple(_repeat_batch(a, factor) for a in example_inputs)
         example_kwargs = {k: _repeat_batch(v, factor) for k, v in (example_kwargs or {}).items()}
+    plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
+                   local_batch=local_batch, backend=backend, checkpoint=checkpoint)
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
         text = [None]
         if dist.get_rank() == 0:
-            text[0] = globals()["plan"](model, m, traced=t, cluster=cluster, roles=roles, pins=pins,
-                                        memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
-                                        local_batch=local_batch, backend=backend).to_json()
+            text[0] = globals()["plan"](model, m, traced=t, pins=pins, **plan_kw).to_json()
         dist.broadcast_object_list(text, src=0)
         plan = Plan.from_json(text[0])
     if tuple(plan.mesh_shape) != m.shape:
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
-    plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
-                   local_batch=local_batch, backend=backend)
 
     def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
         if local_axes:

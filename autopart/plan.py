@@ -46,6 +46,8 @@ class Plan:
     solver: dict
     predicted: dict
     unsupported_ops: list[str] = field(default_factory=list)
+    checkpoint: dict[str, str] = field(default_factory=dict)  # layer -> "full" | "selective" (absent: none)
+    zero: dict[str, int] = field(default_factory=dict)  # parameter FQN -> ZeRO level (absent: 0)
     version: int = PLAN_VERSION
 
     # ---- serialisation -------------------------------------------------------------------------------------

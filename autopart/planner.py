@@ -66,6 +66,7 @@ class PlanOptions:
     optimizer_bytes_per_param: float = 8.0  # Adam: two fp32 states per fp32 parameter
     local_batch: bool = False  # each rank passes only its own data-parallel slice of the inputs
     tie_layers: bool = True
+    checkpoint: dict[str, str] | str | None = None  # force: "full"/"selective"/"none" for every layer, or per layer
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -673,4 +674,19 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
+        checkpoint=_forced_checkpoint(opts, info),
     )
+
+
+def _forced_checkpoint(opts: PlanOptions, info: Graphinfo) -> dict[str, str]:
+    """Layers the user asked to checkpoint (``PlanOptions.checkpoint``)."""
+    if not opts.checkpoint:
+        return {}
+    layers = sorted({lay for lay in info.layer.values() if lay})
+    want = {lay: opts.checkpoint for lay in layers} if isinstance(opts.checkpoint, str) else dict(opts.checkpoint)
+    for lay, mode in want.items():
+        if mode not in ("full", "selective", "none"):
+            raise ValueError(f"checkpoint mode {mode!r} for layer {lay!r}: use 'full', 'selective' or 'none'")
+        if lay not in layers:
+            raise ValueError(f"checkpoint asked for layer {lay!r}; the model's layers are {layers[:8]}...")
+    return {lay: m for lay, m in want.items() if m != "none"}
