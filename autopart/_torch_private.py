@@ -30,3 +30,10 @@ def fake_store():
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor without autograd (DTensor._local_tensor)."""
     return t._local_tensor  # type: ignore[attr-defined]
+
+
+def dispatch_mode_class() -> type:
+    """The base class of Python dispatch modes (torch.utils._python_dispatch.TorchDispatchMode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -67,6 +67,7 @@ class PlanOptions:
     local_batch: bool = False  # each rank passes only its own data-parallel slice of the inputs
     tie_layers: bool = True
     checkpoint: dict[str, str] | str | None = None  # force: "full"/"selective"/"none" for every layer, or per layer
+    zero: int | None = None  # force a ZeRO level on the "dp" axes (None: the solver decides per parameter)
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -148,9 +149,10 @@ _COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_sc
 
 
 def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
-                    param_reduced: tuple[bool, ...] = (), bucketed: bool = False) -> float:
+                    param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
-    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency)."""
+    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency).
+    ``regather``: a ZeRO-3 parameter, gathered again for backward."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -167,6 +169,8 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                 if bucketed and st.fwd == "none":
                     link = Link(0.0, link.beta)
                 total += collective_time(_COMM_KIND[kind], nbytes, mesh[st.axis], link)
+        if regather and st.fwd == "all_gather":
+            total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
         cur[st.axis] = st.dst
     return total
 
@@ -215,6 +219,8 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
         if len(dims) != len(set(dims)):
             continue
         out.append(OpOption((), tuple(combo)))
+        if kind == "param" and dims:  # ZeRO-3 / FSDP: gathered for each use, freed, gathered again for backward
+            out.append(OpOption((), tuple(combo), tag="zero3"))
     return out
 
 
@@ -313,7 +319,9 @@ def _fx_vals(x: Any) -> Any:
 
 
 def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int, str], traced: Traced,
-                 info: Graphinfo) -> list[OpOption]:
+                 info: Graphinfo, zero: int | None = None) -> list[OpOption]:
+    if kind == "param" and zero is not None:
+        opts = _zero_filter(opts, [i for i, r in roles.items() if r == "dp"], zero)
     if not roles:
         return opts
     val = value_of(node)
@@ -323,7 +331,7 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         for axis, role in roles.items():
             if kind == "param":
                 p = o.output[axis]
-                if role == "dp" and not isinstance(p, Replicate):
+                if role == "dp" and not isinstance(p, Replicate) and zero == 0:
                     ok = False
                 if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any(
                         isinstance(q.output[axis], Shard) for q in opts):
@@ -336,6 +344,25 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         if ok:
             keep.append(o)
     return keep
+
+
+def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[OpOption]:
+    """Force a ZeRO level on the data-parallel axes: 0 keeps parameters replicated there; 1 and 2 shard
+    parameters, gradients and optimizer states (the gathered copy lives through the step; ZeRO-1 takes the ZeRO-2
+    layout, which moves the same bytes and holds less); 3 also frees the gathered copy after each use."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero}: ZeRO levels are 0, 1, 2, 3")
+    if not dp_axes:
+        raise ValueError("zero=... needs the data-parallel axis named: roles={'<axis>': 'dp'}")
+
+    def ok(o: OpOption) -> bool:
+        sharded = all(isinstance(o.output[i], Shard) for i in dp_axes)
+        if zero == 0:
+            return not any(isinstance(o.output[i], Shard) for i in dp_axes) and not o.tag
+        return sharded and (o.tag == "zero3") == (zero == 3)
+
+    keep = [o for o in opts if ok(o)]
+    return keep or [o for o in opts if not o.tag and not any(isinstance(o.output[i], Shard) for i in dp_axes)]
 
 
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
@@ -416,8 +443,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             raise ValueError(f"pin for {key!r}: no parameter or graph node has that name")
         info.options[name] = _pin_filter(key, info.options[name], pin)
     for n in info.nodes:
-        info.options[n.name] = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info) \
-            or info.options[n.name]
+        info.options[n.name] = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info,
+                                            opts.zero) or info.options[n.name]
     if opts.local_batch:
         dp_axes = [i for i, r in roles.items() if r == "dp"] or list(range(len(mesh)))
         for n in info.nodes:
@@ -429,6 +456,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                                      f"sharded on dim 0 over axes {dp_axes}, which its size does not allow")
                 info.options[n.name] = keep
     groups, group_of, tied_layers = _tie_groups(info, opts.tie_layers)
+    dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
     node_cost, compute_cost, node_memory = [], [], []
     cache: dict = {}
@@ -464,6 +492,10 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh) * per
+                gathered = [i for i in dp_axes if isinstance(o.output[i], Shard)]
+                if gathered and o.tag != "zero3":  # ZeRO-2: the gathered copy is saved from forward to backward
+                    full = tuple(Replicate() if i in gathered else p for i, p in enumerate(o.output))
+                    mem[a] += _local_bytes(val, full, mesh)
         elif info.kind[rep.name] in ("buffer", "constant"):
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh)
@@ -503,10 +535,12 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 split = tuple(is_split(bo, i) for i in range(len(mesh)))
                 for ai, ao in enumerate(uopts):
                     src = output_spec(ao, idx)
-                    ck = (tuple(val.shape), val.dtype, src, dst, split, g, bucketed)
+                    regather = ao.tag == "zero3"
+                    ck = (tuple(val.shape), val.dtype, src, dst, split, g, bucketed, regather)
                     t = cache.get(ck)
                     if t is None:
-                        t = cache[ck] = transition_time(val, src, dst, split, g, cluster, bucketed=bucketed)
+                        t = cache[ck] = transition_time(val, src, dst, split, g, cluster, bucketed=bucketed,
+                                                        regather=regather)
                     if any(isinstance(src[i], Shard) and src[i] != dst[i] for i in fixed_axes):
                         t = math.inf  # tp axis: weights stay sharded in use; dp axis: the batch stays sharded
                     mat[ai, bi] = t
@@ -569,7 +603,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
-    nodes, params, inputs, reduced = {}, {}, {}, {}
+    nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
     for gid, members in enumerate(prob.groups):
@@ -601,6 +635,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             params[fqn] = spec_str(o.output)
             for alias in traced.aliases.get(fqn, []):  # tied names share the one parameter's placement
                 params[alias] = spec_str(o.output)
+            gathered = [i for i in range(len(mesh)) if isinstance(o.output[i], Shard) and n.users and all(
+                isinstance(chosen[u.name].inputs[tensor_inputs(u).index(n)][i], Replicate) for u in n.users)]
+            if gathered:
+                zero[fqn] = 3 if o.tag == "zero3" else 2
             axes = param_reduced_axes(n, chosen, info, mesh)
             if any(axes):
                 reduced[fqn] = [i for i, x in enumerate(axes) if x]
@@ -621,7 +659,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 continue
             seen_conversions.add(key)
             steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
-            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr)
+            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
+                                regather=chosen[u.name].tag == "zero3")
             comm_total += t
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
@@ -675,6 +714,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint=_forced_checkpoint(opts, info),
+        zero=zero,
     )
 
 

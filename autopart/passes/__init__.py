@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopart.passes.annotate import annotate
+from autopart.passes.checkpoint import checkpoint_regions
 from autopart.passes.collectives import insert_collectives
 from autopart.passes.lower import lower
 from autopart.passes.verify import verify
@@ -35,6 +36,7 @@ def run_passes(traced, plan, needs_grad: dict[str, bool]) -> fx.GraphModule:
         ("insert_collectives", lambda g: insert_collectives(g, mesh, needs_grad)),
         ("lower", lambda g: lower(g, mesh)),
         ("verify", lambda g: verify(g, mesh)),
+        ("checkpoint", lambda g: checkpoint_regions(g, plan)),
     ]
     for name, p in pipeline:
         gm, _ = p(gm)

@@ -38,6 +38,8 @@ def _emit(graph: fx.Graph, value: fx.Node, src: Spec, dst: Spec, split, needs_gr
         a, b = st.src, st.dst
         if st.fwd == "none":
             cur = graph.call_function(C.grad_all_reduce, (cur, st.axis))
+        elif st.fwd == "all_gather" and value.meta.get("autopart.regather"):
+            cur = graph.call_function(C.all_gather_param, (cur, st.axis, a.dim, st.bwd))
         elif st.fwd == "all_gather":
             cur = graph.call_function(C.all_gather, (cur, st.axis, a.dim, st.bwd))
         elif st.fwd == "all_reduce":

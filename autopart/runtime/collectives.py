@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,56 @@ class _Mask(torch.autograd.Function):
 def all_gather(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
     """Shard(dim) -> Replicate; backward ``"reduce_scatter"`` (user split on the axis) or ``"shard"``."""
     return _AllGather.apply(x, axis, dim, bwd)
+
+
+_REGATHER: dict[int, tuple] = {}  # id(gathered tensor) -> (shard, axis, dim) while the gathered tensor lives
+
+
+def all_gather_param(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
+    """``all_gather`` of a ZeRO-3 parameter shard: when autograd saves the gathered tensor for backward,
+    ``regather_hooks`` keeps the shard instead and gathers again when backward needs it."""
+    out = _AllGather.apply(x, axis, dim, bwd)
+    if torch.is_grad_enabled():
+        key = id(out)
+        _REGATHER[key] = (x.detach(), Ax(axis), dim)
+        weakref.finalize(out, _REGATHER.pop, key, None)
+    return out
+
+
+class _Regathered:
+    """A saved ZeRO-3 parameter (or a view of one, e.g. the transposed weight a matmul saves) held as its shard."""
+
+    __slots__ = ("shard", "ax", "dim", "view")
+
+    def __init__(self, shard, ax, dim, view) -> None:
+        self.shard, self.ax, self.dim, self.view = shard, ax, dim, view
+
+
+REGATHER_STATS = {"packed": 0}
+
+
+def _pack(t: torch.Tensor):
+    rec = _REGATHER.get(id(t))
+    view = None
+    if rec is None and t._base is not None:
+        rec = _REGATHER.get(id(t._base))
+        view = (tuple(t.shape), t.stride(), t.storage_offset())
+    if rec is None:
+        return t
+    REGATHER_STATS["packed"] += 1
+    return _Regathered(*rec, view)
+
+
+def _unpack(obj):
+    if isinstance(obj, _Regathered):
+        full = _gather(obj.shard, obj.ax, obj.dim).contiguous()
+        return full if obj.view is None else full.as_strided(*obj.view)
+    return obj
+
+
+def regather_hooks():
+    """Saved-tensor hooks that store ZeRO-3 parameters as their shards between forward and backward."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
 
 
 def all_reduce(x: torch.Tensor, axis: int, bwd: str) -> torch.Tensor:

@@ -166,7 +166,7 @@ class ParallelModule(nn.Module):
                 feed.append(prog.constants[name])
             else:
                 feed.append(next(user))
-        with C.axis_groups(self._groups, self._coords, self._sizes):
+        with C.axis_groups(self._groups, self._coords, self._sizes), C.regather_hooks():
             outs = prog.gm(*feed)
         return outs
 

@@ -36,13 +36,14 @@ class OpOption:
 
     inputs: tuple[Spec, ...]
     output: Any  # Spec, or tuple[Spec, ...] for multi-output ops
+    tag: str = ""  # a variant with the same placements: "zero3" = a sharded parameter re-gathered for backward
 
     def __str__(self) -> str:
         from autopart.placement import spec_str
 
         out = self.output
         outs = "(" + ",".join(spec_str(o) for o in out) + ")" if out and isinstance(out[0], tuple) else spec_str(out)
-        return f"{','.join(spec_str(i) for i in self.inputs) or '-'} -> {outs}"
+        return f"{','.join(spec_str(i) for i in self.inputs) or '-'} -> {outs}" + (f" [{self.tag}]" if self.tag else "")
 
 
 Rule = Callable[["NodeInfo", int], list[Option1D]]
