@@ -30,6 +30,7 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -386,6 +387,43 @@ class Problem:
     node_memory: list[np.ndarray]
     edges: dict[tuple[int, int], np.ndarray]
     tied_layers: int
+    fwd_compute: list[np.ndarray] = field(default_factory=list)  # forward-only compute (what recompute costs)
+    region: list[str] = field(default_factory=list)  # per group: "" | "layer" | "attention" | "layer_output"
+
+
+_ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
+
+
+def _region(node: fx.Node, info: Graphinfo, last_of_layer: set[str]) -> str:
+    """Where activation checkpointing reaches this node: the layer's output is kept (it is the next layer's
+    input); attention-module nodes are what selective recompute drops; other layer nodes only full recompute."""
+    if not info.layer.get(node.name) or info.kind[node.name] != "op":
+        return ""
+    if node.name in last_of_layer:
+        return "layer_output"
+    stack = node.meta.get("nn_module_stack") or {}
+    inner = list(stack.values())[-1][0] if stack else ""
+    return "attention" if _ATTN_RE.search(inner) else "layer"
+
+
+def apply_checkpoint(prob: Problem, modes: dict[str, str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Node costs and memories with ``modes`` (layer -> "full" | "selective") applied: checkpointed nodes keep no
+    activation for backward and run their forward again (forward compute; their forward collectives are not
+    re-priced). Tied groups are scaled by the share of their members' layers in each mode."""
+    cost = [c.copy() for c in prob.node_cost]
+    mem = [m.copy() for m in prob.node_memory]
+    for gid, members in enumerate(prob.groups):
+        reg = prob.region[gid]
+        if not reg or reg == "layer_output":
+            continue
+        k = len(members)
+        hit = sum(1 for n in members if modes.get(prob.info.layer[n]) == "full" or
+                  (modes.get(prob.info.layer[n]) == "selective" and reg == "attention"))
+        if hit:
+            frac = hit / k
+            mem[gid] = mem[gid] * (1 - frac)
+            cost[gid] = cost[gid] + prob.fwd_compute[gid] * frac
+    return cost, mem
 
 
 def _tie_groups(info: Graphinfo, enabled: bool) -> tuple[list[list[str]], dict[str, int], int]:
@@ -456,9 +494,16 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                                      f"sharded on dim 0 over axes {dp_axes}, which its size does not allow")
                 info.options[n.name] = keep
     groups, group_of, tied_layers = _tie_groups(info, opts.tie_layers)
+    node_of = {n.name: n for n in info.nodes}
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
-    node_cost, compute_cost, node_memory = [], [], []
+    node_cost, compute_cost, node_memory, fwd_compute, region = [], [], [], [], []
+    last_of_layer: set[str] = set()
+    seen_layer: dict[str, str] = {}
+    for n in info.nodes:
+        if info.kind[n.name] == "op" and info.layer[n.name]:
+            seen_layer[info.layer[n.name]] = n.name
+    last_of_layer = set(seen_layer.values())
     cache: dict = {}
     out_nodes = set()
     for o in traced.graph.find_nodes(op="output"):
@@ -466,11 +511,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             if isinstance(a, fx.Node):
                 out_nodes.add(_producer(a))
     for members in groups:
-        rep = next(n for n in info.nodes if n.name == members[0]) if len(members) == 1 else None
-        rep = rep or _node_by_name(traced, members[0])
+        rep = node_of[members[0]]
         k = len(members)
         opts_r = info.options[rep.name]
         comp = np.zeros(len(opts_r))
+        fwd = np.zeros(len(opts_r))
         icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
         val = value_of(rep)
@@ -484,6 +529,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             for a, o in enumerate(opts_r):
                 f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
                 comp[a] = roofline_time(tflops / f, tbytes / f, device)
+                fwd[a] = roofline_time(flops / f, nbytes / f, device)
                 icomm[a] = internal_comm_time(rep, o, cluster)
                 if g and rep.target not in _VIEW_OPS:
                     outs = o.output if isinstance(o.output[0], tuple) else (o.output,)
@@ -510,6 +556,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         node_cost.append(cost * k if len(members) > 1 else cost)
         compute_cost.append(comp * k)
         node_memory.append(mem * k)
+        fwd_compute.append(fwd * k)
+        region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
     for v in info.nodes:
         if info.kind[v.name] != "op":
@@ -546,7 +594,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     mat[ai, bi] = t
             scale = len(groups[gv]) if len(groups[gv]) > 1 else 1
             edges[key] = edges.get(key, 0) + mat * scale
-    return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers)
+    return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
+                   region)
 
 
 def _node_by_name(traced: Traced, name: str) -> fx.Node:
@@ -573,33 +622,71 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     names = [",".join(g[:2]) + (f",+{len(g) - 2}" if len(g) > 2 else "") for g in groups]
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     edge_list = [(u, v, m) for (u, v), m in prob.edges.items() if u != v]
-    node_cost = [c.copy() for c in prob.node_cost]
-    for (u, v), m in prob.edges.items():
-        if u == v:  # an edge between two members of one tied group: both ends take the same option
-            node_cost[u] = node_cost[u] + np.diag(m)
-    ilp = IlpProblem(names=names, node_cost=node_cost, node_memory=prob.node_memory, edges=edge_list,
-                     memory_limit=float(limit))
+    self_edges = [(u, np.diag(m)) for (u, v), m in prob.edges.items() if u == v]
+    layers = sorted({lay for lay in info.layer.values() if lay})
+    forced = _forced_checkpoint(opts, info)
+    if opts.checkpoint is not None:
+        variants = {"forced": forced}
+    else:
+        variants = {"none": {}}
+    sopts = SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend,
+                          relative_gap=opts.relative_gap)
+    results: dict[str, Any] = {}
+    errors: dict[str, InfeasibleError] = {}
+
+    def run(label: str, modes: dict[str, str]) -> None:
+        cost, mem = apply_checkpoint(prob, modes)
+        with_self = list(cost)
+        for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
+            with_self[u] = with_self[u] + d
+        ilp = IlpProblem(names=names, node_cost=with_self, node_memory=mem, edges=edge_list,
+                         memory_limit=float(limit))
+        try:
+            results[label] = (solve(ilp, sopts), modes, cost, mem)
+        except InfeasibleError as exc:
+            errors[label] = exc
+
     t0 = time.perf_counter()
-    try:
-        sol = solve(ilp, SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend,
-                                          relative_gap=opts.relative_gap))
-    except InfeasibleError as exc:
-        contrib = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in exc.contributors)
-        raise ValueError(
-            f"no plan fits in {limit / 2**30:.2f} GiB per device on {cluster.name} mesh {cluster.mesh_shape}: the "
-            f"smallest per-device memory any plan needs is {exc.min_memory / 2**30:.2f} GiB (largest contributors: "
-            f"{contrib}). Raise memory_budget to at least {exc.min_memory / 2**30:.2f} GiB, use more devices, or "
-            f"shard more (later: ZeRO, activation checkpointing)."
-        ) from exc
+    for label, modes in variants.items():
+        run(label, modes)
+    tight = not results or max(float(sum(m[c] for m, c in zip(r[3], r[0].choice))) for r in results.values()) \
+        > 0.9 * limit
+    if opts.checkpoint is None and layers and tight:
+        # memory binds: recompute may buy a cheaper sharding or make the model fit at all
+        run("selective", {lay: "selective" for lay in layers})
+        run("full", {lay: "full" for lay in layers})
     timings["solve_s"] = time.perf_counter() - t0
+    timings["checkpoint_variants"] = sorted(set(results) | set(errors))
+    if not results:
+        from autopart.plan import _fmt_bytes
+
+        exc = min(errors.values(), key=lambda e: e.min_memory)
+        kind_of = {name: info.kind[groups[g][0]] for g, name in enumerate(names)}
+        contrib = ", ".join(
+            f"{'model states (parameter, gradient, optimizer)' if kind_of.get(n) == 'param' else 'activations'} "
+            f"of {n} {_fmt_bytes(b)}" for n, b in exc.contributors)
+        tried = ", ".join(timings["checkpoint_variants"])
+        raise ValueError(
+            f"no plan fits in {_fmt_bytes(limit)} per device on {cluster.name} mesh {cluster.mesh_shape} "
+            f"(activation checkpointing tried: {tried}). The memory row binds: the smallest per-device peak any "
+            f"plan reaches is {_fmt_bytes(exc.min_memory)}, largest terms: {contrib}. Raise memory_budget to at "
+            f"least {_fmt_bytes(exc.min_memory)}, add devices (the sharded terms shrink with the mesh), or pin "
+            f"roles that shard more (zero=3, a tensor-parallel axis)."
+        ) from exc
+    label = min(results, key=lambda k: results[k][0].objective)
+    sol, modes, cost, mem = results[label]
     chosen: dict[str, OpOption] = {}
     for gid, members in enumerate(groups):
         for name in members:
             chosen[name] = info.options[name][sol.choice[gid]]
-    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings)
+    prob = dataclasses.replace(prob, node_cost=cost, node_memory=mem,
+                               compute_cost=[c + (cost[g] - prob.node_cost[g])
+                                             for g, c in enumerate(prob.compute_cost)])
+    timings["checkpoint_choice"] = label
+    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes)
 
 
-def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings):
+def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint):
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
@@ -713,7 +800,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
-        checkpoint=_forced_checkpoint(opts, info),
+        checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},
         zero=zero,
     )
 

@@ -192,4 +192,5 @@ class MemoryTracker:
 
     def __str__(self) -> str:
         parts = " ".join(f"{k}={v / 2**20:.2f}" for k, v in self.peak_breakdown.items() if v)
-        return f"peak {self.peak_bytes / 2**20:.2f} MiB ({parts}) at {self.peak_op}; now {self.current_bytes / 2**20:.2f} MiB"
+        return (f"peak {self.peak_bytes / 2**20:.2f} MiB ({parts}) at {self.peak_op}; "
+                f"now {self.current_bytes / 2**20:.2f} MiB")
