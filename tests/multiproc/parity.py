@@ -66,12 +66,14 @@ def reference(name: str):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
-def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False):
+def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False,
+                checkpoint: dict[str, str] | str | None = None):
     model = make_model(name)
     model.train()
     mesh = autopart.mesh(shape, names)
     ids0 = batches()[0]
-    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False)
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False,
+                              checkpoint=checkpoint)
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     for ids in batches():
