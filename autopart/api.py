@@ -53,17 +53,17 @@ def _as_cluster(cluster: str | Cluster, m: Mesh) -> Cluster:
 
 
 def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None,
-             zero=None) -> PlanOptions:
+             zero=None, offload=None) -> PlanOptions:
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=parse_bytes(memory_budget),
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
-                       checkpoint=checkpoint, zero=zero)
+                       checkpoint=checkpoint, zero=zero, offload=offload)
 
 
 def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
          cluster: str | Cluster = "cpu", roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
          memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
-         zero: int | None = None, traced: Traced | None = None) -> Plan:
+         zero: int | None = None, offload: str | None = None, traced: Traced | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: weights replicated); ``pins`` fixes the
     placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``)."""
@@ -71,7 +71,7 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
     p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend,
-                                          checkpoint, zero))
+                                          checkpoint, zero, offload))
     p.solver["export_s"] = t.export_seconds
     return p
 
@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                 roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
                 memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
                 local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
-                zero: int | None = None):
+                zero: int | None = None, offload: str | None = None):
     """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program.
 
     Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
@@ -112,7 +112,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         example_inputs = tuple(_repeat_batch(a, factor) for a in example_inputs)
         example_kwargs = {k: _repeat_batch(v, factor) for k, v in (example_kwargs or {}).items()}
     plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
-                   local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero)
+                   local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero, offload=offload)
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
         text = [None]

@@ -48,6 +48,7 @@ class Plan:
     unsupported_ops: list[str] = field(default_factory=list)
     checkpoint: dict[str, str] = field(default_factory=dict)  # layer -> "full" | "selective" (absent: none)
     zero: dict[str, int] = field(default_factory=dict)  # parameter FQN -> ZeRO level (absent: 0)
+    offload: list[str] = field(default_factory=list)  # "optimizer" and/or "activations" kept in host memory
     version: int = PLAN_VERSION
 
     # ---- serialisation -------------------------------------------------------------------------------------

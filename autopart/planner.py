@@ -69,6 +69,7 @@ class PlanOptions:
     tie_layers: bool = True
     checkpoint: dict[str, str] | str | None = None  # force: "full"/"selective"/"none" for every layer, or per layer
     zero: int | None = None  # force a ZeRO level on the "dp" axes (None: the solver decides per parameter)
+    offload: str | frozenset | None = None  # force "none" | "optimizer" | "activations" | "both" (None: solver)
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -406,6 +407,57 @@ def _region(node: fx.Node, info: Graphinfo, last_of_layer: set[str]) -> str:
     return "attention" if _ATTN_RE.search(inner) else "layer"
 
 
+def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
+                  cluster: Cluster, opts: PlanOptions) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Host offload (ZeRO-Offload style), priced with the device-host link:
+
+    * ``optimizer``: optimizer states live on the host and the optimizer steps there: device memory loses the
+      states; each step moves the gradient down and the parameter back up (2 x local parameter bytes);
+    * ``activations``: tensors saved for backward go to the host in forward and come back in backward
+      (``torch.autograd.graph.save_on_cpu``): device activation memory is dropped, 2 x their bytes cross the link.
+    On a CPU cluster the host is the device: the memory moves nowhere, so offload only costs time there.
+    """
+    if not offload:
+        return cost, mem
+    cost, mem = list(cost), list(mem)
+    bw = cluster.device.host_bandwidth
+    on_cpu = cluster.device.name == "cpu"
+    for gid, members in enumerate(prob.groups):
+        kind = prob.info.kind[members[0]]
+        if kind == "param" and "optimizer" in offload:
+            val = value_of_name(prob, members[0])
+            per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
+            states = mem[gid] * (per - 2) / per
+            local = mem[gid] / per
+            cost[gid] = cost[gid] + 2 * local / bw
+            if not on_cpu:
+                mem[gid] = mem[gid] - states
+        elif kind == "op" and "activations" in offload:
+            cost[gid] = cost[gid] + 2 * mem[gid] / bw
+            if not on_cpu:
+                mem[gid] = mem[gid] * 0.0
+    return cost, mem
+
+
+def value_of_name(prob: Problem, name: str) -> torch.Tensor:
+    return next(n for n in prob.info.nodes if n.name == name).meta["val"]
+
+
+def _forced_offload(opts: PlanOptions) -> frozenset | None:
+    if opts.offload is None:
+        return None
+    want = {"none": set(), "optimizer": {"optimizer"}, "activations": {"activations"},
+            "both": {"optimizer", "activations"}}
+    if isinstance(opts.offload, str):
+        if opts.offload not in want:
+            raise ValueError(f"offload={opts.offload!r}: use 'none', 'optimizer', 'activations' or 'both'")
+        return frozenset(want[opts.offload])
+    bad = set(opts.offload) - {"optimizer", "activations"}
+    if bad:
+        raise ValueError(f"offload {sorted(bad)}: what can be offloaded is 'optimizer' and 'activations'")
+    return frozenset(opts.offload)
+
+
 def apply_checkpoint(prob: Problem, modes: dict[str, str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Node costs and memories with ``modes`` (layer -> "full" | "selective") applied: checkpointed nodes keep no
     activation for backward and run their forward again (forward compute; their forward collectives are not
@@ -625,36 +677,44 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     self_edges = [(u, np.diag(m)) for (u, v), m in prob.edges.items() if u == v]
     layers = sorted({lay for lay in info.layer.values() if lay})
     forced = _forced_checkpoint(opts, info)
-    if opts.checkpoint is not None:
-        variants = {"forced": forced}
-    else:
-        variants = {"none": {}}
+    forced_off = _forced_offload(opts)
+    base_modes = forced if opts.checkpoint is not None else {}
+    base_off = forced_off if forced_off is not None else frozenset()
     sopts = SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend,
                           relative_gap=opts.relative_gap)
     results: dict[str, Any] = {}
     errors: dict[str, InfeasibleError] = {}
 
-    def run(label: str, modes: dict[str, str]) -> None:
+    def run(label: str, modes: dict[str, str], offload: frozenset = frozenset()) -> None:
         cost, mem = apply_checkpoint(prob, modes)
+        cost, mem = apply_offload(prob, cost, mem, offload, cluster, opts)
         with_self = list(cost)
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
         ilp = IlpProblem(names=names, node_cost=with_self, node_memory=mem, edges=edge_list,
                          memory_limit=float(limit))
         try:
-            results[label] = (solve(ilp, sopts), modes, cost, mem)
+            results[label] = (solve(ilp, sopts), modes, cost, mem, offload)
         except InfeasibleError as exc:
             errors[label] = exc
 
     t0 = time.perf_counter()
-    for label, modes in variants.items():
-        run(label, modes)
-    tight = not results or max(float(sum(m[c] for m, c in zip(r[3], r[0].choice))) for r in results.values()) \
-        > 0.9 * limit
-    if opts.checkpoint is None and layers and tight:
+    run("none" if not base_modes else "forced", base_modes, base_off)
+
+    def tight() -> bool:
+        return not results or min(float(sum(m[c] for m, c in zip(r[3], r[0].choice)))
+                                  for r in results.values()) > 0.9 * limit
+
+    if opts.checkpoint is None and layers and tight():
         # memory binds: recompute may buy a cheaper sharding or make the model fit at all
-        run("selective", {lay: "selective" for lay in layers})
-        run("full", {lay: "full" for lay in layers})
+        run("selective", {lay: "selective" for lay in layers}, base_off)
+        run("full", {lay: "full" for lay in layers}, base_off)
+    if forced_off is None and cluster.device.name != "cpu" and tight():
+        # still binding: host memory (offload never pays on a CPU cluster, where host memory is device memory)
+        full = base_modes or {lay: "full" for lay in layers}
+        run("offload-optimizer", base_modes, frozenset({"optimizer"}))
+        run("full+offload-optimizer", full, frozenset({"optimizer"}))
+        run("offload-optimizer+activations", base_modes, frozenset({"optimizer", "activations"}))
     timings["solve_s"] = time.perf_counter() - t0
     timings["checkpoint_variants"] = sorted(set(results) | set(errors))
     if not results:
@@ -674,7 +734,7 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
             f"roles that shard more (zero=3, a tensor-parallel axis)."
         ) from exc
     label = min(results, key=lambda k: results[k][0].objective)
-    sol, modes, cost, mem = results[label]
+    sol, modes, cost, mem, offload = results[label]
     chosen: dict[str, OpOption] = {}
     for gid, members in enumerate(groups):
         for name in members:
@@ -683,10 +743,10 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
                                compute_cost=[c + (cost[g] - prob.node_cost[g])
                                              for g, c in enumerate(prob.compute_cost)])
     timings["checkpoint_choice"] = label
-    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes)
+    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload)
 
 
-def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint):
+def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload):
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
@@ -802,6 +862,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},
         zero=zero,
+        offload=sorted(offload),
     )
 
 

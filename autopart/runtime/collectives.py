@@ -180,7 +180,14 @@ class _Regathered:
         self.shard, self.ax, self.dim, self.view = shard, ax, dim, view
 
 
-REGATHER_STATS = {"packed": 0}
+REGATHER_STATS = {"packed": 0, "offloaded": 0}
+
+
+class _OnHost:
+    __slots__ = ("t", "device")
+
+    def __init__(self, t, device) -> None:
+        self.t, self.device = t, device
 
 
 def _pack(t: torch.Tensor):
@@ -189,22 +196,45 @@ def _pack(t: torch.Tensor):
     if rec is None and t._base is not None:
         rec = _REGATHER.get(id(t._base))
         view = (tuple(t.shape), t.stride(), t.storage_offset())
-    if rec is None:
-        return t
-    REGATHER_STATS["packed"] += 1
-    return _Regathered(*rec, view)
+    if rec is not None:
+        REGATHER_STATS["packed"] += 1
+        return _Regathered(*rec, view)
+    if _STATE_OFFLOAD.on and t.dtype.is_floating_point:
+        REGATHER_STATS["offloaded"] += 1
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
+        host.copy_(t, non_blocking=t.is_cuda)
+        return _OnHost(host, t.device)
+    return t
 
 
 def _unpack(obj):
     if isinstance(obj, _Regathered):
         full = _gather(obj.shard, obj.ax, obj.dim).contiguous()
         return full if obj.view is None else full.as_strided(*obj.view)
+    if isinstance(obj, _OnHost):
+        return obj.t.to(obj.device, non_blocking=obj.t.is_pinned())
     return obj
 
 
-def regather_hooks():
-    """Saved-tensor hooks that store ZeRO-3 parameters as their shards between forward and backward."""
-    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+class _Offload(threading.local):
+    on: bool = False
+
+
+_STATE_OFFLOAD = _Offload()
+
+
+@contextlib.contextmanager
+def saved_tensor_hooks(offload_activations: bool = False):
+    """Saved-tensor hooks: ZeRO-3 parameters are kept as their shards and gathered again for backward; with
+    ``offload_activations`` every other floating-point tensor saved for backward goes to host memory (pinned on
+    CUDA) and comes back for backward, as ``torch.autograd.graph.save_on_cpu`` does."""
+    old = _STATE_OFFLOAD.on
+    _STATE_OFFLOAD.on = offload_activations
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _STATE_OFFLOAD.on = old
 
 
 def all_reduce(x: torch.Tensor, axis: int, bwd: str) -> torch.Tensor:

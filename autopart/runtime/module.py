@@ -54,6 +54,48 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
+class HostOffloadOptimizer:
+    """Optimizer states in host memory (ZeRO-Offload): ``step`` copies each shard's gradient to a host copy of the
+    shard, steps ``cls`` there and copies the parameter back. Clip gradients on the module's parameters before."""
+
+    def __init__(self, params: list[nn.Parameter], cls: type, **kwargs) -> None:
+        self.params = params
+        pin = torch.cuda.is_available()
+        self.host = []
+        for p in params:
+            local = p.detach()._local_tensor if isinstance(p, DTensor) else p.detach()
+            h = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+            h.copy_(local)
+            self.host.append(nn.Parameter(h, requires_grad=p.requires_grad))
+        self.inner = cls(self.host, **kwargs)
+        self.param_groups = self.inner.param_groups
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, h in zip(self.params, self.host):
+            if p.grad is not None:
+                g = self._local(p.grad)
+                h.grad = g.to("cpu", copy=True) if h.grad is None else h.grad.copy_(g)
+        self.inner.step()
+        for p, h in zip(self.params, self.host):
+            self._local(p.data).copy_(h.detach(), non_blocking=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
 class ParallelModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, plan: Plan, model: nn.Module, mesh, *, params: dict[str, str],
                  buffers: dict[str, str], constants: dict[str, Any], tied: dict[str, str], user_inputs: list[str],
@@ -166,7 +208,8 @@ class ParallelModule(nn.Module):
                 feed.append(prog.constants[name])
             else:
                 feed.append(next(user))
-        with C.axis_groups(self._groups, self._coords, self._sizes), C.regather_hooks():
+        offload = "activations" in prog.plan.offload
+        with C.axis_groups(self._groups, self._coords, self._sizes), C.saved_tensor_hooks(offload):
             outs = prog.gm(*feed)
         return outs
 
@@ -213,6 +256,13 @@ class ParallelModule(nn.Module):
             for g in grads:
                 g.copy_(flat[off: off + g.numel()].view_as(g))
                 off += g.numel()
+
+    def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
+        """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``, or,
+        when the plan offloads optimizer states, the same optimizer stepping on host copies of the shards."""
+        if "optimizer" in self.plan.offload:
+            return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+        return cls(self.parameters(), **kwargs)
 
     def program(self) -> str:
         """This rank's program (for the planned signature) as Python."""
