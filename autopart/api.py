@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -124,7 +125,14 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
 
+    model_ref = weakref.ref(model)  # do not keep the user's full-size model alive for later re-tracing
+
     def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
+        model = model_ref()
+        if model is None:
+            raise RuntimeError("called with inputs of a new shape or signature, which needs tracing the model again, "
+                               "but the original model object was freed: keep it alive, or call with the planned "
+                               "signature")
         if local_axes:
             args = tuple(_repeat_batch(a, factor) for a in args)
             kwargs = {k: _repeat_batch(v, factor) for k, v in kwargs.items()}

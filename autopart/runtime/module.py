@@ -126,7 +126,7 @@ class ParallelModule(nn.Module):
                 full = full.clone()
                 dist.broadcast(full, src=0)
             spec = parse_spec(plan.params[fqn])
-            local = _local_chunk(full, spec, self._coords, self._sizes).contiguous()
+            local = _local_chunk(full, spec, self._coords, self._sizes).clone()  # own storage, not a view of full
             dt = DTensor.from_local(local, dm, to_dtensor_placements(spec), run_check=False,
                                     shape=full.shape, stride=full.stride())
             key = fqn.replace(".", "__")
