@@ -23,6 +23,8 @@ from autopart.placement import Shard, parse_spec, to_dtensor_placements
 from autopart.plan import Plan
 from autopart.runtime import collectives as C
 
+BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket, as DDP's default
+
 
 def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) -> torch.Tensor:
     out = full
@@ -249,13 +251,21 @@ class ParallelModule(nn.Module):
             if p.grad is not None:
                 buckets[axes].append(p.grad._local_tensor)
         for axes, grads in buckets.items():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            for a in axes:
-                dist.all_reduce(flat, group=self._groups[a])
-            off = 0
-            for g in grads:
-                g.copy_(flat[off: off + g.numel()].view_as(g))
-                off += g.numel()
+            start = 0
+            while start < len(grads):  # buckets of at most BUCKET_BYTES (one flat copy at a time)
+                end, size = start, 0
+                while end < len(grads) and (end == start or size + grads[end].nbytes <= BUCKET_BYTES):
+                    size += grads[end].nbytes
+                    end += 1
+                chunk = grads[start:end]
+                flat = torch.cat([g.reshape(-1) for g in chunk])
+                for a in axes:
+                    dist.all_reduce(flat, group=self._groups[a])
+                off = 0
+                for g in chunk:
+                    g.copy_(flat[off: off + g.numel()].view_as(g))
+                    off += g.numel()
+                start = end
 
     def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
         """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``, or,
