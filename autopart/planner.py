@@ -297,6 +297,65 @@ def param_reduced_axes(node: fx.Node, chosen: dict[str, OpOption], info: Graphin
             ok = isinstance(uopt.inputs[j][i], Replicate) and is_split(uopt, i)
         out.append(ok)
     return tuple(out)
+_SAVES_INPUTS = {aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.addmm.default,
+                 aten.mul.Tensor, aten.div.Tensor, aten.gelu.default, aten.silu.default, aten.pow.Tensor_Scalar,
+                 aten.layer_norm.default, aten.rms_norm.default, aten.sin.default, aten.cos.default,
+                 aten.scaled_dot_product_attention.default, aten.outer.default, aten.amax.default}
+_SAVES_OUTPUT = {aten.tanh.default, aten.rsqrt.default, aten.exp.default, aten.sigmoid.default,
+                 aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int,
+                 aten.scaled_dot_product_attention.default, aten.sqrt.default, aten.amax.default}
+_SAVES_NOTHING = _VIEW_OPS | {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.clone.default,
+                              aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+                              aten.embedding.default, aten.cat.default, aten.sum.dim_IntList, aten.mean.dim,
+                              aten.sum.default, aten.mean.default, aten.dropout.default, aten.unbind.int,
+                              aten.split_with_sizes.default, aten.squeeze.dim, aten.squeeze.dims,
+                              aten.cumsum.default, aten.pad.default, aten.constant_pad_nd.default}
+
+
+def _saves(node: fx.Node) -> tuple[bool, bool]:
+    """(saves its floating inputs, saves its output) for backward; unknown ops: conservatively the inputs."""
+    t = node.target
+    if t in _SAVES_NOTHING:
+        return False, False
+    return (t in _SAVES_INPUTS or t not in _SAVES_OUTPUT), t in _SAVES_OUTPUT
+
+
+def _saving_users(info: Graphinfo) -> dict[str, int]:
+    """How many users save each value for backward (a value saved by three users is one tensor in memory)."""
+    count: dict[str, int] = defaultdict(int)
+    for n in info.nodes:
+        if info.kind[n.name] == "op" and _saves(n)[0]:
+            for a in tensor_inputs(n):
+                count[a.name] += 1
+    return count
+
+
+def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_users: dict[str, int]) -> float:
+    """Bytes this node's backward keeps from forward under ``option`` (the activation memory model).
+
+    Inputs it saves count in the layout it consumes them in (a gathered input is saved gathered), shared among
+    the users that save the same value; parameters are not counted here (model states are). Cross-entropy keeps
+    its log-probabilities and, at the start of backward where the peak is, two more logits-sized temporaries.
+    """
+    save_in, save_out = _saves(node)
+    total = 0.0
+    if save_in:
+        for j, a in enumerate(tensor_inputs(node)):
+            u, _ = _producer(a)
+            v = value_of(a)
+            if info.kind.get(u.name) in ("param", "input", "buffer", "constant") or not v.dtype.is_floating_point:
+                continue
+            total += _local_bytes(v, option.inputs[j], mesh) / max(1, saving_users.get(a.name, 1))
+    if save_out:
+        val = value_of(node)
+        outs = option.output if isinstance(option.output[0], tuple) else (option.output,)
+        for v, sp in zip(val if isinstance(val, (tuple, list)) else [val], outs):
+            total += _local_bytes(v, sp, mesh)
+    if node.target == aten.cross_entropy_loss.default:
+        total = 3 * _local_bytes(value_of(node.args[0]), option.inputs[0], mesh)
+    return total
+
+
 def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> float:
     """Collectives an option runs inside its lowering (not on an edge): vocab-parallel cross-entropy's three
     all-reduces of one value per token, and the global count of a batch-sharded mean cross-entropy."""
@@ -314,6 +373,9 @@ def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> flo
         if isinstance(p, Partial):
             t += collective_time("all_reduce", 8, mesh[i], cluster.link(i))
     return t
+
+
+BUCKET_BYTES = 25 * 2**20  # the runtime's gradient all-reduce bucket (autopart.runtime.module.BUCKET_BYTES)
 
 
 def _fx_vals(x: Any) -> Any:
@@ -390,6 +452,8 @@ class Problem:
     tied_layers: int
     fwd_compute: list[np.ndarray] = field(default_factory=list)  # forward-only compute (what recompute costs)
     region: list[str] = field(default_factory=list)  # per group: "" | "layer" | "attention" | "layer_output"
+    grad_memory: list[np.ndarray] = field(default_factory=list)  # parameter gradients (not live at the peak)
+    bucket_memory: list[np.ndarray] = field(default_factory=list)  # gradients that go through reduction buckets
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -549,7 +613,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     node_of = {n.name: n for n in info.nodes}
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
-    node_cost, compute_cost, node_memory, fwd_compute, region = [], [], [], [], []
+    node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
+    saving_users = _saving_users(info)
     last_of_layer: set[str] = set()
     seen_layer: dict[str, str] = {}
     for n in info.nodes:
@@ -567,6 +632,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         k = len(members)
         opts_r = info.options[rep.name]
         comp = np.zeros(len(opts_r))
+        grad = np.zeros(len(opts_r))
+        bucket = np.zeros(len(opts_r))
         fwd = np.zeros(len(opts_r))
         icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
@@ -577,19 +644,21 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             g = info.needs_grad[rep.name]
             tflops = flops + (backward_flops(rep.target, flops) if g else 0)
             tbytes = nbytes * (3 if g else 1)
-            vals = val if isinstance(val, (tuple, list)) else [val]
+            val if isinstance(val, (tuple, list)) else [val]
             for a, o in enumerate(opts_r):
                 f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
                 comp[a] = roofline_time(tflops / f, tbytes / f, device)
                 fwd[a] = roofline_time(flops / f, nbytes / f, device)
                 icomm[a] = internal_comm_time(rep, o, cluster)
-                if g and rep.target not in _VIEW_OPS:
-                    outs = o.output if isinstance(o.output[0], tuple) else (o.output,)
-                    mem[a] = sum(_local_bytes(v, s, mesh) for v, s in zip(vals, outs))
+                if g:
+                    mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
         elif info.kind[rep.name] == "param":
-            per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
+            per = 1 + opts.optimizer_bytes_per_param / val.dtype.itemsize
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh) * per
+                grad[a] = _local_bytes(val, o.output, mesh) if info.needs_grad[rep.name] else 0.0
+                if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
+                    bucket[a] = grad[a]  # replicated on a data axis: summed after backward in a flat bucket
                 gathered = [i for i in dp_axes if isinstance(o.output[i], Shard)]
                 if gathered and o.tag != "zero3":  # ZeRO-2: the gathered copy is saved from forward to backward
                     full = tuple(Replicate() if i in gathered else p for i, p in enumerate(o.output))
@@ -609,6 +678,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         compute_cost.append(comp * k)
         node_memory.append(mem * k)
         fwd_compute.append(fwd * k)
+        grad_memory.append(grad * k)
+        bucket_memory.append(bucket * k)
         region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
     for v in info.nodes:
@@ -627,8 +698,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             uopts = info.options[u.name]
             g = info.needs_grad[u.name]
             fixed_axes = [i for i, r in roles.items() if r == "tp"] if info.kind[u.name] == "param" else \
-                [i for i, r in roles.items() if r == "dp"] if info.kind[u.name] == "input" else []
+                [i for i, r in roles.items() if r == "dp"] if info.kind[u.name] in ("input", "op") else []
             bucketed = info.kind[u.name] == "param"
+            data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed else []
             mat = np.zeros((len(uopts), len(vopts)))
             for bi, bo in enumerate(vopts):
                 dst = bo.inputs[j]
@@ -643,11 +715,13 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                                                         regather=regather)
                     if any(isinstance(src[i], Shard) and src[i] != dst[i] for i in fixed_axes):
                         t = math.inf  # tp axis: weights stay sharded in use; dp axis: the batch stays sharded
+                    if any(not isinstance(dst[i], Replicate) for i in data_axes):
+                        t = math.inf  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
                     mat[ai, bi] = t
             scale = len(groups[gv]) if len(groups[gv]) > 1 else 1
             edges[key] = edges.get(key, 0) + mat * scale
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region)
+                   region, grad_memory, bucket_memory)
 
 
 def _node_by_name(traced: Traced, name: str) -> fx.Node:
@@ -685,25 +759,52 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     results: dict[str, Any] = {}
     errors: dict[str, InfeasibleError] = {}
 
-    def run(label: str, modes: dict[str, str], offload: frozenset = frozenset()) -> None:
+    def run(label: str, modes: dict[str, str], offload: frozenset = frozenset(), bounded: bool = True) -> None:
         cost, mem = apply_checkpoint(prob, modes)
+        # during backward one checkpointed layer is recomputed at a time: its activations come back transiently
+        n_ckpt = max(1, sum(1 for m in modes.values() if m != "none"))
+
+        def recompute_of(choice) -> float:
+            if not modes:
+                return 0.0
+            return sum(float((m0 - m1)[c]) for m0, m1, c in zip(prob.node_memory, mem, choice)) / n_ckpt
+
+        recompute = min(float((m0 - m1).min()) for m0, m1 in zip(prob.node_memory, mem)) if modes else 0.0
         cost, mem = apply_offload(prob, cost, mem, offload, cluster, opts)
         with_self = list(cost)
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
-        ilp = IlpProblem(names=names, node_cost=with_self, node_memory=mem, edges=edge_list,
-                         memory_limit=float(limit))
         try:
-            results[label] = (solve(ilp, sopts), modes, cost, mem, offload)
+            # one memory row, safe for both peaks: states + saved activations + gradients + one reduction bucket
+            # (the end-of-forward peak has no gradients and the end-of-backward one no activations, so the row
+            # over-counts by the smaller of the two; the plan reports the larger peak itself)
+            both = [m + g for m, g in zip(mem, prob.grad_memory)]
+            base = min(BUCKET_BYTES, sum(float(g.min()) for g in prob.bucket_memory)) + max(0.0, recompute)
+            for _ in range(3):
+                sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=both, edges=edge_list,
+                                       memory_limit=float(limit) if bounded else None, memory_base=base), sopts)
+                grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
+                need = min(BUCKET_BYTES, grads) + recompute_of(sol.choice)
+                if need <= base * (1 + 1e-9):
+                    break
+                base = need
+            results[label] = (sol, modes, cost, mem, offload)
         except InfeasibleError as exc:
             errors[label] = exc
 
     t0 = time.perf_counter()
-    run("none" if not base_modes else "forced", base_modes, base_off)
+    first = "none" if not base_modes else "forced"
+    run(first, base_modes, base_off, bounded=False)  # the fastest plan, memory aside: does memory bind at all?
+    sol0, _, _, mem0, _ = results[first]
+    row0 = sum(float(m[c] + g[c]) for m, g, c in zip(mem0, prob.grad_memory, sol0.choice))
+    row0 += min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
+    binds = row0 > limit
+    if binds:
+        del results[first]
+        run(first, base_modes, base_off)
 
     def tight() -> bool:
-        return not results or min(float(sum(m[c] for m, c in zip(r[3], r[0].choice)))
-                                  for r in results.values()) > 0.9 * limit
+        return binds
 
     if opts.checkpoint is None and layers and tight():
         # memory binds: recompute may buy a cheaper sharding or make the model fit at all
@@ -739,14 +840,15 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     for gid, members in enumerate(groups):
         for name in members:
             chosen[name] = info.options[name][sol.choice[gid]]
+    raw_memory = prob.node_memory
     prob = dataclasses.replace(prob, node_cost=cost, node_memory=mem,
                                compute_cost=[c + (cost[g] - prob.node_cost[g])
                                              for g, c in enumerate(prob.compute_cost)])
     timings["checkpoint_choice"] = label
-    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload)
+    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload, raw_memory)
 
 
-def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload):
+def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload, raw_memory):
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
@@ -760,10 +862,15 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         m = float(prob.node_memory[gid][a])
         if kind == "param":  # split the model states the way the memory row summed them
             val = value_of(_node_by_name(traced, members[0]))
-            per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
-            memory["parameters"] += m / per
-            memory["gradients"] += m / per
-            memory["optimizer_states"] += m * (per - 2) / per
+            o = info.options[members[0]][a]
+            local = _local_bytes(val, o.output, mesh) * len(members)
+            opt_states = local * opts.optimizer_bytes_per_param / val.dtype.itemsize
+            if "optimizer" in offload and cluster.device.name != "cpu":
+                opt_states = 0.0
+            memory["parameters"] += local
+            memory["optimizer_states"] += opt_states
+            memory["gathered_parameters"] += m - local - opt_states
+            memory["gradients"] += float(prob.grad_memory[gid][a])
         else:
             memory["activations" if kind == "op" else "buffers"] += m
     node_by_name = {n.name: n for n in info.nodes}
@@ -840,7 +947,16 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             "chosen": int(sol.choice[gid]),
         }
     unsupported = sorted({str(n.target) for n in info.nodes if not info.known[n.name]})
-    memory["total"] = sum(memory.values())
+    # two candidate peaks: end of forward (activations saved, no gradient yet, plus the loss's backward
+    # temporaries, counted in the activations) and end of backward (gradients, one reduction bucket, no activation)
+    states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
+    memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"]
+    bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
+    n_ckpt = max(1, len(checkpoint))
+    recompute = sum(float((m0 - m1)[c]) for m0, m1, c in zip(raw_memory, prob.node_memory, sol.choice)) / n_ckpt
+    memory["peak_forward"] += recompute
+    memory["peak_backward"] = states + memory["gradients"] + min(bucketed, BUCKET_BYTES)
+    memory["total"] = max(memory["peak_forward"], memory["peak_backward"])
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),
