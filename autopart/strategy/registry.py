@@ -145,7 +145,7 @@ def options_for(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[list[OpOpti
     info = NodeInfo(node, tensor_inputs(node))
     rule = rule_for(node.target)
     known = rule is not None
-    per_axis = [(rule or replicate_only)(info, n) for n in mesh_shape]
+    per_axis = [(rule or replicate_only)(info, n) if n > 1 else replicate_only(info, n) for n in mesh_shape]
     out_val = info.val
     multi = isinstance(out_val, (tuple, list))
     in_shapes = [info.shape(i) for i in range(len(info.inputs))]
