@@ -50,11 +50,16 @@ class Ax:
         self.group, self.n, self.coord = _STATE.groups[axis], _STATE.sizes[axis], _STATE.coords[axis]
 
 
-def _gather(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
+def _gather_buffer(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
+    """The gathered pieces stacked along dim 0 of a fresh contiguous buffer (``_gather`` moves the dim back)."""
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] * ax.n, *xt.shape[1:]))
     _all_gather_single(out, xt, group=ax.group)
-    return out.movedim(0, dim)
+    return out
+
+
+def _gather(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
+    return _gather_buffer(x, ax, dim).movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
@@ -165,7 +170,7 @@ def all_gather_param(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Te
     ``regather_hooks`` keeps the shard instead and gathers again when backward needs it."""
     out = _AllGather.apply(x, axis, dim, bwd)
     if torch.is_grad_enabled():
-        key = id(out)
+        key = out.untyped_storage().data_ptr()  # views of it (a transposed weight) share the storage
         _REGATHER[key] = (x.detach(), Ax(axis), dim)
         weakref.finalize(out, _REGATHER.pop, key, None)
     return out
@@ -191,14 +196,10 @@ class _OnHost:
 
 
 def _pack(t: torch.Tensor):
-    rec = _REGATHER.get(id(t))
-    view = None
-    if rec is None and t._base is not None:
-        rec = _REGATHER.get(id(t._base))
-        view = (tuple(t.shape), t.stride(), t.storage_offset())
+    rec = _REGATHER.get(t.untyped_storage().data_ptr()) if _REGATHER and t.device.type != "meta" else None
     if rec is not None:
         REGATHER_STATS["packed"] += 1
-        return _Regathered(*rec, view)
+        return _Regathered(*rec, (tuple(t.shape), t.stride(), t.storage_offset()))
     if _STATE_OFFLOAD.on and t.dtype.is_floating_point:
         REGATHER_STATS["offloaded"] += 1
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
@@ -209,8 +210,7 @@ def _pack(t: torch.Tensor):
 
 def _unpack(obj):
     if isinstance(obj, _Regathered):
-        full = _gather(obj.shard, obj.ax, obj.dim).contiguous()
-        return full if obj.view is None else full.as_strided(*obj.view)
+        return _gather_buffer(obj.shard, obj.ax, obj.dim).as_strided(*obj.view)
     if isinstance(obj, _OnHost):
         return obj.t.to(obj.device, non_blocking=obj.t.is_pinned())
     return obj
