@@ -63,7 +63,7 @@ class PlanOptions:
     time_limit_s: float = 30.0
     seed: int = 0
     backend: str = "auto"
-    relative_gap: float = 1e-4
+    relative_gap: float = 1e-3
     optimizer_bytes_per_param: float = 8.0  # Adam: two fp32 states per fp32 parameter
     local_batch: bool = False  # each rank passes only its own data-parallel slice of the inputs
     tie_layers: bool = True
@@ -779,10 +779,14 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
             # (the end-of-forward peak has no gradients and the end-of-backward one no activations, so the row
             # over-counts by the smaller of the two; the plan reports the larger peak itself)
             both = [m + g for m, g in zip(mem, prob.grad_memory)]
-            base = min(BUCKET_BYTES, sum(float(g.min()) for g in prob.bucket_memory)) + max(0.0, recompute)
-            for _ in range(3):
+            base = bucket0 + (recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute))
+            hint = None
+            if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
+                hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
+            for _ in range(3 if bounded else 1):
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=both, edges=edge_list,
-                                       memory_limit=float(limit) if bounded else None, memory_base=base), sopts)
+                                       memory_limit=float(limit) if bounded else None, memory_base=base,
+                                       hint=hint), sopts)
                 grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
                 need = min(BUCKET_BYTES, grads) + recompute_of(sol.choice)
                 if need <= base * (1 + 1e-9):
@@ -794,8 +798,10 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
 
     t0 = time.perf_counter()
     first = "none" if not base_modes else "forced"
+    bucket0, sol0 = 0.0, None
     run(first, base_modes, base_off, bounded=False)  # the fastest plan, memory aside: does memory bind at all?
     sol0, _, _, mem0, _ = results[first]
+    bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
     row0 = sum(float(m[c] + g[c]) for m, g, c in zip(mem0, prob.grad_memory, sol0.choice))
     row0 += min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
     binds = row0 > limit
@@ -804,13 +810,18 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
         run(first, base_modes, base_off)
 
     def tight() -> bool:
-        return binds
+        """Memory binds and costs: no plan fits yet, or fitting made the best one over 2% slower than free."""
+        if not binds:
+            return False
+        best = min((r[0].objective for r in results.values()), default=math.inf)
+        return best > 1.02 * sol0.objective
 
     if opts.checkpoint is None and layers and tight():
         # memory binds: recompute may buy a cheaper sharding or make the model fit at all
         run("selective", {lay: "selective" for lay in layers}, base_off)
         run("full", {lay: "full" for lay in layers}, base_off)
-    if forced_off is None and cluster.device.name != "cpu" and tight():
+    if forced_off is None and cluster.device.name != "cpu" and binds and (
+            not results or min(r[0].objective for r in results.values()) > 1.3 * sol0.objective):
         # still binding: host memory (offload never pays on a CPU cluster, where host memory is device memory)
         full = base_modes or {lay: "full" for lay in layers}
         run("offload-optimizer", base_modes, frozenset({"optimizer"}))
