@@ -353,6 +353,8 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
             total += _local_bytes(v, sp, mesh)
     if node.target == aten.cross_entropy_loss.default:
         total = 3 * _local_bytes(value_of(node.args[0]), option.inputs[0], mesh)
+    if node.target == aten.dropout.default and len(node.args) > 1 and node.args[1] > 0:
+        total = _local_bytes(value_of(node), option.output, mesh) / value_of(node).dtype.itemsize  # bool mask
     return total
 
 
