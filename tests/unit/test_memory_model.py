@@ -32,8 +32,8 @@ def test_activation_bytes_per_layer_match_k22(h, a):
     pins = {n: "R" for n in ("layer_norm", "layer_norm_1", "dropout_1", "dropout_2", "add_1", "add_2")}
     plan = make_plan(traced, cluster, ("tp",), PlanOptions(roles={"tp": "tp"}, memory_limit=1e15, checkpoint="none",
                                                            pins=pins))
-    from autopart.planner import build_problem, saved_bytes, _saving_users
     from autopart.placement import parse_spec
+    from autopart.planner import _saving_users, build_problem, saved_bytes
 
     prob = build_problem(traced, cluster, ("tp",), PlanOptions(roles={"tp": "tp"}))
     users = _saving_users(prob.info)
