@@ -35,7 +35,8 @@ def _seq_len(model) -> int:
     return min(SEQ, model.cfg.max_seq_len)
 
 
-def bench(models: list[str], meshes: list[str], time_limit_s: float) -> list[dict]:
+def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict | None = None) -> list[dict]:
+    extra = extra or {}
     rows = []
     for name in models:
         with torch.device("meta"):
@@ -55,7 +56,8 @@ def bench(models: list[str], meshes: list[str], time_limit_s: float) -> list[dic
             t0 = time.perf_counter()
             try:
                 p = autopart.plan(model, autopart.mesh(shape, names), (ids,), {"labels": ids},
-                                  cluster=autopart.preset("a100-80gb", shape), traced=t, time_limit_s=time_limit_s)
+                                  cluster=autopart.preset("a100-80gb", shape), traced=t, time_limit_s=time_limit_s,
+                                  **extra)
                 err = None
             except Exception as exc:  # noqa: BLE001 - reported in the table
                 p, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
     ap.add_argument("--meshes", default=",".join(MESHES), help=f"comma-separated subset of {list(MESHES)}")
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per plan (s)")
+    ap.add_argument("--sharding-only", action="store_true",
+                    help="decide shardings (ZeRO placements included) but no checkpointing or offload variants")
     a = ap.parse_args()
     models = [m for m in a.models.split(",") if m]
     meshes = [m for m in a.meshes.split(",") if m]
@@ -104,7 +108,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cluster a100-80gb; seq {SEQ}")
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
-    bench(models, meshes, a.time_limit)
+    extra = {"checkpoint": "none", "offload": "none"} if a.sharding_only else {}
+    print("decisions:", "shardings only" if a.sharding_only else "all (shardings, ZeRO, checkpointing, offload)")
+    bench(models, meshes, a.time_limit, extra)
 
 
 if __name__ == "__main__":
