@@ -844,7 +844,9 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
             f"no plan fits in {_fmt_bytes(limit)} per device on {cluster.name} mesh {cluster.mesh_shape} "
             f"(activation checkpointing tried: {tried}). The memory row binds: the smallest per-device peak any "
             f"plan reaches is {_fmt_bytes(exc.min_memory)}, largest terms: {contrib}. Raise memory_budget to at "
-            f"least {_fmt_bytes(exc.min_memory)}, add devices (the sharded terms shrink with the mesh), or pin "
+            f"least {_fmt_bytes(exc.min_memory)}, add devices (if every term shrank with the mesh, about "
+            f"{math.ceil(cluster.world_size * exc.min_memory / limit) if math.isfinite(exc.min_memory) else '?'} "
+            f"instead of {cluster.world_size}; replicated terms do not shrink, so that is a lower bound), or pin "
             f"roles that shard more (zero=3, a tensor-parallel axis)."
         ) from exc
     label = min(results, key=lambda k: results[k][0].objective)
