@@ -8,6 +8,7 @@ sums the gradients the plan marks as reduced over their mesh axes, in one flat b
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -268,10 +269,13 @@ class ParallelModule(nn.Module):
                 start = end
 
     def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
-        """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``, or,
-        when the plan offloads optimizer states, the same optimizer stepping on host copies of the shards."""
+        """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``
+        (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound), or, when
+        the plan offloads optimizer states, the same optimizer stepping on host copies of the shards."""
         if "optimizer" in self.plan.offload:
             return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+        if "foreach" in inspect.signature(cls).parameters:
+            kwargs.setdefault("foreach", True)  # one kernel per group instead of a DTensor dispatch per parameter
         return cls(self.parameters(), **kwargs)
 
     def program(self) -> str:
