@@ -80,3 +80,32 @@ def test_distributed_checkpoint_roundtrip(tmp_path):
         assert any((trained[k] - before[k]).abs().max() > 0 for k in trained)  # the step changed something
         for k in trained:
             torch.testing.assert_close(loaded[k], trained[k], rtol=0, atol=0)
+
+
+def _accumulate_run() -> dict:
+    import autopart
+
+    mesh = autopart.mesh((2,), ("dp",))
+    ids = batches()[0]
+    pm = autopart.parallelize(make_model("gpt"), mesh, (ids[:2],), {"labels": ids[:2]}, roles={"dp": "dp"})
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    for ids in batches():
+        for half in ids.chunk(2):  # two micro-batches accumulate into one step
+            pm.forward_backward(half, labels=half)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def test_gradient_accumulation_over_forward_backward_calls():
+    results = run_ranks(2, _accumulate_run)
+    model = make_model("gpt")
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    for ids in batches():
+        for half in ids.chunk(2):
+            model(half, labels=half).backward()
+        opt.step()
+        opt.zero_grad()
+    for params in results:
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)
