@@ -137,9 +137,6 @@ class ParallelModule(nn.Module):
             self._key_of[fqn] = key
         self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
         self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items()}
-        self._buckets: list[dict] | None = None
-        for key in self._reduced_keys():
-            self._params[key].register_post_accumulate_grad_hook(lambda _p, k=key: self._on_grad(k))
         self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
                                                      input_names)}
         self._make_program = make_program
@@ -241,21 +238,18 @@ class ParallelModule(nn.Module):
 
     def forward_backward(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the global batch; gradients land in ``.grad`` of this rank's shards (added to
-        gradients already there, so several calls accumulate). The data-parallel gradient reduction runs in
-        buckets launched during backward as each bucket's gradients are ready (overlapped, as DDP does).
+        gradients already there, so several calls accumulate). The data-parallel gradient reduction runs after
+        backward in buckets of at most BUCKET_BYTES (not overlapped with backward: launching it from gradient hooks
+        while backward issues other collectives on the same gloo group aborted a run).
         Returns the loss (detached), equal to the single-process loss of the same global batch."""
         held = {}
         for key in self._reduced_keys():
             p = self._params[key]
             if p.grad is not None:  # reduce only this call's gradients, then add what was accumulated before
                 held[key], p.grad = p.grad, None
-        self._buckets = self._make_buckets()
-        try:
-            loss = self._loss_of(self.forward(*args, **kwargs))
-            loss.backward()
-            self._finish_buckets()
-        finally:
-            self._buckets = None
+        loss = self._loss_of(self.forward(*args, **kwargs))
+        loss.backward()
+        self.reduce_gradients()
         for key, g in held.items():
             p = self._params[key]
             p.grad = g if p.grad is None else p.grad + g
@@ -263,53 +257,6 @@ class ParallelModule(nn.Module):
 
     def _reduced_keys(self) -> list[str]:
         return [self._key_of[fqn] for fqn in self._reduced]
-
-    def _make_buckets(self) -> list[dict]:
-        """Buckets of at most BUCKET_BYTES per set of axes, in reverse parameter order (roughly backward's)."""
-        buckets: list[dict] = []
-        open_: dict[tuple[int, ...], dict] = {}
-        for fqn in reversed(list(self._reduced)):
-            axes = self._reduced[fqn]
-            key = self._key_of[fqn]
-            nbytes = self._params[key].to_local().nbytes
-            b = open_.get(axes)
-            if b is None or (b["keys"] and b["bytes"] + nbytes > BUCKET_BYTES):
-                b = open_[axes] = {"axes": axes, "keys": [], "bytes": 0, "ready": 0, "work": None, "flat": None}
-                buckets.append(b)
-            b["keys"].append(key)
-            b["bytes"] += nbytes
-        return buckets
-
-    def _on_grad(self, key: str) -> None:
-        """Post-accumulate-grad hook: launch a bucket's first all-reduce as soon as all its gradients exist."""
-        if self._buckets is None:
-            return
-        for b in self._buckets:
-            if key in b["keys"]:
-                b["ready"] += 1
-                if b["ready"] == len(b["keys"]):
-                    b["flat"] = torch.cat([self._params[k].grad._local_tensor.reshape(-1) for k in b["keys"]])
-                    b["work"] = dist.all_reduce(b["flat"], group=self._groups[b["axes"][0]], async_op=True)
-                return
-
-    def _finish_buckets(self) -> None:
-        for b in self._buckets or []:
-            grads = [self._params[k].grad for k in b["keys"]]
-            if any(g is None for g in grads):  # a parameter unused this step: reduce what exists, synchronously
-                self._reduce([g._local_tensor for g in grads if g is not None], b["axes"])
-                continue
-            if b["work"] is None:
-                b["flat"] = torch.cat([g._local_tensor.reshape(-1) for g in grads])
-                dist.all_reduce(b["flat"], group=self._groups[b["axes"][0]])
-            else:
-                b["work"].wait()
-            for a in b["axes"][1:]:
-                dist.all_reduce(b["flat"], group=self._groups[a])
-            off = 0
-            for g in grads:
-                t = g._local_tensor
-                t.copy_(b["flat"][off: off + t.numel()].view_as(t))
-                off += t.numel()
 
     def _reduce(self, grads: list[torch.Tensor], axes: tuple[int, ...]) -> None:
         if not grads:
@@ -323,8 +270,8 @@ class ParallelModule(nn.Module):
             off += g.numel()
 
     def reduce_gradients(self) -> None:
-        """Sum the gradients the plan marks as reduced over their axes, bucketed: for loops that call
-        ``loss.backward()`` themselves instead of ``forward_backward`` (call once per backward)."""
+        """Sum the gradients the plan marks as reduced over their axes, in buckets of at most BUCKET_BYTES.
+        ``forward_backward`` calls it; loops that call ``loss.backward()`` themselves call it once per backward."""
         by_axes: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         for fqn, axes in self._reduced.items():
             p = self._params[self._key_of[fqn]]
