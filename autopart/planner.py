@@ -785,6 +785,8 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
+            elif bounded and sol0 is not None:  # repair the free optimum greedily into the budget
+                hint = repair_to_budget(list(sol0.choice), with_self, both, edge_list, limit - base)
             for _ in range(3 if bounded else 1):
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=both, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
@@ -995,6 +997,49 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         zero=zero,
         offload=sorted(offload),
     )
+
+
+def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
+                     edges: list[tuple[int, int, np.ndarray]], limit: float, max_steps: int = 10_000
+                     ) -> list[int] | None:
+    """A feasible warm start for the memory-bounded solve: from ``choice``, repeatedly switch the one group whose
+    switch frees memory at the least added time per byte (node cost and incident edges), until the memory row
+    fits. Returns None when it gets stuck (the solver then starts cold)."""
+    adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
+    for u, v, m in edges:
+        adj[u].append((v, m, True))
+        adj[v].append((u, m, False))
+
+    def local_cost(g: int, a: int) -> float:
+        t = float(cost[g][a])
+        for other, m, out in adj[g]:
+            t += float(m[a, choice[other]] if out else m[choice[other], a])
+        return t
+
+    used = sum(float(m[c]) for m, c in zip(mem, choice))
+    for _ in range(max_steps):
+        if used <= limit:
+            return choice
+        best = None
+        for g in range(len(choice)):
+            cur_m = float(mem[g][choice[g]])
+            cheaper = np.nonzero(mem[g] < cur_m)[0]
+            if not len(cheaper):
+                continue
+            cur_t = local_cost(g, choice[g])
+            for a in cheaper:
+                dt = local_cost(g, int(a)) - cur_t
+                if not math.isfinite(dt):
+                    continue
+                ratio = max(dt, 0.0) / (cur_m - float(mem[g][a]))
+                if best is None or ratio < best[0]:
+                    best = (ratio, g, int(a))
+        if best is None:
+            return None
+        _, g, a = best
+        used -= float(mem[g][choice[g]]) - float(mem[g][a])
+        choice[g] = a
+    return None
 
 
 def _forced_checkpoint(opts: PlanOptions, info: Graphinfo) -> dict[str, str]:
