@@ -66,7 +66,8 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
          zero: int | None = None, offload: str | None = None, traced: Traced | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
-    (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: weights replicated); ``pins`` fixes the
+    (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
+    are used whole, replicated or ZeRO-sharded and gathered); ``pins`` fixes the
     placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``)."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
