@@ -1,0 +1,402 @@
+r"""Pipeline planning: contiguous stage boundaries, per-layer checkpointing, micro-batches and schedule.
+
+Pure numpy; the solver sees per-layer numbers only. A later pass wires it to the cost model and the runtime.
+
+Schedule model (N21 = Narayanan et al. 2021, GPipe = Huang et al. 2019; see shared/REFERENCE.md)
+-------------------------------------------------------------------------------------------------
+Stages :math:`k = 0..p-1`, micro-batches :math:`m`, interleaved chunks :math:`v`. The time of stage (or chunk)
+:math:`k` for one micro-batch, forward plus backward, is
+
+.. math:: t_k = \sum_{l \in k} (f_l + b_l) + \sum_{l \in k,\ \mathrm{ckpt}} f_l + \pi
+
+with :math:`\pi` = ``p2p_s`` charged once per stage when :math:`p v > 1` (the send of its boundary activation or
+gradient), and the recomputed forward :math:`f_l` for checkpointed layers. Bottleneck model of the step:
+
+* GPipe, 1F1B: :math:`T = (m + p - 1)\,\max_k t_k`; bubble :math:`(p-1)/(m+p-1)` of the step, i.e.
+  :math:`(p-1)/m` of the ideal time :math:`m \max_k t_k` (N21 §2.2.1; 1F1B has GPipe's time, less memory).
+* Interleaved (N21 §2.2.2): the :math:`p v` chunks are the DP's stages; rank :math:`r` owns chunks
+  :math:`r, r+p, \dots`. With :math:`\tau = \max_c t_c` the per-chunk bottleneck,
+  :math:`T = (m v + p - 1)\,\tau`, which for balanced chunks (:math:`\tau = t/v`) is
+  :math:`(m + (p-1)/v)\,t`: bubble :math:`(p-1)/(v m)` of the ideal time, :math:`(p-1)/(v m + p - 1)` of the step.
+
+Memory of a stage: :math:`\sum_l s_l + n_k \sum_l a'_l` with :math:`s` the states, :math:`a'_l` the activation bytes
+(``recompute_act_bytes`` if the layer is checkpointed, else ``act_bytes``) and :math:`n_k` micro-batches in flight:
+
+* GPipe: :math:`n_k = m`.
+* 1F1B: :math:`n_k = \min(p - k, m)` (stage 0 holds :math:`p`; N21 §2.2.1).
+* Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)p + 1)` chunk-micro-batches
+  in flight on rank :math:`r`, spread evenly over its chunks: :math:`n_c = \min(m, \lceil W_r / v \rceil)`; rank 0
+  then holds about :math:`(1 + (p-1)/(p v))` times 1F1B's activations, as N21 states. Each chunk must fit in
+  ``memory_limit / v`` (a sufficient condition for its rank to fit; it keeps the DP contiguous). ``stage_memory``
+  reports per rank, the sum of its chunks.
+
+Optimisation (``partition``)
+----------------------------
+.. math::
+
+    \min_{0 = j_0 < j_1 < \dots < j_K = L} \; \max_k \; c_k(j_k, j_{k+1}),
+    \qquad c_k(i, j) = \min_{C \subseteq [i, j)} \Big\{ t(i,j) + \sum_{l \in C} f_l \;:\;
+    \mathrm{mem}_k(i, j, C) \le M_k \Big\}
+
+(:math:`c_k = \infty` if no :math:`C` fits). Exact DP over (stage, layer):
+:math:`D_k(j) = \min_{i<j} \max(D_{k-1}(i), c_k(i, j))`, :math:`D_0(0) = 0`, answer :math:`D_K(L)`;
+:math:`O(K L^2)` vectorised (PLATFORM.md: 384 layers x 16 stages in tens of ms).
+
+Checkpointing inside a stage is a covering knapsack: choose :math:`C` with savings
+:math:`\sum_{l \in C} (a_l - r_l) \ge (\sum s + n \sum a - M)/n` at least added time :math:`\sum_{l\in C} f_l`.
+It is solved exactly by a Pareto-front DP: adding layers one at a time, keep every (added time, saving) pair
+not dominated (no other pair with no more time and no less saving). An optimal :math:`C` can be replaced by one
+whose pair is on the front without losing feasibility or gaining time, so the query "least time with saving
+:math:`\ge` need" over the front is exact. The front of :math:`q` identical layers has :math:`q+1` points, so
+repeated transformer blocks stay cheap; distinct random costs can grow it (at most :math:`2^q`). Layers with
+:math:`r_l \ge a_l` or ``recompute_act_bytes=None`` are never checkpointed (no saving).
+
+Pruning keeps this fast and exact: a first DP prices unfit segments at full checkpointing (an upper bound on
+:math:`c_k`) and yields a feasible bottleneck :math:`U \ge` optimum; segments whose checkpoint-free time, a lower
+bound on :math:`c_k`, exceeds :math:`U` cannot be in an optimal plan and are skipped; the knapsack runs only on the
+rest. Memory is compared with a relative tolerance of ``1e-9``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_RTOL = 1e-9
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer on one stage's devices, per micro-batch (seconds, bytes per device)."""
+
+    fwd_s: float
+    bwd_s: float
+    act_bytes: float
+    state_bytes: float
+    recompute_act_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        vals = (self.fwd_s, self.bwd_s, self.act_bytes, self.state_bytes)
+        if any(not math.isfinite(x) or x < 0 for x in vals):
+            raise ValueError(f"LayerCost fields must be finite and >= 0, got {self}")
+        if self.recompute_act_bytes is not None and not (self.recompute_act_bytes >= 0):
+            raise ValueError(f"recompute_act_bytes must be >= 0 or None, got {self.recompute_act_bytes}")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    stages: int
+    micro_batches: int
+    schedule: str
+    virtual: int = 1
+    p2p_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if self.stages < 1 or self.micro_batches < 1 or self.virtual < 1:
+            raise ValueError(f"stages({self.stages}), micro_batches({self.micro_batches}) and virtual({self.virtual}) "
+                             "must all be >= 1")
+        if self.schedule != "interleaved" and self.virtual != 1:
+            raise ValueError(f"virtual({self.virtual}) > 1 needs schedule='interleaved', got {self.schedule!r}")
+        if self.p2p_s < 0:
+            raise ValueError(f"p2p_s must be >= 0, got {self.p2p_s}")
+
+    def __str__(self) -> str:
+        v = f"v{self.virtual}" if self.schedule == "interleaved" else ""
+        return f"{self.schedule}{v}(p={self.stages}, m={self.micro_batches})"
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def in_flight(self, chunk: int) -> int:
+        """Micro-batches whose activations chunk (= stage when v = 1) holds at peak; see the module docstring."""
+        p, m, v = self.stages, self.micro_batches, self.virtual
+        if self.schedule == "gpipe":
+            return m
+        if self.schedule == "1f1b":
+            return min(p - chunk, m)
+        r = chunk % p
+        w = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+        return min(m, -(-w // v))
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    boundaries: tuple[int, ...]
+    checkpointed: tuple[bool, ...]
+    step_s: float
+    bubble_fraction: float
+    stage_time_s: tuple[float, ...]
+    stage_memory: tuple[float, ...]
+    options: PipelineOptions = field(repr=False, default=PipelineOptions(1, 1, "gpipe"))
+
+    def __str__(self) -> str:
+        return (f"{self.options}: boundaries={list(self.boundaries)} ckpt={sum(self.checkpointed)} "
+                f"step={self.step_s:.4g}s bubble={self.bubble_fraction:.3f}")
+
+    def grid(self) -> str:
+        """The schedule as a step-by-rank text grid, one unit slot per action ('.' idle)."""
+        return schedule_grid(self.options)
+
+
+def bubble_fraction(opts: PipelineOptions) -> float:
+    """Idle share of the step: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p - 1) interleaved (N21)."""
+    p, m, v = opts.stages, opts.micro_batches, opts.virtual
+    return (p - 1) / (m * v + p - 1)
+
+
+def bubble_over_ideal(opts: PipelineOptions) -> float:
+    """Bubble relative to the ideal time m * t: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved (N21)."""
+    return (opts.stages - 1) / (opts.virtual * opts.micro_batches)
+
+
+def schedule_step_time(stage_times: Sequence[float], opts: PipelineOptions) -> float:
+    """Bottleneck step time: (m v + p - 1) * max of per-stage (per-chunk) times; v = 1 outside interleaved."""
+    if len(stage_times) != opts.chunks:
+        raise ValueError(f"got {len(stage_times)} stage times for {opts.chunks} stages x chunks")
+    return (opts.micro_batches * opts.virtual + opts.stages - 1) * max(stage_times)
+
+
+def _front_add(t: np.ndarray, s: np.ndarray, dt: float, ds: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Add one optional item to a Pareto front (times ascending, savings strictly ascending); return keep-order too."""
+    nt, ns = np.concatenate([t, t + dt]), np.concatenate([s, s + ds])
+    order = np.lexsort((-ns, nt))
+    nt, ns = nt[order], ns[order]
+    prev = np.concatenate([[-np.inf], np.maximum.accumulate(ns)[:-1]])
+    keep = ns > prev
+    return nt[keep], ns[keep], order[keep]
+
+
+def _knapsack(dts: np.ndarray, dss: np.ndarray, need: float) -> tuple[float, list[int]]:
+    """Least sum(dts[C]) with sum(dss[C]) >= need, exactly (Pareto front with members); inf if impossible."""
+    t, s, members = np.zeros(1), np.zeros(1), [()]
+    for i, (dt, ds) in enumerate(zip(dts, dss)):
+        if ds <= 0:
+            continue
+        allm = members + [mm + (i,) for mm in members]
+        t, s, order = _front_add(t, s, dt, ds)
+        members = [allm[o] for o in order]
+    idx = int(np.searchsorted(s, need, side="left"))
+    if idx == len(s):
+        return math.inf, []
+    return float(t[idx]), list(members[idx])
+
+
+class _Arrays:
+    def __init__(self, layers: Sequence[LayerCost]) -> None:
+        self.fwd = np.array([x.fwd_s for x in layers], float)
+        self.time = np.array([x.fwd_s + x.bwd_s for x in layers], float)
+        self.act = np.array([x.act_bytes for x in layers], float)
+        self.state = np.array([x.state_bytes for x in layers], float)
+        rec = np.array([x.act_bytes if x.recompute_act_bytes is None else x.recompute_act_bytes for x in layers])
+        self.save = np.maximum(self.act - rec, 0.0)
+        self.ckpt_fwd = np.where(self.save > 0, self.fwd, 0.0)
+        n = len(layers)
+        pre = {k: np.concatenate([[0.0], np.cumsum(a)]) for k, a in
+               (("time", self.time), ("act", self.act), ("state", self.state), ("save", self.save),
+                ("ckpt_fwd", self.ckpt_fwd))}
+        seg = {k: v[None, :] - v[:, None] for k, v in pre.items()}
+        self.valid = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
+        self.T, self.A, self.S, self.SAVE, self.CF = (seg[k] for k in ("time", "act", "state", "save", "ckpt_fwd"))
+
+
+def _bottleneck_dp(costs: list[np.ndarray]) -> tuple[float, list[int]]:
+    """min over boundaries of max_k costs[k][j_k, j_{k+1}]; returns (value, boundaries incl. 0, excl. L)."""
+    n = costs[0].shape[0] - 1
+    dp = np.full(n + 1, np.inf)
+    dp[0] = 0.0
+    parents = []
+    for c in costs:
+        cand = np.maximum(dp[:, None], c)
+        parents.append(np.argmin(cand, axis=0))
+        dp = cand[parents[-1], np.arange(n + 1)]
+    if not np.isfinite(dp[n]):
+        return math.inf, []
+    bounds, j = [], n
+    for par in reversed(parents):
+        j = int(par[j])
+        bounds.append(j)
+    return float(dp[n]), bounds[::-1]
+
+
+def partition(layers: Sequence[LayerCost], opts: PipelineOptions, memory_limit: float) -> PipelinePlan:
+    """Exact least-bottleneck contiguous partition with per-layer checkpointing (see the module docstring)."""
+    n, K = len(layers), opts.chunks
+    if n < K:
+        raise ValueError(f"{n} layers cannot fill {K} pipeline stages (stages {opts.stages} x virtual "
+                         f"{opts.virtual}); use fewer stages or chunks")
+    ar = _Arrays(layers)
+    p2p = opts.p2p_s if K > 1 else 0.0
+    share = opts.virtual
+    flights = [opts.in_flight(k) for k in range(K)]
+    lim = memory_limit / share * (1 + _RTOL)
+    need = {f: (ar.S + f * ar.A - lim) / f for f in set(flights)}  # saving needed, per in-flight count
+    fits_plain = {f: ar.valid & (nd <= 0) for f, nd in need.items()}
+    fits_full = {f: ar.valid & (ar.SAVE >= nd) for f, nd in need.items()}
+
+    ub_cost = {f: np.where(fits_plain[f], ar.T + p2p, np.where(fits_full[f], ar.T + ar.CF + p2p, np.inf))
+               for f in need}
+    ub, _ = _bottleneck_dp([ub_cost[f] for f in flights])
+    if not math.isfinite(ub):
+        _raise_infeasible(ar, opts, flights, memory_limit, n)
+
+    exact = {}
+    todo: dict[int, set[int]] = {}
+    for f in need:
+        c = np.where(fits_plain[f], ar.T + p2p, np.inf)
+        hard = fits_full[f] & ~fits_plain[f] & (ar.T + p2p <= ub * (1 + 1e-12))
+        for i, j in zip(*np.nonzero(hard)):
+            todo.setdefault(int(i), set()).add(int(j))
+        exact[f] = c
+    for i, js in todo.items():
+        t, s = np.zeros(1), np.zeros(1)
+        jmax = max(js)
+        for j in range(i + 1, jmax + 1):
+            if ar.save[j - 1] > 0:
+                t, s, _ = _front_add(t, s, ar.fwd[j - 1], ar.save[j - 1])
+            if j in js:
+                for f, c in exact.items():
+                    if fits_full[f][i, j] and not fits_plain[f][i, j]:
+                        idx = int(np.searchsorted(s, need[f][i, j], side="left"))
+                        if idx < len(s):
+                            c[i, j] = ar.T[i, j] + t[idx] + p2p
+    best, bounds = _bottleneck_dp([exact[f] for f in flights])
+    assert math.isfinite(best) and best <= ub * (1 + 1e-9), (best, ub)
+
+    ends = bounds[1:] + [n]
+    ckpt = [False] * n
+    times, mems = [], [0.0] * opts.stages
+    for k, (i, j) in enumerate(zip(bounds, ends)):
+        f = flights[k]
+        extra, chosen = 0.0, []
+        if not fits_plain[f][i, j]:
+            extra, chosen = _knapsack(ar.fwd[i:j], ar.save[i:j], need[f][i, j])
+        for c in chosen:
+            ckpt[i + c] = True
+        times.append(float(ar.T[i, j] + extra + p2p))
+        saved = float(sum(ar.save[i + c] for c in chosen))
+        mems[k % opts.stages] += float(ar.S[i, j] + f * (ar.A[i, j] - saved))
+    return PipelinePlan(tuple(bounds), tuple(ckpt), schedule_step_time(times, opts), bubble_fraction(opts),
+                        tuple(times), tuple(mems), opts)
+
+
+def _raise_infeasible(ar: _Arrays, opts: PipelineOptions, flights: list[int], limit: float, n: int) -> None:
+    """Find the partition of least peak memory (full checkpointing) and report its binding stage."""
+    mem = {f: np.where(ar.valid, (ar.S + f * (ar.A - ar.SAVE)) * opts.virtual, np.inf) for f in set(flights)}
+    need, bounds = _bottleneck_dp([mem[f] for f in flights])
+    ends = bounds[1:] + [n]
+    per = [mem[flights[k]][i, j] for k, (i, j) in enumerate(zip(bounds, ends))]
+    k = int(np.argmax(per))
+    i, j = bounds[k], ends[k]
+    act = float(ar.A[i, j] - ar.SAVE[i, j])
+    where = f"stage {k}" if opts.virtual == 1 else f"chunk {k} (rank {k % opts.stages})"
+    raise ValueError(
+        f"no partition of {n} layers into {opts} fits memory_limit={limit:.4g} bytes per device: even the "
+        f"least-memory partition, with every allowed layer checkpointed, needs {need:.4g} bytes on {where} "
+        f"(layers {i}..{j - 1}: states {float(ar.S[i, j]):.4g} + activations {act:.4g} x {flights[k]} micro-batches "
+        f"in flight). Fix: raise memory_limit to >= {need:.4g}, use more stages or devices per stage (shard states), "
+        f"more micro-batches of a smaller size, the 1f1b schedule (fewer in flight than gpipe), or allow "
+        f"checkpointing (recompute_act_bytes)."
+    )
+
+
+def best_pipeline(
+    layers: Sequence[LayerCost],
+    memory_limit: float,
+    stage_counts: Iterable[int],
+    micro_batch_counts: Iterable[int],
+    schedules: Iterable[str | tuple[str, int]],
+    p2p_s: float = 0.0,
+) -> PipelinePlan:
+    """Search stage counts x micro-batch counts x schedules; least time per micro-batch (step_s / m) wins.
+
+    Layer costs are per micro-batch of a fixed size, so comparing m compares throughput. A schedule is a name or
+    ``("interleaved", v)``; plain "interleaved" means v = 2. Ties go to lower peak memory.
+    """
+    best, errors = None, []
+    for p, m, sch in itertools.product(list(stage_counts), list(micro_batch_counts), list(schedules)):
+        name, v = (sch, 1) if isinstance(sch, str) else sch
+        if name == "interleaved" and isinstance(sch, str):
+            v = 2
+        opts = PipelineOptions(p, m, name, v, p2p_s)
+        try:
+            plan = partition(layers, opts, memory_limit)
+        except ValueError as e:
+            errors.append(f"  {opts}: {e}")
+            continue
+        key = (plan.step_s / m, max(plan.stage_memory))
+        if best is None or key < (best.step_s / best.options.micro_batches, max(best.stage_memory)):
+            best = plan
+    if best is None:
+        raise ValueError("no pipeline configuration fits:\n" + "\n".join(errors))
+    return best
+
+
+def _actions(opts: PipelineOptions, rank: int) -> list[tuple[str, int, int]]:
+    """Ordered (kind, micro-batch, chunk) actions of a rank."""
+    p, m, v = opts.stages, opts.micro_batches, opts.virtual
+    if opts.schedule == "gpipe":
+        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+    if opts.schedule == "1f1b":
+        fw, bw = [("F", i, 0) for i in range(m)], [("B", i, 0) for i in range(m)]
+        warm = min(p - rank - 1, m)
+    else:
+        order = [(i, c) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
+        fw = [("F", i, c) for i, c in order]
+        bw = [("B", i, v - 1 - c) for i, c in order]
+        warm = min(m * v, 2 * (p - rank - 1) + (v - 1) * p)
+    out = fw[:warm]
+    for f, b in itertools.zip_longest(fw[warm:], bw):
+        out += [a for a in (f, b) if a is not None]
+    return out
+
+
+def schedule_grid(opts: PipelineOptions) -> str:
+    """Simulate the schedule in unit slots (each action one slot) and draw it, one line per rank."""
+    p, v = opts.stages, opts.virtual
+    queues = [_actions(opts, r) for r in range(p)]
+    done: dict[tuple[str, int, int, int], int] = {}
+    rows: list[list[str]] = [[] for _ in range(p)]
+
+    def dep(kind: str, i: int, c: int, r: int) -> tuple[str, int, int, int] | None:
+        if kind == "F":
+            if r > 0:
+                return ("F", i, c, r - 1)
+            return ("F", i, c - 1, p - 1) if c > 0 else None
+        if r < p - 1:
+            return ("B", i, c, r + 1)
+        return ("B", i, c + 1, 0) if c < v - 1 else ("F", i, c, r)
+
+    step = 0
+    while any(queues):
+        ran = []
+        for r in range(p):
+            if not queues[r]:
+                rows[r].append(".")
+                continue
+            kind, i, c = queues[r][0]
+            d = dep(kind, i, c, r)
+            if d is None or done.get(d, step) < step:
+                ran.append((kind, i, c, r))
+                queues[r].pop(0)
+                rows[r].append(f"{kind}{i}" + (f"c{c}" if v > 1 else ""))
+            else:
+                rows[r].append(".")
+        if not ran:
+            raise RuntimeError(f"schedule {opts} deadlocked at step {step}:\n" + _draw(rows))
+        for a in ran:
+            done[a] = step
+        step += 1
+    return _draw(rows)
+
+
+def _draw(rows: list[list[str]]) -> str:
+    width = max((len(x) for row in rows for x in row), default=1)
+    return "\n".join(f"rank {r}: " + " ".join(x.ljust(width) for x in row).rstrip() for r, row in enumerate(rows))
