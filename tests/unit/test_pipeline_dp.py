@@ -1,0 +1,181 @@
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+
+from autopart.solver.pipeline import (
+    LayerCost,
+    PipelineOptions,
+    best_pipeline,
+    bubble_fraction,
+    bubble_over_ideal,
+    partition,
+    schedule_step_time,
+)
+
+
+def _brute(layers, opts, limit):
+    """Least bottleneck over all contiguous partitions x all checkpoint subsets per stage."""
+    n, K = len(layers), opts.chunks
+    p2p = opts.p2p_s if K > 1 else 0.0
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), K - 1):
+        bounds = (0, *cuts, n)
+        worst = 0.0
+        for k in range(K):
+            seg = layers[bounds[k]:bounds[k + 1]]
+            f = opts.in_flight(k)
+            stage = math.inf
+            for mask in itertools.product((False, True), repeat=len(seg)):
+                if any(c and (x.recompute_act_bytes is None or x.recompute_act_bytes >= x.act_bytes)
+                       for c, x in zip(mask, seg)):
+                    continue
+                mem = sum(x.state_bytes for x in seg) + f * sum(
+                    x.recompute_act_bytes if c else x.act_bytes for c, x in zip(mask, seg))
+                if mem <= limit / opts.virtual * (1 + 1e-9):
+                    stage = min(stage, sum(x.fwd_s + x.bwd_s + (x.fwd_s if c else 0) for c, x in zip(mask, seg)) + p2p)
+            worst = max(worst, stage)
+        best = min(best, worst)
+    return best
+
+
+def _random_layers(rng, n, ckpt):
+    return [LayerCost(float(rng.uniform(0.1, 2)), float(rng.uniform(0.2, 4)), float(rng.uniform(1, 10)),
+                      float(rng.uniform(0, 5)),
+                      float(rng.uniform(0, 2)) if ckpt and rng.random() < 0.8 else None) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 9))
+    ckpt = bool(seed % 2)
+    layers = _random_layers(rng, n, ckpt)
+    sched = ["gpipe", "1f1b", "interleaved"][seed % 3]
+    v = 2 if sched == "interleaved" else 1
+    p = int(rng.integers(1, min(4, n // v) + 1))
+    opts = PipelineOptions(p, int(rng.integers(1, 5)), sched, v, p2p_s=float(rng.uniform(0, 0.5)))
+    total = sum(x.state_bytes + x.act_bytes for x in layers) * opts.micro_batches
+    for limit in (math.inf, total * rng.uniform(0.1, 0.6), total * 0.05):
+        want = _brute(layers, opts, limit)
+        if math.isinf(want):
+            with pytest.raises(ValueError, match="memory_limit"):
+                partition(layers, opts, limit)
+            continue
+        plan = partition(layers, opts, limit)
+        assert max(plan.stage_time_s) == pytest.approx(want, rel=1e-9)
+        assert plan.step_s == pytest.approx(schedule_step_time(plan.stage_time_s, opts))
+        assert max(plan.stage_memory) <= limit * (1 + 1e-9)
+        assert len(plan.boundaries) == opts.chunks and plan.boundaries[0] == 0
+        assert list(plan.boundaries) == sorted(set(plan.boundaries))
+
+
+def test_bubble_formulas_match_reference():
+    for p, m, v in [(2, 4, 1), (4, 8, 1), (8, 32, 1), (4, 8, 2), (8, 16, 4)]:
+        if v == 1:
+            for s in ("gpipe", "1f1b"):
+                o = PipelineOptions(p, m, s)
+                assert bubble_fraction(o) == pytest.approx((p - 1) / (m + p - 1))
+                assert bubble_over_ideal(o) == pytest.approx((p - 1) / m)
+                assert schedule_step_time([1.0] * p, o) == pytest.approx(m * (1 + (p - 1) / m))
+        else:
+            o = PipelineOptions(p, m, "interleaved", v)
+            assert bubble_over_ideal(o) == pytest.approx((p - 1) / (v * m))
+            t = 1.0
+            step = schedule_step_time([t / v] * (p * v), o)
+            assert step == pytest.approx(m * t * (1 + (p - 1) / (v * m)))
+            assert (step - m * t) / step == pytest.approx(bubble_fraction(o))
+
+
+def test_1f1b_first_stage_holds_p_micro_batches():
+    p, m = 4, 8
+    layers = [LayerCost(1, 2, 10, 3) for _ in range(8)]
+    plan = partition(layers, PipelineOptions(p, m, "1f1b"), math.inf)
+    assert plan.boundaries == (0, 2, 4, 6)
+    assert plan.stage_memory == (2 * 3 + p * 2 * 10, 2 * 3 + 3 * 20, 2 * 3 + 2 * 20, 2 * 3 + 1 * 20)
+    gp = partition(layers, PipelineOptions(p, m, "gpipe"), math.inf)
+    assert gp.stage_memory == (2 * 3 + m * 20,) * p
+    assert gp.step_s == plan.step_s
+
+
+def test_unequal_costs_give_unequal_counts():
+    layers = [LayerCost(1, 2, 1, 1)] * 6 + [LayerCost(3, 6, 1, 1)] * 6
+    plan = partition(layers, PipelineOptions(2, 4, "1f1b"), math.inf)
+    assert plan.boundaries == (0, 8)  # 6 light + 2 heavy | 4 heavy: 36 s each
+    assert plan.stage_time_s == (pytest.approx(36), pytest.approx(36))
+
+
+def test_heavy_embedding_and_head_shift_boundaries():
+    block = LayerCost(1, 2, 1, 1)
+    plain = partition([block] * 16, PipelineOptions(4, 8, "1f1b"), math.inf).boundaries
+    assert plain == (0, 4, 8, 12)
+    heavy = [LayerCost(4, 8, 1, 1)] + [block] * 14 + [LayerCost(4, 8, 1, 1)]
+    b = partition(heavy, PipelineOptions(4, 8, "1f1b"), math.inf).boundaries
+    assert b[1] < 4 and 16 - b[3] < 4
+
+
+def test_checkpoints_only_when_needed_and_cheapest():
+    layers = [LayerCost(1, 2, 10, 0, 1), LayerCost(5, 2, 10, 0, 1), LayerCost(1, 2, 10, 0, 1)]
+    opts = PipelineOptions(1, 1, "gpipe")
+    assert not any(partition(layers, opts, 30).checkpointed)
+    assert partition(layers, opts, 25).checkpointed == (True, False, False)
+    assert partition(layers, opts, 15).checkpointed == (True, False, True)
+    plan = partition(layers, opts, 3)
+    assert all(plan.checkpointed) and plan.stage_time_s == (pytest.approx(13 + 7),)
+
+
+def test_large_instance_is_fast():
+    rng = np.random.default_rng(0)
+    kinds = [LayerCost(float(a), float(2 * a), 100.0, 50.0, 10.0) for a in rng.uniform(0.5, 1.5, 4)]
+    layers = [kinds[i % 4] for i in range(384)]
+    opts = PipelineOptions(16, 32, "1f1b")
+    t = time.perf_counter()
+    plan = partition(layers, opts, math.inf)
+    t_plain = time.perf_counter() - t
+    t = time.perf_counter()
+    tight = partition(layers, opts, 24 * 50 + 16 * 24 * 100 * 0.7)
+    t_ckpt = time.perf_counter() - t
+    assert t_plain < 2 and t_ckpt < 2, (t_plain, t_ckpt)
+    assert not any(plan.checkpointed) and any(tight.checkpointed)
+    assert max(tight.stage_time_s) >= max(plan.stage_time_s)
+
+
+def _rows(grid):
+    return [line.split(":", 1)[1].split() for line in grid.splitlines()]
+
+
+def test_grid_gpipe_and_1f1b():
+    layers = [LayerCost(1, 1, 1, 1)] * 2
+    g = _rows(partition(layers, PipelineOptions(2, 4, "gpipe"), math.inf).grid())
+    assert g[0] == ["F0", "F1", "F2", "F3", ".", ".", "B0", "B1", "B2", "B3"]
+    assert g[1] == [".", "F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3", "."]
+    o = _rows(partition(layers, PipelineOptions(2, 4, "1f1b"), math.inf).grid())
+    assert [a for a in o[0] if a != "."] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    assert [a for a in o[1] if a != "."] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+    assert len(o[0]) == len(g[0])
+
+
+def test_interleaved_grid_completes():
+    opts = PipelineOptions(2, 4, "interleaved", 2)
+    rows = _rows(partition([LayerCost(1, 1, 1, 1)] * 4, opts, math.inf).grid())
+    for r in rows:
+        acts = [a for a in r if a != "."]
+        assert len(acts) == 2 * 4 * 2 and len(set(acts)) == len(acts)
+
+
+def test_infeasible_names_stage_and_limit():
+    layers = [LayerCost(1, 2, 10, 5, 2)] * 8
+    opts = PipelineOptions(2, 4, "1f1b")
+    with pytest.raises(ValueError, match=r"needs 35 bytes on stage 1 .*memory_limit to >= 35"):
+        partition(layers, opts, 20)
+    assert max(partition(layers, opts, 35).stage_memory) <= 35
+
+
+def test_best_pipeline_prefers_throughput_and_skips_infeasible():
+    layers = [LayerCost(1, 2, 10, 5, 2)] * 8
+    plan = best_pipeline(layers, 200, [1, 2, 4], [1, 4, 8], ["gpipe", "1f1b", ("interleaved", 2)])
+    assert max(plan.stage_memory) <= 200
+    with pytest.raises(ValueError, match="no pipeline configuration fits"):
+        best_pipeline(layers, 1, [2], [4], ["1f1b"])
