@@ -115,6 +115,7 @@ class Plan:
             f"predicted step {_fmt_time(pred['step_time_s'])} = compute {_fmt_time(pred['compute_s'])} + comm "
             f"{_fmt_time(pred['comm_s'])};  memory/device "
             + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in pred["memory_bytes"].items()),
+            "per layer: predicted time (compute + conversions, forward and backward), placements, collectives",
             f"solver {sol.get('backend')} {sol.get('status')}: objective {_fmt_time(sol.get('objective', 0))}, "
             f"bound {_fmt_time(sol.get('bound', 0))}, gap {sol.get('gap', 0):.2%}, {sol.get('wall_time_s', 0):.2f} s, "
             f"{sol.get('groups')} decision groups ({sol.get('graph_nodes')} nodes, {sol.get('tied_layers')} tied "
@@ -130,7 +131,13 @@ class Plan:
                                             "layer_norm", "mm.default")):
                 out = rec["output"] if isinstance(rec["output"], str) else ",".join(rec["output"])
                 acts[rec["layer"]].append(f"{name}:{out}")
-        header = f"{'layer':<14} {'weights':<60} {'activations':<48} {'collectives fwd (bwd)':<30}"
+        header = (f"{'layer':<14} {'time':>9} {'weights':<56} {'activations':<44} "
+                  f"{'collectives fwd (bwd)':<30}")
+        layer_time: dict[str, float] = defaultdict(float)
+        for rec in self.nodes.values():
+            layer_time[rec["layer"]] += rec.get("compute_s", 0.0)
+        for rec in self.collectives:
+            layer_time[rec["layer"]] += rec["time_s"]
         lines.append(header)
         lines.append("-" * len(header))
         for layer in self.layers():
@@ -139,7 +146,8 @@ class Plan:
             coll += " (" + (", ".join(f"{k}@{a}x{v}" for (k, a), v in sorted(bwd.items())) or "-") + ")"
             w = " ".join(by_layer.get(layer, [])) or "-"
             a = " ".join(acts.get(layer, [])) or "-"
-            lines.append(f"{layer or '(top)':<14} {_clip(w, 60):<60} {_clip(a, 48):<48} {coll}")
+            lines.append(f"{layer or '(top)':<14} {_fmt_time(layer_time[layer]):>9} {_clip(w, 56):<56} "
+                         f"{_clip(a, 44):<44} {coll}")
         if self.reduced:
             axes = Counter(tuple(self.axis_names[i] for i in v) for v in self.reduced.values())
             lines.append("")

@@ -899,7 +899,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         rec = {"op": str(n.target) if n.op == "call_function" else info.kind[n.name],
                "inputs": [spec_str(s) for s in o.inputs],
                "output": [spec_str(s) for s in _outs(o)] if isinstance(o.output[0], tuple) else spec_str(o.output),
-               "layer": info.layer[n.name], "group": prob.group_of[n.name]}
+               "layer": info.layer[n.name], "group": prob.group_of[n.name],
+               "compute_s": float(prob.compute_cost[prob.group_of[n.name]][sol.choice[prob.group_of[n.name]]])
+               / len(prob.groups[prob.group_of[n.name]])}
         nodes[n.name] = rec
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]
