@@ -473,6 +473,13 @@ def _region(node: fx.Node, info: Graphinfo, last_of_layer: set[str]) -> str:
     return "attention" if _ATTN_RE.search(inner) else "layer"
 
 
+def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions) -> tuple[float, float]:
+    """(parameter, optimizer-state) bytes of one parameter's local shard under ``spec``; its gradient is the
+    parameter's size."""
+    local = _local_bytes(val, spec, mesh)
+    return local, local * opts.optimizer_bytes_per_param / val.dtype.itemsize
+
+
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
                   cluster: Cluster, opts: PlanOptions) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Host offload (ZeRO-Offload style), priced with the device-host link:
@@ -488,13 +495,15 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
     cost, mem = list(cost), list(mem)
     bw = cluster.device.host_bandwidth
     on_cpu = cluster.device.name == "cpu"
+    node_of = {n.name: n for n in prob.info.nodes}
+    mesh = cluster.mesh_shape
     for gid, members in enumerate(prob.groups):
         kind = prob.info.kind[members[0]]
         if kind == "param" and "optimizer" in offload:
-            val = value_of_name(prob, members[0])
-            per = 2 + opts.optimizer_bytes_per_param / val.dtype.itemsize
-            states = mem[gid] * (per - 2) / per
-            local = mem[gid] / per
+            val = value_of(node_of[members[0]])
+            pairs = [param_state_bytes(val, o.output, mesh, opts) for o in prob.info.options[members[0]]]
+            local = np.array([p for p, _ in pairs]) * len(members)
+            states = np.array([s for _, s in pairs]) * len(members)
             cost[gid] = cost[gid] + 2 * local / bw
             if not on_cpu:
                 mem[gid] = mem[gid] - states
@@ -503,10 +512,6 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
             if not on_cpu:
                 mem[gid] = mem[gid] * 0.0
     return cost, mem
-
-
-def value_of_name(prob: Problem, name: str) -> torch.Tensor:
-    return next(n for n in prob.info.nodes if n.name == name).meta["val"]
 
 
 def _forced_offload(opts: PlanOptions) -> frozenset | None:
@@ -655,10 +660,10 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 if g:
                     mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
         elif info.kind[rep.name] == "param":
-            per = 1 + opts.optimizer_bytes_per_param / val.dtype.itemsize
             for a, o in enumerate(opts_r):
-                mem[a] = _local_bytes(val, o.output, mesh) * per
-                grad[a] = _local_bytes(val, o.output, mesh) if info.needs_grad[rep.name] else 0.0
+                local, optim = param_state_bytes(val, o.output, mesh, opts)
+                mem[a] = local + optim
+                grad[a] = local if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = grad[a]  # replicated on a data axis: summed after backward in a flat bucket
                 gathered = [i for i in dp_axes if isinstance(o.output[i], Shard)]
@@ -726,13 +731,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                    region, grad_memory, bucket_memory)
 
 
-def _node_by_name(traced: Traced, name: str) -> fx.Node:
-    for n in traced.graph.nodes:
-        if n.name == name:
-            return n
-    raise KeyError(name)
-
-
 def _outs(o: OpOption) -> tuple:
     return o.output if o.output and isinstance(o.output[0], tuple) else (o.output,)
 
@@ -762,17 +760,17 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     errors: dict[str, InfeasibleError] = {}
 
     def run(label: str, modes: dict[str, str], offload: frozenset = frozenset(), bounded: bool = True) -> None:
-        cost, mem = apply_checkpoint(prob, modes)
+        cost, ckpt_mem = apply_checkpoint(prob, modes)
         # during backward one checkpointed layer is recomputed at a time: its activations come back transiently
         n_ckpt = max(1, sum(1 for m in modes.values() if m != "none"))
 
         def recompute_of(choice) -> float:
             if not modes:
                 return 0.0
-            return sum(float((m0 - m1)[c]) for m0, m1, c in zip(prob.node_memory, mem, choice)) / n_ckpt
+            return sum(float((m0 - m1)[c]) for m0, m1, c in zip(prob.node_memory, ckpt_mem, choice)) / n_ckpt
 
-        recompute = min(float((m0 - m1).min()) for m0, m1 in zip(prob.node_memory, mem)) if modes else 0.0
-        cost, mem = apply_offload(prob, cost, mem, offload, cluster, opts)
+        recompute = min(float((m0 - m1).min()) for m0, m1 in zip(prob.node_memory, ckpt_mem)) if modes else 0.0
+        cost, mem = apply_offload(prob, cost, ckpt_mem, offload, cluster, opts)
         with_self = list(cost)
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
@@ -796,7 +794,7 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
                 if need <= base * (1 + 1e-9):
                     break
                 base = need
-            results[label] = (sol, modes, cost, mem, offload)
+            results[label] = (sol, modes, cost, mem, offload, ckpt_mem)
         except InfeasibleError as exc:
             errors[label] = exc
 
@@ -804,10 +802,10 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     first = "none" if not base_modes else "forced"
     bucket0, sol0 = 0.0, None
     run(first, base_modes, base_off, bounded=False)  # the fastest plan, memory aside: does memory bind at all?
-    sol0, _, _, mem0, _ = results[first]
+    sol0, _, _, mem0, _, _ = results[first]
     bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
     row0 = sum(float(m[c] + g[c]) for m, g, c in zip(mem0, prob.grad_memory, sol0.choice))
-    row0 += min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
+    row0 += bucket0
     binds = row0 > limit
     if binds:
         del results[first]
@@ -852,36 +850,37 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
             f"roles that shard more (zero=3, a tensor-parallel axis)."
         ) from exc
     label = min(results, key=lambda k: results[k][0].objective)
-    sol, modes, cost, mem, offload = results[label]
+    sol, modes, cost, mem, offload, ckpt_mem = results[label]
     chosen: dict[str, OpOption] = {}
     for gid, members in enumerate(groups):
         for name in members:
             chosen[name] = info.options[name][sol.choice[gid]]
-    raw_memory = prob.node_memory
+    recompute = sum(float((m0 - m1)[c]) for m0, m1, c in zip(prob.node_memory, ckpt_mem, sol.choice)) \
+        / max(1, sum(1 for m in modes.values() if m != "none"))
     prob = dataclasses.replace(prob, node_cost=cost, node_memory=mem,
                                compute_cost=[c + (cost[g] - prob.node_cost[g])
                                              for g, c in enumerate(prob.compute_cost)])
     timings["checkpoint_choice"] = label
-    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload, raw_memory)
+    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload, recompute)
 
 
-def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload, raw_memory):
+def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload, recompute):
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
     nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
+    node_by_name = {n.name: n for n in info.nodes}
     for gid, members in enumerate(prob.groups):
         a = sol.choice[gid]
         compute += float(prob.compute_cost[gid][a])
         kind = info.kind[members[0]]
         m = float(prob.node_memory[gid][a])
         if kind == "param":  # split the model states the way the memory row summed them
-            val = value_of(_node_by_name(traced, members[0]))
-            o = info.options[members[0]][a]
-            local = _local_bytes(val, o.output, mesh) * len(members)
-            opt_states = local * opts.optimizer_bytes_per_param / val.dtype.itemsize
+            local, opt_states = param_state_bytes(value_of(node_by_name[members[0]]),
+                                                  info.options[members[0]][a].output, mesh, opts)
+            local, opt_states = local * len(members), opt_states * len(members)
             if "optimizer" in offload and cluster.device.name != "cpu":
                 opt_states = 0.0
             memory["parameters"] += local
@@ -890,7 +889,6 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             memory["gradients"] += float(prob.grad_memory[gid][a])
         else:
             memory["activations" if kind == "op" else "buffers"] += m
-    node_by_name = {n.name: n for n in info.nodes}
     comm_total = 0.0
     collectives = []
     seen_conversions: set = set()
@@ -971,8 +969,6 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"]
     bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
-    n_ckpt = max(1, len(checkpoint))
-    recompute = sum(float((m0 - m1)[c]) for m0, m1, c in zip(raw_memory, prob.node_memory, sol.choice)) / n_ckpt
     memory["peak_forward"] += recompute
     memory["peak_backward"] = states + memory["gradients"] + min(bucketed, BUCKET_BYTES)
     memory["total"] = max(memory["peak_forward"], memory["peak_backward"])
