@@ -7,13 +7,6 @@ from typing import Any
 import torch
 
 
-def fake_mode_from_tensors(tensors: list[Any]):
-    """The FakeTensorMode that produced ``tensors`` (torch._guards.detect_fake_mode)."""
-    from torch._guards import detect_fake_mode
-
-    return detect_fake_mode(tensors)
-
-
 def is_fake(t: Any) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 

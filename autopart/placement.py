@@ -89,14 +89,6 @@ def local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...])
     return tuple(out)
 
 
-def shard_factor(spec: Spec, mesh_shape: tuple[int, ...]) -> int:
-    """How many ranks split the tensor's elements (product of axis sizes where the spec shards)."""
-    f = 1
-    for p, n in zip(spec, mesh_shape):
-        if isinstance(p, Shard):
-            f *= n
-    return f
-
 
 def to_dtensor_placements(spec: Spec):
     from torch.distributed.tensor import Partial as DPartial

@@ -167,7 +167,7 @@ _REGATHER: dict[int, tuple] = {}  # id(gathered tensor) -> (shard, axis, dim) wh
 
 def all_gather_param(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
     """``all_gather`` of a ZeRO-3 parameter shard: when autograd saves the gathered tensor for backward,
-    ``regather_hooks`` keeps the shard instead and gathers again when backward needs it."""
+    ``saved_tensor_hooks`` keeps the shard instead and gathers again when backward needs it."""
     out = _AllGather.apply(x, axis, dim, bwd)
     if torch.is_grad_enabled():
         key = out.untyped_storage().data_ptr()  # views of it (a transposed weight) share the storage
@@ -271,9 +271,6 @@ def count_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     """Sum over the axis with no gradient (global counts)."""
     return _all_reduce(x.detach(), Ax(axis))
 
-
-def axis_coord(axis: int) -> int:
-    return _STATE.coords[axis]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: int, *extra) -> torch.Tensor:
