@@ -235,6 +235,9 @@ def saved_tensor_hooks(offload_activations: bool = False):
             yield
     finally:
         _STATE_OFFLOAD.on = old
+        # packing happens only in forward: drop the registry (and its process-group references) now, so that
+        # nothing global outlives the graph or the process group (a stale one aborted a process at teardown)
+        _REGATHER.clear()
 
 
 def all_reduce(x: torch.Tensor, axis: int, bwd: str) -> torch.Tensor:
