@@ -54,26 +54,29 @@ def _as_cluster(cluster: str | Cluster, m: Mesh) -> Cluster:
 
 
 def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None,
-             zero=None, offload=None) -> PlanOptions:
+             zero=None, offload=None, pipeline=None) -> PlanOptions:
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=parse_bytes(memory_budget),
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
-                       checkpoint=checkpoint, zero=zero, offload=offload)
+                       checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline)
 
 
 def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
          cluster: str | Cluster = "cpu", roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
          memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
-         zero: int | None = None, offload: str | None = None, traced: Traced | None = None) -> Plan:
+         zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
+         traced: Traced | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
-    are used whole, replicated or ZeRO-sharded and gathered); ``pins`` fixes the
-    placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``)."""
+    are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
+    placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``). ``pipeline``: None lets
+    the solver split an unpinned axis into stages when that is faster or needed to fit; ``"off"``; or a dict forcing
+    any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
     p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend,
-                                          checkpoint, zero, offload))
+                                          checkpoint, zero, offload, pipeline))
     p.solver["export_s"] = t.export_seconds
     return p
 
@@ -83,7 +86,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                 roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
                 memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
                 local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
-                zero: int | None = None, offload: str | None = None):
+                zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None):
     """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program.
 
     Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
@@ -119,9 +122,15 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
     if plan is None:
         text = [None]
         if dist.get_rank() == 0:
-            text[0] = globals()["plan"](model, m, traced=t, pins=pins, **plan_kw).to_json()
+            text[0] = globals()["plan"](model, m, traced=t, pins=pins, pipeline=pipeline, **plan_kw).to_json()
         dist.broadcast_object_list(text, src=0)
         plan = Plan.from_json(text[0])
+    if plan.pipeline:
+        if local_batch:
+            raise NotImplementedError("local_batch=True with a pipelined plan: pass the global batch (every rank "
+                                      "the same), or plan with pipeline='off'")
+        return _parallelize_pipelined(model, m, plan, t, example_inputs, example_kwargs or {}, loss_fn, pins,
+                                      plan_kw)
     if tuple(plan.mesh_shape) != m.shape:
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
@@ -141,7 +150,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         text = [None]
         if dist.get_rank() == 0:
             text[0] = globals()["plan"](model, m, traced=t2, pins={**(pins or {}), **param_pins},
-                                        **plan_kw).to_json()
+                                        pipeline="off", **plan_kw).to_json()
         dist.broadcast_object_list(text, src=0)
         p2 = Plan.from_json(text[0])
         return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
@@ -158,3 +167,96 @@ def _repeat_batch(x: Any, factor: int) -> Any:
     if isinstance(x, torch.Tensor) and x.dim() > 0:
         return torch.cat([x] * factor, dim=0)
     return x
+
+
+def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs: tuple, example_kwargs: dict,
+                           loss_fn, pins, plan_kw):
+    """A pipelined plan: re-trace one micro-batch, re-solve its shardings on the stage mesh with every parameter
+    pinned to the plan's placement (and the plan's per-layer checkpointing), and run it as stages."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopart.passes import run_passes
+    from autopart.runtime.mesh import backend_for_device
+    from autopart.runtime.module import Program
+    from autopart.runtime.pipeline import PipelinedModule, world_layout
+
+    pipe = plan.pipeline
+    world = tuple(pipe["world_mesh_shape"])
+    if world != m.shape:
+        raise ValueError(f"plan was made for mesh {world}, this mesh is {m.shape}")
+    axis, p = int(pipe["axis"]), int(pipe["degree"])
+    layout = world_layout(world, axis, p)
+    pp_name = "pp" if "pp" not in m.names else "_pp"
+    _, device = backend_for_device()
+    dm = DeviceMesh(device, layout, mesh_dim_names=(pp_name, *m.names))
+    stage_dm = dm[m.names]
+    pp_group = dm[pp_name].get_group()
+    # the schedule's send/recv get a group of their own: a collective of ours (the loss broadcast) on the same
+    # group as a send still in flight at the end of a schedule mismatched messages on gloo
+    p2p_group = None
+    cells = layout.reshape(p, -1)
+    for cell in range(cells.shape[1]):
+        ranks = [int(r) for r in cells[:, cell]]
+        g = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            p2p_group = g
+    pp_rank = dm.get_local_rank(pp_name)
+    stage_mesh = Mesh(tuple(plan.mesh_shape), m.names, device_mesh=stage_dm)
+    stage_roles = {a: r for a, r in (plan_kw.get("roles") or {}).items() if r != "pp"}
+    micro_kw = dict(plan_kw, roles=stage_roles, memory_budget=float("inf"), pipeline="off",
+                    checkpoint=dict(plan.checkpoint), cluster=Cluster.from_json(plan.cluster))
+    model_ref = weakref.ref(model)
+    b = int(pipe["micro_batch_size"])
+
+    def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
+        model = model_ref()
+        if model is None:
+            raise RuntimeError("a new input signature needs tracing the model again, but the original model object "
+                               "was freed: keep it alive")
+        t2 = trace(model, args, kwargs)
+        text = [None]
+        if dist.get_rank() == 0:
+            text[0] = globals()["plan"](model, stage_mesh, traced=t2, pins={**(pins or {}), **param_pins},
+                                        **micro_kw).to_json()
+        dist.broadcast_object_list(text, src=0)
+        p2 = Plan.from_json(text[0])
+        p2.pipeline = {}
+        return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
+                       t2.tied, t2.user_inputs, t2.input_paths)
+
+    batch = int(pipe["batch"])
+
+    def cut(x):
+        return x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
+
+    margs = tuple(cut(a) for a in example_inputs)
+    mkw = {k: cut(v) for k, v in example_kwargs.items()}
+    prog = make_program(margs, mkw, dict(plan.params))
+    # which chunks use each parameter (a tied embedding/head: the first and the last)
+    from autopart.pipelining import assign_stages
+
+    stage_of = assign_stages(prog.gm, prog.plan, p * int(pipe.get("virtual", 1)), pipe["stage_of_layer"])
+    users: dict[str, set[int]] = {}
+    for n in prog.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for a in n.all_input_nodes:
+            name = prog.tied.get(a.name, a.name)
+            if a.op == "placeholder" and name in prog.params:
+                users.setdefault(prog.params[name], set()).add(stage_of[n.name])
+    owned = {fqn for fqn, cs in users.items() if any(c % p == pp_rank for c in cs)}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    shapes = {fqn: (tuple(named[fqn].shape), named[fqn].dtype) for fqn in prog.params.values()}
+    from autopart.runtime.module import signature
+
+    pm = PipelinedModule(prog.gm, prog.plan, model, stage_mesh, params=prog.params, buffers=prog.buffers,
+                         constants=prog.constants, tied=prog.tied, user_inputs=prog.user_inputs,
+                         input_names=prog.input_names, aliases=t.aliases, loss_fn=loss_fn,
+                         example_signature=signature(margs, mkw), make_program=make_program, owned=owned,
+                         pipeline=pipe, pp_group=pp_group, p2p_group=p2p_group, pp_rank=pp_rank,
+                         stage_of_layer=pipe["stage_of_layer"],
+                         world_mesh=layout)
+    pm.plan = plan  # the whole plan (stages, schedule); each program keeps its micro-batch plan in Program.plan
+    pm.setup_sharing({f: sorted(c) for f, c in users.items()}, shapes)
+    return pm

@@ -49,6 +49,9 @@ class Plan:
     checkpoint: dict[str, str] = field(default_factory=dict)  # layer -> "full" | "selective" (absent: none)
     zero: dict[str, int] = field(default_factory=dict)  # parameter FQN -> ZeRO level (absent: 0)
     offload: list[str] = field(default_factory=list)  # "optimizer" and/or "activations" kept in host memory
+    # pipeline parallelism (empty: none). Placements above are on the stage mesh ``mesh_shape``; the world mesh is
+    # ``pipeline["world_mesh_shape"]``, whose axis ``pipeline["axis"]`` is split into ``degree`` stages
+    pipeline: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     # ---- serialisation -------------------------------------------------------------------------------------
@@ -107,6 +110,8 @@ class Plan:
     # ---- printing ------------------------------------------------------------------------------------------
     def __str__(self) -> str:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
+        if self.pipeline:
+            mesh = f"pp={self.pipeline['degree']} (on {self.pipeline['axis_name']}) x stage " + mesh
         roles = ", ".join(f"{n}: {self.axis_role(i)}" for i, n in enumerate(self.axis_names))
         pred, sol = self.predicted, self.solver
         lines = [
@@ -155,6 +160,38 @@ class Plan:
                 f"{n} parameters over {'+'.join(k)}" for k, n in axes.items()))
         if self.unsupported_ops:
             lines.append("ops without a sharding rule (replicated): " + ", ".join(self.unsupported_ops))
+        if self.pipeline:
+            lines += ["", *self.pipeline_text().splitlines()]
+        return "\n".join(lines)
+
+    def pipeline_text(self) -> str:
+        """Stages with their layers, time and memory; micro-batches, schedule, bubble; the schedule grid."""
+        pp = self.pipeline
+        if not pp:
+            return "no pipeline"
+        sched = pp["schedule"] + (f" (v={pp['virtual']} chunks per rank)" if pp["schedule"] == "interleaved" else "")
+        lines = [
+            f"pipeline: {pp['degree']} stages on mesh axis {pp['axis_name']} "
+            f"(world mesh {tuple(pp['world_mesh_shape'])}, stage mesh {tuple(self.mesh_shape)}); "
+            f"{pp['micro_batches']} micro-batches of {pp['micro_batch_size']}"
+            f" (batch {pp['batch']}); schedule {sched}; bubble {pp['bubble_fraction']:.1%} of the step",
+            f"step {_fmt_time(pp['step_time_s'])} = pipeline {_fmt_time(pp['pipeline_s'])} + gradient reduction "
+            f"{_fmt_time(pp['gradient_reduction_s'])}; send/recv per micro-batch and boundary "
+            f"{_fmt_time(pp['p2p_s'])}" + (f"; without pipeline: {_fmt_time(pp['no_pipeline_step_time_s'])}"
+                                          if pp.get("no_pipeline_step_time_s") else ""),
+            f"{'stage':>5} {'rank':>4} {'layers':<34} {'time/micro-batch':>16} {'in flight':>9} "
+            f"{'states+grads':>13} {'activations':>12} {'total':>11}  checkpointed",
+        ]
+        for st in pp["stages"]:
+            lay = st["layers"]
+            names = lay[0] if len(lay) == 1 else f"{lay[0]} .. {lay[-1]} ({len(lay)})"
+            mem = st["memory_bytes"]
+            lines.append(f"{st['index']:>5} {st['rank']:>4} {_clip(names, 34):<34} {_fmt_time(st['time_s']):>16} "
+                         f"{st['in_flight']:>9} {_fmt_bytes(mem['states'] + mem['gradients']):>13} "
+                         f"{_fmt_bytes(mem['activations']):>12} {_fmt_bytes(mem['total']):>11}  "
+                         f"{len(st['checkpointed'])}/{len(lay)}")
+        if pp.get("grid"):
+            lines += ["schedule (F = forward, B = backward of micro-batch i; c = chunk; '.' idle):", pp["grid"]]
         return "\n".join(lines)
 
     def explain(self, node: str) -> str:

@@ -70,11 +70,22 @@ class PlanOptions:
     checkpoint: dict[str, str] | str | None = None  # force: "full"/"selective"/"none" for every layer, or per layer
     zero: int | None = None  # force a ZeRO level on the "dp" axes (None: the solver decides per parameter)
     offload: str | frozenset | None = None  # force "none" | "optimizer" | "activations" | "both" (None: solver)
+    # None: the solver decides whether and how to pipeline; "off"; or a dict forcing any of "stages",
+    # "micro_batches", "schedule" ("gpipe" | "1f1b" | "interleaved"), "virtual", "axis" (mesh axis name)
+    pipeline: dict | str | None = None
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
-            if role not in ("dp", "tp"):
-                raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp'")
+            if role not in ("dp", "tp", "pp"):
+                raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp', 'pp'")
+        if isinstance(self.pipeline, str) and self.pipeline != "off":
+            raise ValueError(f"pipeline={self.pipeline!r}: use None (the solver decides), 'off', or a dict such as "
+                             "{'stages': 2, 'schedule': '1f1b', 'micro_batches': 4}")
+        if isinstance(self.pipeline, dict):
+            bad = set(self.pipeline) - {"stages", "micro_batches", "schedule", "virtual", "axis"}
+            if bad:
+                raise ValueError(f"pipeline options {sorted(bad)} unknown: use stages, micro_batches, schedule, "
+                                 "virtual, axis")
 
 
 def value_of(node: fx.Node) -> Any:
@@ -736,6 +747,56 @@ def _outs(o: OpOption) -> tuple:
 
 
 def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
+    """The fastest plan that fits: per-node shardings (the ILP), and, where a mesh axis allows it and it pays,
+    pipeline stages, micro-batches and schedule around them (``autopart.pipelining``). Raises ``ValueError`` if
+    nothing fits."""
+    from autopart import pipelining
+
+    roles = {axis_names.index(a): r for a, r in opts.roles.items() if a in axis_names}
+    pp_axes = [i for i, r in roles.items() if r == "pp"]
+    free_axes = [i for i, n in enumerate(cluster.mesh_shape) if i not in roles and n > 1]
+    forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
+    if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
+        if pp_axes:
+            raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
+        return _sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
+    base, base_err = None, None
+    if not pp_axes and "stages" not in forced:
+        try:
+            base = _sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
+        except ValueError as e:
+            base_err = e
+    limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
+    stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
+    ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
+    if opts.checkpoint is not None and not isinstance(opts.checkpoint, str):
+        raise NotImplementedError("a per-layer checkpoint dict together with pipeline stages: pass a mode string "
+                                  "('none' / 'full') or leave checkpoint=None for the pipeline search to choose")
+
+    def solve_stage(stage_cluster: Cluster, lim: float):
+        o = dataclasses.replace(opts, roles=stage_roles, memory_limit=lim, pipeline="off",
+                                checkpoint=None if ck in (None, "none") else ck)
+        if o.checkpoint is None:
+            o = dataclasses.replace(o, checkpoint="none")
+        return _sharding_plan(traced, stage_cluster, axis_names, o)
+
+    t0 = time.perf_counter()
+    cand, tried, errors = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
+                                            allow_checkpoint=ck in (None, "full"))
+    wall = time.perf_counter() - t0
+    p1 = base.predicted["step_time_s"] if base is not None else None
+    if cand is not None and (base is None or cand.step_s < p1 * (1 - 1e-9)):
+        return pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1)
+    if base is not None:
+        base.solver["pipeline_search_s"] = wall
+        base.solver["pipeline_candidates"] = sorted(tried, key=lambda r: r["step_time_s"])[:8]
+        return base
+    detail = "\n".join(f"  {e}" for e in errors[-12:])
+    raise ValueError(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {base_err}\n"
+                     f"with pipeline stages:\n{detail}")
+
+
+def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     """Price every option, solve, and return the ``Plan`` (raises ``ValueError`` if no plan fits)."""
     from autopart.solver import InfeasibleError, SolverOptions, solve
     from autopart.solver import Problem as IlpProblem
@@ -894,12 +955,19 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     seen_conversions: set = set()
     for n in info.nodes:
         o = chosen[n.name]
+        gid = prob.group_of[n.name]
+        a, k = sol.choice[gid], len(prob.groups[gid])
         rec = {"op": str(n.target) if n.op == "call_function" else info.kind[n.name],
                "inputs": [spec_str(s) for s in o.inputs],
                "output": [spec_str(s) for s in _outs(o)] if isinstance(o.output[0], tuple) else spec_str(o.output),
-               "layer": info.layer[n.name], "group": prob.group_of[n.name],
-               "compute_s": float(prob.compute_cost[prob.group_of[n.name]][sol.choice[prob.group_of[n.name]]])
-               / len(prob.groups[prob.group_of[n.name]])}
+               "layer": info.layer[n.name], "group": gid,
+               "compute_s": float(prob.compute_cost[gid][a]) / k,
+               # this node's share of its tied group: time (compute, internal and output collectives), forward
+               # compute (what recomputing it costs), bytes it holds (states of a parameter; saved activations)
+               "time_s": float(prob.node_cost[gid][a]) / k, "fwd_s": float(prob.fwd_compute[gid][a]) / k,
+               "memory_bytes": float(prob.node_memory[gid][a]) / k, "region": prob.region[gid]}
+        if info.kind[n.name] == "param":
+            rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
         nodes[n.name] = rec
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]

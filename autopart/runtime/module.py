@@ -104,7 +104,8 @@ class ParallelModule(nn.Module):
                  buffers: dict[str, str], constants: dict[str, Any], tied: dict[str, str], user_inputs: list[str],
                  input_names: list[str], aliases: dict[str, list[str]],
                  loss_fn: Callable | None = None, local_batch_axes: tuple[int, ...] = (), sync_params: bool = True,
-                 example_signature: tuple = (), make_program: Callable | None = None) -> None:
+                 example_signature: tuple = (), make_program: Callable | None = None,
+                 owned: set[str] | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.mesh = mesh
@@ -128,6 +129,8 @@ class ParallelModule(nn.Module):
             if sync_params:
                 full = full.clone()
                 dist.broadcast(full, src=0)
+            if owned is not None and fqn not in owned:  # another pipeline stage's parameter
+                continue
             spec = parse_spec(plan.params[fqn])
             local = _local_chunk(full, spec, self._coords, self._sizes).clone()  # own storage, not a view of full
             dt = DTensor.from_local(local, dm, to_dtensor_placements(spec), run_check=False,
@@ -136,7 +139,7 @@ class ParallelModule(nn.Module):
             self._params[key] = nn.Parameter(dt, requires_grad=named[fqn].requires_grad)
             self._key_of[fqn] = key
         self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
-        self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items()}
+        self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items() if fqn in self._key_of}
         self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
                                                      input_names)}
         self._make_program = make_program
@@ -171,13 +174,16 @@ class ParallelModule(nn.Module):
             self._programs[key] = prog
         return prog
 
-    def _bind_inputs(self, prog: Program, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    def _bind_inputs(self, prog: Program, args: tuple, kwargs: dict, positional_only: bool = False
+                     ) -> list[torch.Tensor]:
+        """This rank's pieces of the user inputs (``positional_only``: ``args`` already holds every tensor input
+        in the program's order)."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        names = [n for n in prog.input_names if n.startswith("args[")]
+        names = [n for n in prog.input_names if n.startswith("args[") or positional_only]
         if len(tensors) != len(names):
             raise ValueError(f"expected {len(names)} positional tensor inputs as when planned, got {len(tensors)}")
         for name in prog.input_names:
-            if name.startswith("kwargs["):
+            if name.startswith("kwargs[") and not positional_only:
                 key = name[8:-2]
                 if key not in kwargs:
                     raise ValueError(f"the plan was traced with keyword input {key!r}; pass it (or re-plan "

@@ -140,9 +140,55 @@ def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes
     return True
 
 
+def _sig(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), v.dtype)
+    if isinstance(v, (tuple, list)):
+        return tuple(_sig(x) for x in v)
+    return repr(v)
+
+
+def _call_key(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...]) -> Any:
+    """What a rule can see of a call: target, mesh, arguments (tensor inputs by position and shape), output."""
+    def enc(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return ("in", inputs.index(a)) if a in inputs else ("node", _sig(a.meta.get("val")))
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, tuple(enc(x) for x in a))
+        if isinstance(a, dict):
+            return tuple(sorted((k, enc(v)) for k, v in a.items()))
+        return repr(a)
+
+    return (node.target, tuple(mesh_shape), enc(node.args), enc(dict(node.kwargs)),
+            tuple(_sig(a.meta.get("val")) for a in inputs), _sig(node.meta.get("val")))
+
+
+_OPTIONS_CACHE: dict[Any, tuple[list[OpOption], bool]] = {}
+
+
 def options_for(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[list[OpOption], bool]:
-    """All legal mesh-wide options of ``node``; the flag says whether a real rule (not the default) produced them."""
-    info = NodeInfo(node, tensor_inputs(node))
+    """All legal mesh-wide options of ``node``; the flag says whether a real rule (not the default) produced them.
+    Memoised on what the rules see (``_call_key``): the repeated blocks of a model, and the same model on other
+    meshes, list each distinct call once."""
+    inputs = tensor_inputs(node)
+    try:
+        key = _call_key(node, inputs, mesh_shape)
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _OPTIONS_CACHE:
+        opts, known = _OPTIONS_CACHE[key]
+        return list(opts), known
+    out = _options_for(node, inputs, mesh_shape)
+    if key is not None:
+        if len(_OPTIONS_CACHE) > 200_000:
+            _OPTIONS_CACHE.clear()
+        _OPTIONS_CACHE[key] = (list(out[0]), out[1])
+    return out
+
+
+def _options_for(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...]) -> tuple[list[OpOption], bool]:
+    info = NodeInfo(node, inputs)
     rule = rule_for(node.target)
     known = rule is not None
     per_axis = [(rule or replicate_only)(info, n) if n > 1 else replicate_only(info, n) for n in mesh_shape]

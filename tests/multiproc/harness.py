@@ -39,10 +39,14 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo"):
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(_worker, args=(world, _free_port(), fn, args, d, backend), nprocs=world,
                            start_method="spawn")
-        out = []
+        out, errs = [], []
         for r in range(world):
             res = torch.load(os.path.join(d, f"{r}.pt"), weights_only=False)
             if not res["ok"]:
-                raise AssertionError(f"rank {r} failed:\n{res['error']}")
-            out.append(res["result"])
+                errs.append(f"rank {r} failed:\n{res['error']}")
+            else:
+                out.append(res["result"])
+        if errs:  # the root cause first: a rank whose peer crashed only reports a closed connection
+            errs.sort(key=lambda e: "closed by peer" in e or "Connection reset" in e)
+            raise AssertionError("\n".join(errs))
         return out

@@ -8,32 +8,34 @@ import autopart
 
 STEPS = 3
 # Adam divides by sqrt(v) + eps: a parameter whose true gradient is zero (the key bias: softmax ignores a shift)
-# gets float-noise gradients ~1e-11 that eps=1e-8 would blow up to lr-sized, order-dependent steps. eps=1e-6
-# keeps that noise below the 1e-5 tolerance without hiding real differences (those are >= 1e-4 here).
-OPT = {"lr": 1e-2, "eps": 1e-6}
+# gets float-noise gradients ~1e-11 that eps=1e-8 would blow up to lr-sized, order-dependent steps. An entry whose
+# gradient is about eps moves by ~lr * noise / (4 eps): summing in another order (micro-batches, shards) gives noise
+# ~1e-8, i.e. ~2.5e-5 at eps=1e-6 -- measured 1.05e-5 on a pipelined 4-layer GPT whose first-step gradients agree to
+# 9e-8. eps=1e-4 keeps that below 3e-7 without hiding real differences (a wrong gradient moves parameters >= 1e-4).
+OPT = {"lr": 1e-2, "eps": 1e-4}
 
 
-def make_model(name: str):
+def make_model(name: str, layers: int = 2):
     torch.manual_seed(0)
     if name == "gpt":
         from autopart.models import GPT, GPTConfig
 
-        return GPT(GPTConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=4, d_model=32))
+        return GPT(GPTConfig(vocab_size=128, max_seq_len=32, n_layer=layers, n_head=4, d_model=32))
     if name == "llama":
         from autopart.models import Llama, LlamaConfig
 
-        return Llama(LlamaConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+        return Llama(LlamaConfig(vocab_size=128, max_seq_len=32, n_layer=layers, n_head=4, n_kv_head=2, d_model=32,
                                  d_ff=64))
     if name == "hf-gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+        cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=layers, n_head=4, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
         return LlamaForCausalLM(cfg)
@@ -49,8 +51,8 @@ def loss_of(out):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def reference(name: str):
-    model = make_model(name)
+def reference(name: str, layers: int = 2):
+    model = make_model(name, layers)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), **OPT)
     losses = []
@@ -67,13 +69,14 @@ def reference(name: str):
 
 
 def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False,
-                checkpoint: dict[str, str] | str | None = None):
-    model = make_model(name)
+                checkpoint: dict[str, str] | str | None = None, pipeline: dict | str | None = None,
+                layers: int = 2):
+    model = make_model(name, layers)
     model.train()
     mesh = autopart.mesh(shape, names)
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False,
-                              checkpoint=checkpoint)
+                              checkpoint=checkpoint, pipeline=pipeline)
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     for ids in batches():

@@ -1,0 +1,393 @@
+r"""Pipeline parallelism as a planner decision: Alpa's nesting of an ILP inside a DP over layers.
+
+For each candidate pipeline axis and degree :math:`p` (a mesh axis not pinned to another role, split into
+:math:`p` stages, pipeline outermost: rank ``i`` of that axis is stage ``i // (n/p)``), the sharding ILP prices
+and solves the model on the *stage mesh* (the world mesh with that axis divided by :math:`p`). Its solution gives
+per transformer block (the embedding folded into the first block, the head and loss into the last):
+
+* ``time``: forward + backward of the block's nodes (compute, internal and output collectives) and the
+  conversions on edges into it -- proportional to the micro-batch size; conversions of *parameters* (ZeRO
+  gathers) are per micro-batch whatever its size;
+* ``act``: bytes saved for backward (proportional to the micro-batch), and what full recompute keeps (the block's
+  output);
+* ``states``: parameters, gradients (they accumulate over the micro-batches) and optimizer states;
+* ``reduce``: the data-parallel gradient all-reduce after the pipeline flush (once per step);
+* the bytes of every value crossing each block boundary (what a stage sends: activations, and inputs such as
+  labels or rotary tables that later stages use).
+
+The ILP ran at the traced batch :math:`B`; a micro-batch of :math:`b = B/m` scales the proportional terms by
+:math:`1/m`. ``autopart.solver.pipeline.partition`` then chooses the stage boundaries and per-block
+checkpointing exactly for each micro-batch count and schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
+rank), memory per stage under that schedule's activations in flight, and the step time with the bubble
+(``solver/pipeline.py``). The step adds the slowest stage's gradient reduction. The fastest candidate wins over
+the plan without pipeline (``p = 1``) only if faster, or if that plan does not fit.
+
+Approximation, stated: the per-node shardings are the ILP's at the traced batch on the stage mesh, scaled to the
+micro-batch; ``parallelize`` re-solves the shardings at the micro-batch size (parameters pinned) for the program it
+runs, so the executed program is exact and the plan's prediction is the scaled one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopart.cost import Cluster, collective_time
+from autopart.placement import Shard, parse_spec
+from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline
+from autopart.trace import Traced
+
+
+@dataclass
+class Unit:
+    """One block of the model (the pipeline's unit of assignment), at the traced batch."""
+
+    name: str
+    time_s: float = 0.0  # proportional to the micro-batch
+    fixed_s: float = 0.0  # per micro-batch, independent of its size (parameter gathers)
+    fwd_s: float = 0.0  # forward compute of the recomputable nodes (what full recompute costs)
+    act_bytes: float = 0.0
+    ckpt_act_bytes: float = 0.0  # kept under full recompute (the block's input/output)
+    state_bytes: float = 0.0  # parameters + optimizer states (+ gathered copies)
+    grad_bytes: float = 0.0
+    reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
+    out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
+    checkpointable: bool = False
+
+    def cost(self, m: int) -> LayerCost:
+        rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
+        t = self.time_s / m + self.fixed_s
+        fwd = min(self.fwd_s / m, t)
+        return LayerCost(fwd_s=fwd, bwd_s=t - fwd, act_bytes=self.act_bytes / m,
+                         state_bytes=self.state_bytes + self.grad_bytes, recompute_act_bytes=rec)
+
+
+def _local_bytes(val: torch.Tensor, spec, mesh) -> float:
+    n = val.numel() * val.dtype.itemsize
+    for p, size in zip(spec, mesh):
+        if isinstance(p, Shard):
+            n /= size
+    return n
+
+
+def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -> tuple[list[Unit], dict[str, int]]:
+    """Per-block costs of a (stage-mesh) sharding plan, and the unit index of every planned node.
+
+    Nodes outside any block go to the first block if they come before it in the graph (embedding, rotary tables),
+    else to the block before them (head, loss after the last). Parameters go to the block of their first user
+    and are *also* held by every other block using them (a tied embedding/head: both end stages hold a copy)."""
+    nodes = plan.nodes
+    order = [n for n in traced.graph.nodes if n.name in nodes]
+    layers: list[str] = []
+    for n in order:
+        lay = nodes[n.name]["layer"]
+        if lay and nodes[n.name]["op"] != "param" and lay not in layers:
+            layers.append(lay)
+    if len(layers) < 2:
+        raise ValueError(f"pipeline parallelism needs repeated blocks to split between stages; the graph has "
+                         f"{len(layers)} block(s) ({layers}): use pipeline='off'")
+    index = {lay: i for i, lay in enumerate(layers)}
+    units = [Unit(lay) for lay in layers]
+    unit_of: dict[str, int] = {}
+    cur = 0
+    for n in order:
+        rec = nodes[n.name]
+        if rec["op"] in ("param", "buffer", "constant", "input"):
+            continue
+        lay = rec["layer"]
+        cur = index[lay] if lay in index else cur
+        unit_of[n.name] = cur
+    users_units: dict[str, list[int]] = defaultdict(list)
+    for n in order:
+        if n.name in unit_of:
+            for a in n.all_input_nodes:
+                users_units[a.name].append(unit_of[n.name])
+    for n in order:  # placeholders: parameters with their users; inputs enter at stage 0
+        if n.name in unit_of:
+            continue
+        us = sorted(set(users_units.get(n.name, [])))
+        unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
+        if nodes[n.name]["op"] == "param":
+            for u in us or [0]:
+                units[u].state_bytes += nodes[n.name]["memory_bytes"]
+                units[u].grad_bytes += nodes[n.name].get("grad_bytes", 0.0)
+    for n in order:
+        rec = nodes[n.name]
+        if rec["op"] in ("param", "buffer", "constant", "input"):
+            if rec["op"] in ("buffer", "constant"):
+                units[unit_of[n.name]].state_bytes += rec["memory_bytes"]
+            continue
+        u = units[unit_of[n.name]]
+        u.time_s += rec["time_s"]
+        u.act_bytes += rec["memory_bytes"]
+        if rec["region"] in ("layer", "attention"):
+            u.fwd_s += rec["fwd_s"]
+            u.checkpointable = True
+        else:
+            u.ckpt_act_bytes += rec["memory_bytes"]
+    for c in plan.collectives:
+        if c["user"] not in unit_of:
+            continue
+        u = units[unit_of[c["user"]]]
+        if nodes.get(c["value"], {}).get("op") == "param":
+            u.fixed_s += c["time_s"]
+        else:
+            u.time_s += c["time_s"]
+    fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
+    for fqn, axes in plan.reduced.items():
+        ph = fqn_node.get(fqn)
+        if ph is None or ph not in unit_of:
+            continue
+        nbytes = nodes[ph].get("grad_bytes", 0.0)
+        for u in sorted(set(users_units.get(ph, [])) or {0}):
+            for i in axes:
+                units[u].reduce_s += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+    # bytes crossing each boundary: a value made in unit u and last used in unit w crosses boundaries u..w-1
+    node_of = {n.name: n for n in order}
+    for name, us in users_units.items():
+        rec = nodes.get(name)
+        if rec is None or rec["op"] in ("param", "buffer", "constant"):
+            continue
+        src = unit_of[name]
+        last = max(us)
+        if last <= src:
+            continue
+        val = node_of[name].meta.get("val")
+        out = rec["output"]
+        if not isinstance(val, torch.Tensor) or not isinstance(out, str):
+            continue
+        nbytes = _local_bytes(val, parse_spec(out), mesh)
+        for k in range(src, last):
+            units[k].out_bytes += nbytes
+    return units, unit_of
+
+
+def stage_of_units(boundaries: list[int], n_units: int) -> list[int]:
+    """Chunk index of every unit from the partition's start indices."""
+    out = []
+    ends = list(boundaries[1:]) + [n_units]
+    for c, (i, j) in enumerate(zip(boundaries, ends)):
+        out += [c] * (j - i)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Candidate:
+    axis: int
+    degree: int
+    plan: object  # the stage-mesh sharding Plan
+    units: list[Unit]
+    pipe: object  # PipelinePlan
+    step_s: float
+    reduce_s: float
+    batch: int
+    micro_batch_size: int
+
+
+def _batch_of(traced: Traced) -> int:
+    for name in traced.user_inputs:
+        node = next(n for n in traced.graph.nodes if n.name == name)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() > 0:
+            return int(val.shape[0])
+    raise ValueError("pipeline parallelism splits the batch (dim 0 of the inputs) into micro-batches, but the "
+                     "traced inputs have no tensor with a batch dimension")
+
+
+def _batch_shards(plan, traced: Traced, mesh) -> int:
+    """How many ways a stage splits the batch: the mesh axes sharding the first batched input's dim 0."""
+    for name in traced.user_inputs:
+        spec = plan.inputs.get(name)
+        if spec is not None and any(c == "S" for c in spec):
+            return math.prod(n for p, n in zip(parse_spec(spec), mesh) if isinstance(p, Shard) and p.dim == 0)
+    return 1
+
+
+def _schedules(forced: dict) -> list:
+    if "schedule" in forced:
+        s = forced["schedule"]
+        if s not in SCHEDULES:
+            raise ValueError(f"pipeline schedule {s!r} is not one of {SCHEDULES}")
+        return [(s, int(forced.get("virtual", 2))) if s == "interleaved" else s]
+    return ["gpipe", "1f1b", ("interleaved", 2)]
+
+
+def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, solve_stage, limit: float,
+           forced: dict, allow_checkpoint: bool = True) -> tuple[Candidate | None, list[dict], list[str]]:
+    """Best pipelined candidate over axes x degrees x micro-batches x schedules (None if none fits)."""
+    mesh = cluster.mesh_shape
+    roles = {axis_names.index(a): r for a, r in opts.roles.items()}
+    pp_axes = [i for i, r in roles.items() if r == "pp"]
+    if "axis" in forced:
+        if forced["axis"] not in axis_names:
+            raise ValueError(f"pipeline axis {forced['axis']!r} is not a mesh axis {axis_names}")
+        axes = [axis_names.index(forced["axis"])]
+    elif pp_axes:
+        axes = pp_axes
+    else:
+        axes = [i for i in range(len(mesh)) if i not in roles and mesh[i] > 1]
+    batch = _batch_of(traced)
+    tried, errors = [], []
+    best: Candidate | None = None
+    for axis in axes:
+        degrees = [mesh[axis]] if axis in pp_axes else [d for d in _divisors(mesh[axis]) if d > 1]
+        if "stages" in forced:
+            degrees = [d for d in degrees if d == int(forced["stages"])]
+            if not degrees:
+                errors.append(f"{forced['stages']} stages do not divide mesh axis {axis_names[axis]} "
+                              f"({mesh[axis]})")
+        for p in degrees:
+            stage_mesh = tuple(n // p if i == axis else n for i, n in enumerate(mesh))
+            stage_cluster = dataclasses.replace(cluster, mesh_shape=stage_mesh)
+            pipe = None
+            for sub_limit in (math.inf, limit * p):
+                try:
+                    sub = solve_stage(stage_cluster, sub_limit)
+                except ValueError as e:
+                    errors.append(f"p={p} on {axis_names[axis]}: stage sharding: {e}")
+                    break
+                units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
+                if not allow_checkpoint:
+                    for u in units:
+                        u.checkpointable = False
+                if len(units) < p:
+                    errors.append(f"p={p}: only {len(units)} blocks")
+                    break
+                f = _batch_shards(sub, traced, stage_mesh)
+                ms = [m for m in _divisors(batch) if (batch // m) % f == 0]
+                if "micro_batches" in forced:
+                    ms = [m for m in ms if m == int(forced["micro_batches"])]
+                    if not ms:
+                        errors.append(f"p={p}: {forced['micro_batches']} micro-batches do not split batch {batch} "
+                                      f"into parts divisible by the {f} data-parallel ranks of a stage")
+                        break
+                link = cluster.link(axis)
+                found = None
+                for m in ms:
+                    layer_costs = [u.cost(m) for u in units]
+                    send = max(u.out_bytes for u in units[:-1]) / m
+                    p2p = 2 * collective_time("send_recv", send, 2, link)
+                    try:
+                        pl = best_pipeline(layer_costs, limit, [p], [m],
+                                           [s for s in _schedules(forced)
+                                            if s in ("gpipe", "1f1b") or len(units) >= 2 * p], p2p)
+                    except ValueError as e:
+                        errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
+                        continue
+                    stages = stage_of_units(list(pl.boundaries), len(units))
+                    red = [0.0] * p
+                    for ui, c in enumerate(stages):
+                        red[c % p] += units[ui].reduce_s
+                    step = pl.step_s + max(red)
+                    tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,
+                                  "schedule": str(pl.options), "step_time_s": step})
+                    if found is None or step < found.step_s:
+                        found = Candidate(axis, p, sub, units, pl, step, max(red), batch, batch // m)
+                if found is not None:
+                    pipe = found
+                    break
+            if pipe is not None and (best is None or pipe.step_s < best.step_s):
+                best = pipe
+    return best, tried, errors
+
+
+def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], wall_s: float,
+           tried: list[dict], p1_step: float | None):
+    """The stage-mesh plan of ``cand`` with its pipeline section, predictions and per-layer checkpointing."""
+    pl, units = cand.pipe, cand.units
+    o = pl.options
+    plan = cand.plan
+    stages = stage_of_units(list(pl.boundaries), len(units))
+    ckpt = {units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c}
+    ends = list(pl.boundaries[1:]) + [len(units)]
+    m = o.micro_batches
+    stage_recs = []
+    for c, (i, j) in enumerate(zip(pl.boundaries, ends)):
+        us = units[i:j]
+        n_fl = o.in_flight(c)
+        act = sum((u.ckpt_act_bytes if pl.checkpointed[i + k] else u.act_bytes) / m for k, u in enumerate(us))
+        stage_recs.append({
+            "index": c, "rank": c % o.stages, "layers": [u.name for u in us],
+            "time_s": pl.stage_time_s[c], "in_flight": n_fl,
+            "memory_bytes": {"states": sum(u.state_bytes for u in us), "gradients": sum(u.grad_bytes for u in us),
+                             "activations": n_fl * act, "total": sum(u.state_bytes + u.grad_bytes for u in us)
+                             + n_fl * act},
+            "send_bytes": us[-1].out_bytes / m if c < len(stages) and j < len(units) else 0.0,
+            "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k]],
+        })
+    world = cluster.mesh_shape
+    pipeline = {
+        "axis": cand.axis, "axis_name": axis_names[cand.axis], "degree": o.stages,
+        "world_mesh_shape": list(world), "micro_batches": m, "micro_batch_size": cand.micro_batch_size,
+        "batch": cand.batch, "schedule": o.schedule, "virtual": o.virtual,
+        "bubble_fraction": pl.bubble_fraction, "step_time_s": cand.step_s, "pipeline_s": pl.step_s,
+        "gradient_reduction_s": cand.reduce_s, "p2p_s": o.p2p_s,
+        "stages": stage_recs, "stage_of_layer": {units[i].name: c for i, c in enumerate(stages)},
+        "grid": pl.grid() if o.micro_batches * o.chunks <= 64 else "",
+        "candidates": sorted(tried, key=lambda r: r["step_time_s"])[:12],
+        "no_pipeline_step_time_s": p1_step, "search_s": wall_s,
+        "optimality": "stage boundaries, checkpointing: exact DP per (degree, micro-batches, schedule), all "
+                      "enumerated; per-node shardings: the stage-mesh ILP's status (solver)",
+    }
+    mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
+    mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)
+    comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below
+    predicted = dict(plan.predicted)
+    predicted.update({"step_time_s": cand.step_s, "compute_s": comp / o.stages,
+                      "comm_s": max(0.0, cand.step_s - comp / o.stages),
+                      "memory_bytes": {"parameters_and_optimizer": mem["states"], "gradients": mem["gradients"],
+                                       "activations": mem["activations"], "total": mem["total"]},
+                      "sharding_only": plan.predicted})
+    return dataclasses.replace(plan, pipeline=pipeline, checkpoint=ckpt, predicted=predicted)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def assign_stages(gm: fx.GraphModule, plan, chunks: int, stage_of_layer: dict[str, int]) -> dict[str, int]:
+    """Chunk (global stage index) of every call of a rewritten graph: nodes of a planned block go with it; the
+    others follow their latest input, and those fed only by placeholders (a parameter's gather, an embedding
+    lookup, a position table) go with their earliest user."""
+    sol = stage_of_layer
+    layers = list(sol)
+    first_layer = layers[0]
+    stage: dict[str, int] = {}
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        lay = (plan.nodes.get(n.name) or {}).get("layer") or (n.meta.get("autopart.checkpoint") or ("",))[0]
+        if lay in sol:
+            stage[n.name] = sol[lay]
+    for n in nodes:  # forward: a node follows its latest input; before the first block: stage 0
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.name in stage:
+            continue
+        ins = [stage[a.name] for a in n.all_input_nodes if stage.get(a.name) is not None]
+        stage[n.name] = max(ins) if ins else None  # None: only parameters/inputs feed it; placed by its users
+    for n in reversed(nodes):  # parameter-only chains: with their earliest user
+        if stage.get(n.name, 0) is None:
+            us = [stage[u.name] for u in n.users if stage.get(u.name) is not None]
+            stage[n.name] = min(us) if us else sol[first_layer]
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        for a in n.all_input_nodes:
+            if a.name in stage and stage[a.name] > stage[n.name]:
+                raise AssertionError(f"pipeline split: {n.name} (stage {stage[n.name]}) uses {a.name} from a later "
+                                     f"stage {stage[a.name]}")
+    return stage
