@@ -1,11 +1,11 @@
-"""autopart: plan and run data- and tensor-parallel PyTorch from an unmodified model."""
+"""autopart: plan and run data-, tensor- and pipeline-parallel PyTorch from an unmodified model."""
 
-from autopart.api import parallelize, parse_bytes, plan
+from autopart.api import evaluate, parallelize, parse_bytes, plan
 from autopart.cost import Cluster, preset
 from autopart.placement import Partial, Replicate, Shard
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh, mesh
 
-__all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "mesh", "parallelize", "parse_bytes", "plan",
-           "preset"]
+__all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "evaluate", "mesh", "parallelize", "parse_bytes",
+           "plan", "preset"]
 __version__ = "0.1.0"

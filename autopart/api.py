@@ -81,6 +81,37 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     return p
 
 
+def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
+             cluster: str | Cluster = "cpu", tp: int = 1, pp: int = 1, micro_batches: int | None = None,
+             schedule: str = "1f1b", virtual: int = 2, zero: int | None = 0, checkpoint: str | None = None,
+             offload: str | None = "none", memory_budget: str | float | None = None, traced: Traced | None = None,
+             time_limit_s: float = 30.0) -> Plan:
+    """Score a user-given configuration under autopart's cost model: ``gpus = dp x pp x tp``, Megatron-style
+    (``tp`` the inner axis, weights sharded there; ``dp`` data parallel; ``pp`` stages over the data axis, the
+    micro-batch count and schedule as given). Only the per-node shardings inside those roles and, unless given,
+    the stage boundaries and per-layer checkpointing are optimised. Returns the ``Plan`` (``predicted``,
+    ``pipeline``); raises ``ValueError`` if the configuration does not fit ``memory_budget``.
+
+    >>> autopart.evaluate(model, 768, (ids,), {"labels": ids}, cluster="h100-80gb", tp=8, pp=2, micro_batches=384)
+    """
+    if gpus % (tp * pp):
+        raise ValueError(f"{gpus} GPUs are not a multiple of tp x pp = {tp} x {pp}")
+    dp = gpus // (tp * pp)
+    shape, names = ((dp * pp, tp), ("dp", "tp")) if tp > 1 else ((dp * pp,), ("dp",))
+    roles = {"dp": "dp", "tp": "tp"} if tp > 1 else {"dp": "dp"}
+    if pp > 1:
+        pipeline = {"stages": pp, "schedule": schedule, "axis": "dp"}
+        if schedule == "interleaved":
+            pipeline["virtual"] = virtual
+        if micro_batches is not None:
+            pipeline["micro_batches"] = micro_batches
+    else:
+        pipeline = "off"
+    return globals()["plan"](model, Mesh(shape, names), example_inputs, example_kwargs, cluster=cluster, roles=roles,
+                             zero=zero, checkpoint=checkpoint, offload=offload, memory_budget=memory_budget,
+                             pipeline=pipeline, traced=traced, time_limit_s=time_limit_s)
+
+
 def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
                 loss_fn: Callable | None = None, plan: Plan | None = None, cluster: str | Cluster = "cpu",
                 roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,

@@ -234,8 +234,8 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
         axes = [axis_names.index(forced["axis"])]
     elif pp_axes:
         axes = pp_axes
-    else:
-        axes = [i for i in range(len(mesh)) if i not in roles and mesh[i] > 1]
+    else:  # an unpinned axis, or a data-parallel one (stages of it stay data parallel inside)
+        axes = [i for i in range(len(mesh)) if roles.get(i, "dp") == "dp" and mesh[i] > 1]
     batch = _batch_of(traced)
     tried, errors = [], []
     best: Candidate | None = None

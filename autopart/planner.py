@@ -754,7 +754,7 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
 
     roles = {axis_names.index(a): r for a, r in opts.roles.items() if a in axis_names}
     pp_axes = [i for i, r in roles.items() if r == "pp"]
-    free_axes = [i for i, n in enumerate(cluster.mesh_shape) if i not in roles and n > 1]
+    free_axes = [i for i, n in enumerate(cluster.mesh_shape) if roles.get(i, "dp") == "dp" and n > 1]
     forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
     if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
         if pp_axes:
