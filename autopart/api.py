@@ -54,10 +54,11 @@ def _as_cluster(cluster: str | Cluster, m: Mesh) -> Cluster:
 
 
 def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None,
-             zero=None, offload=None, pipeline=None) -> PlanOptions:
+             zero=None, offload=None, pipeline=None, optimizer_bytes_per_param=8.0) -> PlanOptions:
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=parse_bytes(memory_budget),
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
-                       checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline)
+                       checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline,
+                       optimizer_bytes_per_param=optimizer_bytes_per_param)
 
 
 def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
@@ -65,18 +66,20 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
          zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
-         traced: Traced | None = None) -> Plan:
+         optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
     placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``). ``pipeline``: None lets
     the solver split an unpinned axis into stages when that is faster or needed to fit; ``"off"``; or a dict forcing
-    any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``."""
+    any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``.
+    ``optimizer_bytes_per_param``: optimizer state bytes per parameter (8: Adam's two fp32 states; 12 with an fp32
+    master copy of bf16 weights, as Megatron-LM's mixed precision)."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
     p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend,
-                                          checkpoint, zero, offload, pipeline))
+                                          checkpoint, zero, offload, pipeline, optimizer_bytes_per_param))
     p.solver["export_s"] = t.export_seconds
     return p
 
@@ -85,7 +88,7 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
              cluster: str | Cluster = "cpu", tp: int = 1, pp: int = 1, micro_batches: int | None = None,
              schedule: str = "1f1b", virtual: int = 2, zero: int | None = 0, checkpoint: str | None = None,
              offload: str | None = "none", memory_budget: str | float | None = None, traced: Traced | None = None,
-             time_limit_s: float = 30.0) -> Plan:
+             time_limit_s: float = 30.0, optimizer_bytes_per_param: float = 8.0) -> Plan:
     """Score a user-given configuration under autopart's cost model: ``gpus = dp x pp x tp``, Megatron-style
     (``tp`` the inner axis, weights sharded there; ``dp`` data parallel; ``pp`` stages over the data axis, the
     micro-batch count and schedule as given). Only the per-node shardings inside those roles and, unless given,
@@ -109,7 +112,8 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
         pipeline = "off"
     return globals()["plan"](model, Mesh(shape, names), example_inputs, example_kwargs, cluster=cluster, roles=roles,
                              zero=zero, checkpoint=checkpoint, offload=offload, memory_budget=memory_budget,
-                             pipeline=pipeline, traced=traced, time_limit_s=time_limit_s)
+                             pipeline=pipeline, traced=traced, time_limit_s=time_limit_s,
+                             optimizer_bytes_per_param=optimizer_bytes_per_param)
 
 
 def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), example_kwargs: dict | None = None, *,

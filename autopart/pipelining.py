@@ -205,12 +205,19 @@ def _batch_of(traced: Traced) -> int:
 
 
 def _batch_shards(plan, traced: Traced, mesh) -> int:
-    """How many ways a stage splits the batch: the mesh axes sharding the first batched input's dim 0."""
-    for name in traced.user_inputs:
-        spec = plan.inputs.get(name)
-        if spec is not None and any(c == "S" for c in spec):
-            return math.prod(n for p, n in zip(parse_spec(spec), mesh) if isinstance(p, Shard) and p.dim == 0)
-    return 1
+    """How many ways a stage splits the batch: the product of the mesh axes on which the inputs or any activation
+    is sharded on dim 0 (batch-first models: the batch, or batch x sequence flattened). A micro-batch must still
+    split that many ways (conservative for a flattened batch x sequence, which could split further)."""
+    axes: set[int] = set()
+    for rec in plan.nodes.values():
+        if rec["op"] in ("param", "buffer", "constant"):
+            continue
+        outs = rec["output"] if isinstance(rec["output"], list) else [rec["output"]]
+        for out in outs:
+            for i, p in enumerate(parse_spec(out)):
+                if isinstance(p, Shard) and p.dim == 0:
+                    axes.add(i)
+    return math.prod(mesh[i] for i in axes)
 
 
 def _schedules(forced: dict) -> list:

@@ -401,7 +401,12 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         opts = _zero_filter(opts, [i for i, r in roles.items() if r == "dp"], zero)
     if not roles:
         return opts
+    if kind not in ("param", "input"):
+        return opts
     val = value_of(node)
+    # per axis, computed once: can a parameter be sharded there / can an input be split on its batch dim there
+    any_shard = {axis: any(isinstance(q.output[axis], Shard) for q in opts) for axis in roles}
+    any_batch = {axis: any(q.output[axis] == Shard(0) for q in opts) for axis in roles}
     keep = []
     for o in opts:
         ok = True
@@ -410,13 +415,11 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
                 p = o.output[axis]
                 if role == "dp" and not isinstance(p, Replicate) and zero == 0:
                     ok = False
-                if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any(
-                        isinstance(q.output[axis], Shard) for q in opts):
+                if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any_shard[axis]:
                     ok = False
             if kind == "input" and role == "tp" and not isinstance(o.output[axis], Replicate):
                 ok = False
-            if kind == "input" and role == "dp" and val.dim() > 0 and val.shape[0] % len(opts) >= 0 and any(
-                    q.output[axis] == Shard(0) for q in opts) and o.output[axis] != Shard(0):
+            if kind == "input" and role == "dp" and val.dim() > 0 and any_batch[axis] and o.output[axis] != Shard(0):
                 ok = False
         if ok:
             keep.append(o)
@@ -640,6 +643,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             seen_layer[info.layer[n.name]] = n.name
     last_of_layer = set(seen_layer.values())
     cache: dict = {}
+    spec_ids: dict = {}
     out_nodes = set()
     for o in traced.graph.find_nodes(op="output"):
         for a in torch.utils._pytree.tree_leaves(o.args):
@@ -720,21 +724,31 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             bucketed = info.kind[u.name] == "param"
             data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed else []
             mat = np.zeros((len(uopts), len(vopts)))
+            vkey = (tuple(val.shape), val.dtype, g, bucketed)
+            # specs as small ints (hashing Placement tuples per pair dominated this loop)
+            srcs = [output_spec(ao, idx) for ao in uopts]
+            src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
+            src_fixed = [tuple(spec_ids.setdefault((sp[i],), len(spec_ids)) if isinstance(sp[i], Shard) else -1
+                               for i in fixed_axes) for sp in srcs]
+            regathers = [ao.tag == "zero3" for ao in uopts]
             for bi, bo in enumerate(vopts):
                 dst = bo.inputs[j]
+                dst_id = spec_ids.setdefault(dst, len(spec_ids))
+                dst_fixed = tuple(spec_ids.setdefault((dst[i],), len(spec_ids)) for i in fixed_axes)
                 split = tuple(is_split(bo, i) for i in range(len(mesh)))
-                for ai, ao in enumerate(uopts):
-                    src = output_spec(ao, idx)
-                    regather = ao.tag == "zero3"
-                    ck = (tuple(val.shape), val.dtype, src, dst, split, g, bucketed, regather)
+                banned = any(not isinstance(dst[i], Replicate) for i in data_axes)
+                for ai in range(len(uopts)):
+                    if banned:  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
+                        mat[ai, bi] = math.inf
+                        continue
+                    if any(s != -1 and s != d for s, d in zip(src_fixed[ai], dst_fixed)):
+                        mat[ai, bi] = math.inf  # tp axis: weights stay sharded in use; dp: the batch stays split
+                        continue
+                    ck = (vkey, src_ids[ai], dst_id, split, regathers[ai])
                     t = cache.get(ck)
                     if t is None:
-                        t = cache[ck] = transition_time(val, src, dst, split, g, cluster, bucketed=bucketed,
-                                                        regather=regather)
-                    if any(isinstance(src[i], Shard) and src[i] != dst[i] for i in fixed_axes):
-                        t = math.inf  # tp axis: weights stay sharded in use; dp axis: the batch stays sharded
-                    if any(not isinstance(dst[i], Replicate) for i in data_axes):
-                        t = math.inf  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
+                        t = cache[ck] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
+                                                        regather=regathers[ai])
                     mat[ai, bi] = t
             scale = len(groups[gv]) if len(groups[gv]) > 1 else 1
             edges[key] = edges.get(key, 0) + mat * scale

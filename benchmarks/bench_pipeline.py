@@ -1,0 +1,158 @@
+"""Pipeline planning benchmarks (models on ``meta``, no process group, 2 CPU cores).
+
+    PYTHONPATH=. python benchmarks/bench_pipeline.py planning     # Llama-70B on (128, 8) a100-80gb: time to plan
+    PYTHONPATH=. python benchmarks/bench_pipeline.py megatron     # Megatron-Core H100 table: published vs autopart
+    PYTHONPATH=. python benchmarks/bench_pipeline.py megatron --rows 1.7B,70B
+
+``planning``: one export, then ``autopart.plan`` with every decision enabled (shardings, ZeRO, checkpointing,
+offload, pipeline axis/degree/micro-batches/schedule), unpinned and with the Megatron roles pinned (dp across nodes,
+tp inside, zero=0). Reported: time after tracing, split into the plan without pipeline and the pipeline search.
+
+``megatron``: for each row of the Megatron-Core H100 table (shared/REFERENCE.md: GPT, seq 4096, vocab 131072, bf16
+weights; Adam with fp32 master weights = 12 optimizer bytes per parameter), the published (tp, pp, dp) scored by
+``autopart.evaluate`` (micro-batch of one sequence per data-parallel rank, 1F1B, no ZeRO, as Megatron's
+defaults) beside autopart's own plan for the same GPU count and batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8),
+nothing pinned). TFLOP/s per GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import autopart
+from autopart.models.gpt import GPT, GPTConfig
+from autopart.models.llama import Llama, LlamaConfig
+from autopart.trace import trace
+
+# model, h, heads, layers, TP, PP, DP, GPUs, batch, published TFLOP/s per GPU
+MEGATRON = [
+    ("1.7B", 2048, 16, 24, 1, 1, 48, 48, 192, 408.8),
+    ("7.1B", 4096, 32, 30, 2, 1, 48, 96, 192, 465.9),
+    ("16B", 6144, 48, 32, 4, 1, 48, 192, 192, 489.1),
+    ("32B", 7168, 56, 48, 8, 1, 48, 384, 192, 459.6),
+    ("70B", 8192, 64, 84, 8, 2, 48, 768, 384, 419.7),
+    ("177B", 12288, 96, 96, 8, 6, 48, 2304, 1152, 432.8),
+    ("462B", 18432, 144, 112, 8, 16, 48, 6144, 3072, 459.9),
+]
+SEQ, VOCAB = 4096, 131072
+
+
+def megatron_flops(batch: int, layers: int, h: int, seq: int = SEQ, vocab: int = VOCAB) -> float:
+    return 72 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
+
+
+def _config(p: autopart.Plan) -> str:
+    pp = p.pipeline
+    roles = ",".join(f"{n}={s}:{p.axis_role(i)}" for i, (n, s) in enumerate(zip(p.axis_names, p.mesh_shape)))
+    extra = []
+    if p.zero:
+        extra.append(f"zero{max(p.zero.values())}")
+    if p.checkpoint:
+        extra.append(f"ckpt {len(p.checkpoint)}")
+    if p.offload:
+        extra.append("offload " + "+".join(p.offload))
+    if pp:
+        sched = pp["schedule"] + (f"v{pp['virtual']}" if pp["schedule"] == "interleaved" else "")
+        return f"pp={pp['degree']} m={pp['micro_batches']} {sched}; {roles}" + (f"; {' '.join(extra)}" if extra else "")
+    return f"pp=1; {roles}" + (f"; {' '.join(extra)}" if extra else "")
+
+
+def planning(args) -> list[dict]:
+    shape = (128, 8)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset("llama-70b"))
+        ids = torch.randint(0, model.cfg.vocab_size, (args.batch, 2048))
+    t0 = time.perf_counter()
+    t = trace(model, (ids,), {"labels": ids})
+    export_s = time.perf_counter() - t0
+    rows = []
+    for label, kw in (("unpinned", {}), ("megatron roles, zero=0", {"roles": {"dp": "dp", "tp": "tp"}, "zero": 0})):
+        t0 = time.perf_counter()
+        p = autopart.plan(model, autopart.mesh(shape, ("dp", "tp")), (ids,), {"labels": ids},
+                          cluster=autopart.preset("a100-80gb", shape), traced=t, **kw)
+        total = time.perf_counter() - t0
+        search = (p.pipeline or {}).get("search_s", p.solver.get("pipeline_search_s", 0.0))
+        rows.append({"setting": label, "export_s": export_s, "plan_s": total, "pipeline_search_s": search,
+                     "chosen": _config(p), "step_s": p.predicted["step_time_s"],
+                     "candidates": len((p.pipeline or {}).get("candidates", p.solver.get("pipeline_candidates", [])))})
+        print(f"{label}: plan {total:.2f} s after an export of {export_s:.1f} s (pipeline search {search:.2f} s); "
+              f"chosen {_config(p)}; predicted step {p.predicted['step_time_s']:.3f} s", flush=True)
+    print("\n| setting | export (s) | plan after export (s) | of which pipeline search (s) | chosen | "
+          "predicted step (s) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['setting']} | {r['export_s']:.1f} | {r['plan_s']:.2f} | {r['pipeline_search_s']:.2f} | "
+              f"{r['chosen']} | {r['step_s']:.3f} |")
+    return rows
+
+
+def megatron(args) -> list[dict]:
+    rows = []
+    wanted = set(args.rows.split(",")) if args.rows else None
+    for name, h, heads, layers, tp, pp, dp, gpus, batch, published in MEGATRON:
+        if wanted and name not in wanted:
+            continue
+        cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=layers, n_head=heads, d_model=h, bias=False)
+        with torch.device("meta"):
+            model = GPT(cfg).to(torch.bfloat16)
+            ids = torch.randint(0, VOCAB, (batch, SEQ))
+        t0 = time.perf_counter()
+        t = trace(model, (ids,), {"labels": ids})
+        export_s = time.perf_counter() - t0
+        flops = megatron_flops(batch, layers, h)
+        common = dict(cluster="h100-80gb", traced=t, optimizer_bytes_per_param=12.0)
+        rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
+               "published_tflops": published, "export_s": export_s}
+        try:
+            ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp,
+                                   micro_batches=batch // dp if pp > 1 else None, **common)
+            rec["published_step_s"] = ev.predicted["step_time_s"]
+            rec["published_pred_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
+            rec["published_plan"] = _config(ev)
+        except ValueError as e:
+            rec["published_step_s"] = float("nan")
+            rec["published_pred_tflops"] = float("nan")
+            rec["published_plan"] = "does not fit: " + str(e).splitlines()[0][:120]
+        shape = (gpus // 8, 8)
+        t0 = time.perf_counter()
+        try:
+            own = autopart.plan(model, autopart.mesh(shape, ("dp", "tp")), (ids,), {"labels": ids},
+                                cluster=autopart.preset("h100-80gb", shape), traced=t, optimizer_bytes_per_param=12.0)
+            rec["own_step_s"] = own.predicted["step_time_s"]
+            rec["own_pred_tflops"] = flops / own.predicted["step_time_s"] / gpus / 1e12
+            rec["own_plan"] = _config(own)
+        except ValueError as e:
+            rec["own_step_s"] = rec["own_pred_tflops"] = float("nan")
+            rec["own_plan"] = "no plan: " + str(e).splitlines()[0][:120]
+        rec["own_plan_s"] = time.perf_counter() - t0
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    print("\n| model | GPUs | batch | published (tp, pp, dp) | published TFLOP/s/GPU | autopart's score of it: "
+          "step (s), TFLOP/s/GPU | autopart's choice | its step (s), TFLOP/s/GPU | planning (s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['gpus']} | {r['batch']} | {r['published']} | {r['published_tflops']} | "
+              f"{r['published_step_s']:.2f}, {r['published_pred_tflops']:.0f} | {r['own_plan']} | "
+              f"{r['own_step_s']:.2f}, {r['own_pred_tflops']:.0f} | {r['own_plan_s']:.1f} |")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["planning", "megatron"])
+    ap.add_argument("--batch", type=int, default=128, help="planning: global batch of 2048-token sequences")
+    ap.add_argument("--rows", default="", help="megatron: comma-separated model names (default: all)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    rows = planning(args) if args.what == "planning" else megatron(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
