@@ -241,11 +241,47 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
         axes = [axis_names.index(forced["axis"])]
     elif pp_axes:
         axes = pp_axes
-    else:  # an unpinned axis, or a data-parallel one (stages of it stay data parallel inside)
-        axes = [i for i in range(len(mesh)) if roles.get(i, "dp") == "dp" and mesh[i] > 1]
+    else:  # unpinned axes (pipeline={"axis": ...} splits a pinned data-parallel axis: stages stay dp inside)
+        axes = [i for i in range(len(mesh)) if i not in roles and mesh[i] > 1]
     batch = _batch_of(traced)
     tried, errors = [], []
     best: Candidate | None = None
+    n_blocks = math.inf
+
+    def schedules_for(units, p):
+        return [s for s in _schedules(forced) if s in ("gpipe", "1f1b") or len(units) >= 2 * p]
+
+    def best_over_m(units, sub, stage_mesh, axis, p, mem_limit, log):
+        f = _batch_shards(sub, traced, stage_mesh)
+        ms = [m for m in _divisors(batch) if (batch // m) % f == 0]
+        if "micro_batches" in forced:
+            ms = [m for m in ms if m == int(forced["micro_batches"])]
+            if not ms:
+                errors.append(f"p={p}: {forced['micro_batches']} micro-batches do not split batch {batch} "
+                              f"into parts divisible by the {f} ranks a stage splits activations over")
+        found = None
+        for m in ms:
+            layer_costs = [u.cost(m) for u in units]
+            send = max(u.out_bytes for u in units[:-1]) / m
+            p2p = 2 * collective_time("send_recv", send, 2, cluster.link(axis))
+            try:
+                pl = best_pipeline(layer_costs, mem_limit, [p], [m], schedules_for(units, p), p2p)
+            except ValueError as e:
+                if log:
+                    errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
+                continue
+            stages = stage_of_units(list(pl.boundaries), len(units))
+            red = [0.0] * p
+            for ui, c in enumerate(stages):
+                red[c % p] += units[ui].reduce_s
+            step = pl.step_s + max(red)
+            if log:
+                tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,
+                              "schedule": str(pl.options), "step_time_s": step})
+            if found is None or step < found.step_s:
+                found = Candidate(axis, p, sub, units, pl, step, max(red), batch, batch // m)
+        return found
+
     for axis in axes:
         degrees = [mesh[axis]] if axis in pp_axes else [d for d in _divisors(mesh[axis]) if d > 1]
         if "stages" in forced:
@@ -254,54 +290,34 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 errors.append(f"{forced['stages']} stages do not divide mesh axis {axis_names[axis]} "
                               f"({mesh[axis]})")
         for p in degrees:
+            if p > n_blocks:
+                errors.append(f"p={p}: only {n_blocks} blocks")
+                continue
             stage_mesh = tuple(n // p if i == axis else n for i, n in enumerate(mesh))
             stage_cluster = dataclasses.replace(cluster, mesh_shape=stage_mesh)
             pipe = None
-            for sub_limit in (math.inf, limit * p):
+            for attempt, sub_limit in enumerate((math.inf, limit * p)):
                 try:
                     sub = solve_stage(stage_cluster, sub_limit)
                 except ValueError as e:
                     errors.append(f"p={p} on {axis_names[axis]}: stage sharding: {e}")
                     break
                 units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
+                n_blocks = len(units)
                 if not allow_checkpoint:
                     for u in units:
                         u.checkpointable = False
                 if len(units) < p:
                     errors.append(f"p={p}: only {len(units)} blocks")
                     break
-                f = _batch_shards(sub, traced, stage_mesh)
-                ms = [m for m in _divisors(batch) if (batch // m) % f == 0]
-                if "micro_batches" in forced:
-                    ms = [m for m in ms if m == int(forced["micro_batches"])]
-                    if not ms:
-                        errors.append(f"p={p}: {forced['micro_batches']} micro-batches do not split batch {batch} "
-                                      f"into parts divisible by the {f} data-parallel ranks of a stage")
-                        break
-                link = cluster.link(axis)
-                found = None
-                for m in ms:
-                    layer_costs = [u.cost(m) for u in units]
-                    send = max(u.out_bytes for u in units[:-1]) / m
-                    p2p = 2 * collective_time("send_recv", send, 2, link)
-                    try:
-                        pl = best_pipeline(layer_costs, limit, [p], [m],
-                                           [s for s in _schedules(forced)
-                                            if s in ("gpipe", "1f1b") or len(units) >= 2 * p], p2p)
-                    except ValueError as e:
-                        errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
-                        continue
-                    stages = stage_of_units(list(pl.boundaries), len(units))
-                    red = [0.0] * p
-                    for ui, c in enumerate(stages):
-                        red[c % p] += units[ui].reduce_s
-                    step = pl.step_s + max(red)
-                    tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,
-                                  "schedule": str(pl.options), "step_time_s": step})
-                    if found is None or step < found.step_s:
-                        found = Candidate(axis, p, sub, units, pl, step, max(red), batch, batch // m)
-                if found is not None:
-                    pipe = found
+                pipe = best_over_m(units, sub, stage_mesh, axis, p, limit, True)
+                if pipe is not None or attempt == 1:
+                    break
+                # nothing fits with the fastest stage sharding. A memory-bounded one is no faster per block than
+                # this sharding with memory ignored (a bound when every block has the same sharding, as tied blocks
+                # do): skip the bounded solve when that bound already loses
+                bound = best_over_m(units, sub, stage_mesh, axis, p, math.inf, False)
+                if bound is None or (best is not None and bound.step_s >= best.step_s):
                     break
             if pipe is not None and (best is None or pipe.step_s < best.step_s):
                 best = pipe
@@ -309,13 +325,14 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
 
 
 def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], wall_s: float,
-           tried: list[dict], p1_step: float | None):
+           tried: list[dict], p1_step: float | None, bound: bool = False):
     """The stage-mesh plan of ``cand`` with its pipeline section, predictions and per-layer checkpointing."""
     pl, units = cand.pipe, cand.units
     o = pl.options
     plan = cand.plan
     stages = stage_of_units(list(pl.boundaries), len(units))
-    ckpt = {units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c}
+    ckpt = dict(plan.checkpoint)  # a mode forced on every layer (already priced in the units)
+    ckpt.update({units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c})
     ends = list(pl.boundaries[1:]) + [len(units)]
     m = o.micro_batches
     stage_recs = []
@@ -342,7 +359,8 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "stages": stage_recs, "stage_of_layer": {units[i].name: c for i, c in enumerate(stages)},
         "grid": pl.grid() if o.micro_batches * o.chunks <= 64 else "",
         "candidates": sorted(tried, key=lambda r: r["step_time_s"])[:12],
-        "no_pipeline_step_time_s": p1_step, "search_s": wall_s,
+        "no_pipeline_step_time_s": p1_step, "no_pipeline_is_lower_bound": bool(bound and p1_step is not None),
+        "search_s": wall_s,
         "optimality": "stage boundaries, checkpointing: exact DP per (degree, micro-batches, schedule), all "
                       "enumerated; per-node shardings: the stage-mesh ILP's status (solver)",
     }

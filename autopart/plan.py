@@ -177,8 +177,7 @@ class Plan:
             f" (batch {pp['batch']}); schedule {sched}; bubble {pp['bubble_fraction']:.1%} of the step",
             f"step {_fmt_time(pp['step_time_s'])} = pipeline {_fmt_time(pp['pipeline_s'])} + gradient reduction "
             f"{_fmt_time(pp['gradient_reduction_s'])}; send/recv per micro-batch and boundary "
-            f"{_fmt_time(pp['p2p_s'])}" + (f"; without pipeline: {_fmt_time(pp['no_pipeline_step_time_s'])}"
-                                          if pp.get("no_pipeline_step_time_s") else ""),
+            f"{_fmt_time(pp['p2p_s'])}" + _no_pipeline(pp),
             f"{'stage':>5} {'rank':>4} {'layers':<34} {'time/micro-batch':>16} {'in flight':>9} "
             f"{'states+grads':>13} {'activations':>12} {'total':>11}  checkpointed",
         ]
@@ -241,6 +240,13 @@ class Plan:
         a, b = self.predicted["step_time_s"], other.predicted["step_time_s"]
         lines.append(f"predicted step {_fmt_time(a)} -> {_fmt_time(b)}")
         return "\n".join(lines)
+
+
+def _no_pipeline(pp: dict) -> str:
+    t = pp.get("no_pipeline_step_time_s")
+    if not t:
+        return "; no plan without pipeline fits"
+    return f"; without pipeline: {'>= ' if pp.get('no_pipeline_is_lower_bound') else ''}{_fmt_time(t)}"
 
 
 def spec_axis(spec: str, axis: int) -> str:

@@ -766,20 +766,38 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     nothing fits."""
     from autopart import pipelining
 
-    roles = {axis_names.index(a): r for a, r in opts.roles.items() if a in axis_names}
+    for name in opts.roles:
+        if name not in axis_names:
+            raise ValueError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
+    roles = {axis_names.index(a): r for a, r in opts.roles.items()}
     pp_axes = [i for i, r in roles.items() if r == "pp"]
-    free_axes = [i for i, n in enumerate(cluster.mesh_shape) if roles.get(i, "dp") == "dp" and n > 1]
     forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
+    free_axes = [i for i, n in enumerate(cluster.mesh_shape) if i not in roles and n > 1]
+    if "axis" in forced and forced["axis"] in axis_names:
+        if roles.get(axis_names.index(forced["axis"]), "dp") != "dp":
+            raise ValueError(f"pipeline axis {forced['axis']!r} has role {roles[axis_names.index(forced['axis'])]!r}; "
+                             "stages can split an unpinned or a data-parallel axis")
+        free_axes.append(axis_names.index(forced["axis"]))
     if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
         return _sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
-    base, base_err = None, None
+    base, base_err, base_bound = None, None, None
+    no_pp = dataclasses.replace(opts, pipeline="off")
     if not pp_axes and "stages" not in forced:
+        # the fastest plan without stages, memory ignored: when it fits it is the plan without stages; if not, it
+        # bounds that plan's step time from below, and the (slow) memory-bounded solve runs only if a pipeline
+        # does not already beat the bound
         try:
-            base = _sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
+            free = _sharding_plan(traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
         except ValueError as e:
             base_err = e
+        else:
+            limit0 = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
+            if free.solver.get("free_memory_row_bytes", math.inf) <= limit0:
+                base = free
+            else:
+                base_bound = free.predicted["step_time_s"]
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -788,19 +806,24 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
                                   "('none' / 'full') or leave checkpoint=None for the pipeline search to choose")
 
     def solve_stage(stage_cluster: Cluster, lim: float):
-        o = dataclasses.replace(opts, roles=stage_roles, memory_limit=lim, pipeline="off",
-                                checkpoint=None if ck in (None, "none") else ck)
-        if o.checkpoint is None:
-            o = dataclasses.replace(o, checkpoint="none")
+        # the stage DP decides per-layer full recompute; a forced mode applies to every layer of the stage plan.
+        # Offload is not searched with stages (the forced one still applies): the stage DP is what frees memory
+        o = dataclasses.replace(opts, roles=stage_roles, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
+                                offload=opts.offload if opts.offload is not None else "none")
         return _sharding_plan(traced, stage_cluster, axis_names, o)
 
     t0 = time.perf_counter()
     cand, tried, errors = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
-                                            allow_checkpoint=ck in (None, "full"))
+                                            allow_checkpoint=ck in (None, "selective"))
     wall = time.perf_counter() - t0
-    p1 = base.predicted["step_time_s"] if base is not None else None
-    if cand is not None and (base is None or cand.step_s < p1 * (1 - 1e-9)):
-        return pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1)
+    if base is None and base_bound is not None and (cand is None or cand.step_s >= base_bound):
+        try:
+            base = _sharding_plan(traced, cluster, axis_names, no_pp)
+        except ValueError as e:
+            base_err = e
+    p1 = base.predicted["step_time_s"] if base is not None else base_bound
+    if cand is not None and (base is None or cand.step_s < base.predicted["step_time_s"] * (1 - 1e-9)):
+        return pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1, bound=base is None)
     if base is not None:
         base.solver["pipeline_search_s"] = wall
         base.solver["pipeline_candidates"] = sorted(tried, key=lambda r: r["step_time_s"])[:8]
@@ -882,6 +905,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     row0 = sum(float(m[c] + g[c]) for m, g, c in zip(mem0, prob.grad_memory, sol0.choice))
     row0 += bucket0
     binds = row0 > limit
+    timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
     if binds:
         del results[first]
         run(first, base_modes, base_off)

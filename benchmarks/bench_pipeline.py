@@ -70,7 +70,8 @@ def planning(args) -> list[dict]:
     t = trace(model, (ids,), {"labels": ids})
     export_s = time.perf_counter() - t0
     rows = []
-    for label, kw in (("unpinned", {}), ("megatron roles, zero=0", {"roles": {"dp": "dp", "tp": "tp"}, "zero": 0})):
+    for label, kw in (("unpinned", {}), ("megatron roles, zero=0", {"roles": {"dp": "dp", "tp": "tp"}, "zero": 0,
+                                                            "pipeline": {"axis": "dp"}})):
         t0 = time.perf_counter()
         p = autopart.plan(model, autopart.mesh(shape, ("dp", "tp")), (ids,), {"labels": ids},
                           cluster=autopart.preset("a100-80gb", shape), traced=t, **kw)

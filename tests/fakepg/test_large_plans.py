@@ -47,8 +47,9 @@ def _traced(batch: int):
 @functools.cache
 def _plan(batch: int, shape: tuple[int, int], roles: tuple = ()) -> autopart.Plan:
     model, ids, t = _traced(batch)
+    # sharding structure only: pipeline stages (tested in test_pipeline_plans.py) are off here
     return autopart.plan(model, autopart.mesh(shape, NAMES), (ids,), {"labels": ids},
-                         cluster=autopart.preset("a100-80gb", shape), roles=dict(roles), traced=t)
+                         cluster=autopart.preset("a100-80gb", shape), roles=dict(roles), traced=t, pipeline="off")
 
 
 def _n_layers() -> int:

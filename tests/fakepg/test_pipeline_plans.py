@@ -1,8 +1,10 @@
-"""A 70B-class Llama on 1024 A100-80GB (128 nodes x 8) with the Megatron-LM classic layout pinned: tensor parallel on
-the intra-node axis, data parallel across nodes, no ZeRO and no offload. Model states alone are 70e9 x 16 bytes / 8
-= 140 GB per device, so no plan without pipeline stages fits 80 GB; the planner must split the data-parallel axis
-into stages, and the stage holding the embedding (where 1F1B's activations in flight peak) must fit.
-Built on the ``meta`` device; no process group. Measured (2 cores): export ~25 s, planning ~30 s."""
+"""A 70B-class Llama on 1024 A100-80GB (128 nodes x 8) with the Megatron-LM classic layout pinned: tensor parallel
+on the intra-node axis, data parallel across nodes, no ZeRO and no offload; ``pipeline={"axis": "dp"}`` lets stages
+split the pinned data-parallel axis (the degree, micro-batches, schedule and boundaries are the solver's). Model
+states alone are 70e9 x 16 bytes / 8 = 140 GB per device, so no plan without pipeline stages fits 80 GB; the planner
+must split the data-parallel axis into stages, and the stage holding the embedding (where 1F1B's activations in
+flight peak) must fit. Built on the ``meta`` device; no process group. Measured (2 cores): export ~25 s, planning
+~10 s."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def _plan() -> autopart.Plan:
     t = trace(model, (ids,), {"labels": ids})
     return autopart.plan(model, autopart.mesh(SHAPE, ("dp", "tp")), (ids,), {"labels": ids},
                          cluster=autopart.preset("a100-80gb", SHAPE), roles={"dp": "dp", "tp": "tp"}, zero=0,
-                         offload="none", traced=t)
+                         offload="none", pipeline={"axis": "dp"}, traced=t)
 
 
 def test_70b_needs_and_gets_pipeline() -> None:
@@ -49,11 +51,11 @@ def test_70b_needs_and_gets_pipeline() -> None:
         per_rank[st["rank"]] += st["memory_bytes"]["total"]
     assert max(per_rank) <= cluster.memory_budget * (1 + 1e-9), per_rank
     first = pp["stages"][0]
-    assert first["layers"][0] == "layers.0" and pp["stages"][-1]["layers"][-1] == "layers.79"
+    assert first["layers"][0] == "blocks.0" and pp["stages"][-1]["layers"][-1] == "blocks.79"
     assert first["in_flight"] == max(st["in_flight"] for st in pp["stages"])
     # stages are contiguous and cover the 80 blocks once
     order = [lay for st in pp["stages"] for lay in st["layers"]]
-    assert order == [f"layers.{i}" for i in range(80)]
+    assert order == [f"blocks.{i}" for i in range(80)]
     assert 0 < pp["bubble_fraction"] < 0.5
     assert pp["micro_batches"] * pp["micro_batch_size"] == BATCH
     # Megatron layout inside a stage: weights sharded on tp, no ZeRO

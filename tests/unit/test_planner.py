@@ -100,14 +100,19 @@ def test_memory_limit_forces_sharding():
     mem = free.predicted["memory_bytes"]
     states = mem["parameters"] + mem["gradients"] + mem["optimizer_states"]
     tight = autopart.plan(model, autopart.mesh((4,), ("axis0",)), (IDS,), {"labels": IDS},
-                          memory_budget=states * 0.7)
+                          memory_budget=states * 0.7, pipeline="off")
     assert tight.predicted["memory_bytes"]["total"] <= states * 0.7
     assert any("S" in v for v in tight.params.values())
+    # with pipeline stages allowed, holding a share of the blocks per stage is another way to fit
+    staged = autopart.plan(model, autopart.mesh((4,), ("axis0",)), (IDS,), {"labels": IDS},
+                           memory_budget=states * 0.7)
+    assert staged.predicted["memory_bytes"]["total"] <= states * 0.7
+    assert staged.pipeline or any("S" in v for v in staged.params.values())
 
 
 def test_bad_role_and_axis_names():
     with pytest.raises(ValueError, match="role"):
-        autopart.plan(_gpt(), autopart.mesh((2,), ("dp",)), (IDS,), {"labels": IDS}, roles={"dp": "pp"})
+        autopart.plan(_gpt(), autopart.mesh((2,), ("dp",)), (IDS,), {"labels": IDS}, roles={"dp": "ep"})
     with pytest.raises(ValueError, match="mesh axes are"):
         autopart.plan(_gpt(), autopart.mesh((2,), ("dp",)), (IDS,), {"labels": IDS}, roles={"tp": "tp"})
     with pytest.raises(ValueError, match="names"):
