@@ -293,6 +293,12 @@ class ParallelModule(nn.Module):
                 self._reduce(grads[start:end], axes)
                 start = end
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the whole model by their global norm (``torch.nn.utils.clip_grad_norm_`` over
+        this rank's DTensor parameters computes exactly that here); returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type=norm_type, foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
     def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
         """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``
         (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound), or, when

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from autopart.placement import local_shape, parse_spec
 from autopart.runtime import collectives as C
@@ -88,6 +89,9 @@ def split_stages(prog: Program, stage_of: dict[str, int], chunks: int) -> list[S
             env[src].meta = dict(src.meta)
             feeds.append(("live", v))
         for n in body:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and a not in env:  # a checkpointed region's submodule
+                    env[a] = g.get_attr(a.target)
             env[n] = g.node_copy(n, env.__getitem__)
         outs = [by_name[v] for v in live[k + 1]] if k + 1 < chunks else outputs
         missing = [o.name for o in outs if o not in env]
@@ -301,6 +305,30 @@ class PipelinedModule(ParallelModule):
             p = self._params[self._key_of[fqn]]
             if p.grad is not None:
                 dist.all_reduce(p.grad._local_tensor, group=group)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global gradient norm over every stage (a parameter held by several stages counted once);
+        returns the norm before clipping, on every rank. ``torch.nn.utils.clip_grad_norm_`` on a pipelined
+        module's parameters would see only this stage's."""
+        if norm_type != 2.0:
+            raise NotImplementedError("pipelined clip_grad_norm_ implements the 2-norm only")
+        grads = []
+        for fqn, key in self._key_of.items():
+            g = self._params[key].grad
+            if g is not None and self._owner_rank[fqn] == self.pp_rank:  # a shared parameter counted once
+                grads.append(g)
+        sq = torch.zeros((), device=self._device, dtype=torch.float32)
+        for g in grads:
+            n = torch.linalg.vector_norm(g, 2)
+            n = n.full_tensor() if isinstance(n, DTensor) else n
+            sq = sq + n.float() ** 2
+        dist.all_reduce(sq, group=self.pp_group)
+        total = sq.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in self._params.values():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype) if not isinstance(p.grad, DTensor) else float(coef))
+        return total
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of every stage gathered to its full shape on every rank (tied names too)."""

@@ -46,3 +46,67 @@ def test_pipeline_parity(model: str, config: str) -> None:
         assert plan.axis_role(names.index("tp")) in ("tensor", "data+tensor")
     if "dp" in roles:
         assert plan.reduced, "a data-parallel stage reduces gradients"
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_pipeline_with_checkpointing(mode: str) -> None:
+    """Activation checkpointing inside pipeline stages (forced on every block) keeps parity."""
+    shape, names, roles = (2,), ("pp",), {"pp": "pp"}
+    pipe = {"schedule": "1f1b", "micro_batches": 2}
+    results = run_ranks(2, distributed, "gpt", shape, names, roles, False, mode, pipe, LAYERS)
+    check("gpt", results, reference("gpt", LAYERS))
+    plan = Plan.from_json(results[0][3])
+    assert plan.checkpoint == {f"blocks.{i}": mode for i in range(LAYERS)}
+    assert plan.pipeline["degree"] == 2
+
+
+def test_pipeline_chosen_by_the_solver() -> None:
+    """With only the pipeline axis named, the solver picks micro-batches, schedule and boundaries; parity holds."""
+    results = run_ranks(2, distributed, "llama", (2,), ("pp",), {"pp": "pp"}, False, None, None, LAYERS)
+    check("llama", results, reference("llama", LAYERS))
+    pp = Plan.from_json(results[0][3]).pipeline
+    assert pp["degree"] == 2 and pp["micro_batches"] >= 1 and pp["schedule"] in ("gpipe", "1f1b", "interleaved")
+
+
+def _clipped_run() -> tuple[list[float], dict]:
+    import torch
+
+    import autopart
+    from tests.multiproc.parity import OPT, batches, make_model
+
+    model = make_model("gpt", LAYERS)
+    mesh = autopart.mesh((2, 2), ("pp", "tp"))
+    ids0 = batches()[0]
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"pp": "pp", "tp": "tp"},
+                              pipeline={"schedule": "1f1b", "micro_batches": 2})
+    opt = torch.optim.AdamW(pm.parameters(), **OPT)
+    out = []
+    for ids in batches():
+        out.append(pm.forward_backward(ids, labels=ids).item())
+        out.append(float(pm.clip_grad_norm_(0.5)))
+        opt.step()
+        opt.zero_grad()
+    return out, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+def test_pipeline_grad_clipping() -> None:
+    """``pm.clip_grad_norm_`` clips by the norm over every stage (the tied embedding/head counted once)."""
+    import torch
+
+    from tests.multiproc.parity import OPT, batches, make_model
+
+    results = run_ranks(4, _clipped_run)
+    model = make_model("gpt", LAYERS)
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    ref = []
+    for ids in batches():
+        loss = model(ids, labels=ids)
+        loss.backward()
+        ref.append(loss.item())
+        ref.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)))
+        opt.step()
+        opt.zero_grad()
+    for out, params in results:
+        assert out == pytest.approx(ref, abs=1e-5), (out, ref)  # losses and global gradient norms
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)

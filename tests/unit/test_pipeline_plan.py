@@ -1,0 +1,116 @@
+"""Pipeline planning and splitting without processes: per-block costs, the plan's pipeline section, and stage graphs
+that, run one after another in one process, compute what the whole program computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart.models.gpt import GPT, GPTConfig
+from autopart.passes import run_passes
+from autopart.pipelining import assign_stages, block_units
+from autopart.planner import needs_grad_map
+from autopart.runtime.module import Program
+from autopart.runtime.pipeline import split_stages
+from autopart.solver.pipeline import bubble_fraction
+from autopart.trace import trace
+
+LAYERS = 4
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=128, max_seq_len=32, n_layer=LAYERS, n_head=4, d_model=32))
+
+
+IDS = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_forced_pipeline_section(schedule, virtual):
+    model = _model()
+    p = autopart.plan(model, autopart.mesh((2, 2), ("pp", "tp")), (IDS,), {"labels": IDS},
+                      roles={"pp": "pp", "tp": "tp"},
+                      pipeline={"schedule": schedule, "micro_batches": 4, "virtual": virtual})
+    pp = p.pipeline
+    assert pp["degree"] == 2 and pp["schedule"] == schedule and pp["micro_batches"] == 4
+    assert pp["micro_batch_size"] * pp["micro_batches"] == IDS.shape[0]
+    assert tuple(p.mesh_shape) == (1, 2) and pp["world_mesh_shape"] == [2, 2]
+    chunks = 2 * virtual
+    assert [lay for st in pp["stages"] for lay in st["layers"]] == [f"blocks.{i}" for i in range(LAYERS)]
+    assert [st["rank"] for st in pp["stages"]] == [c % 2 for c in range(chunks)]
+    from autopart.solver.pipeline import PipelineOptions
+
+    assert pp["bubble_fraction"] == pytest.approx(bubble_fraction(PipelineOptions(2, 4, schedule, virtual)))
+    # step = (m v + p - 1) x the slowest chunk + the slowest rank's gradient reduction
+    slowest = max(st["time_s"] for st in pp["stages"])
+    assert pp["pipeline_s"] == pytest.approx((4 * virtual + 1) * slowest)
+    assert pp["step_time_s"] == pytest.approx(pp["pipeline_s"] + pp["gradient_reduction_s"])
+    assert pp["grid"].count("rank ") == 2 and "F3" in pp["grid"] and "B3" in pp["grid"]
+    # 1F1B holds p - k micro-batches in flight on stage k, GPipe all m
+    if schedule == "1f1b":
+        assert [st["in_flight"] for st in pp["stages"]] == [2, 1]
+    if schedule == "gpipe":
+        assert all(st["in_flight"] == 4 for st in pp["stages"])
+    text = str(p)
+    assert "pipeline: 2 stages" in text and "schedule" in text
+
+
+def test_block_units_fold_embedding_and_head():
+    model = _model()
+    t = trace(model, (IDS,), {"labels": IDS})
+    p = autopart.plan(model, (2,), (IDS,), {"labels": IDS}, roles={"axis0": "dp"}, traced=t, pipeline="off")
+    units, unit_of = block_units(p, t, (2,), autopart.preset("cpu", (2,)))
+    assert [u.name for u in units] == [f"blocks.{i}" for i in range(LAYERS)]
+    # the embedding lookup sits in the first block's unit, the loss in the last
+    ops = {n: p.nodes[n]["op"] for n in unit_of}
+    emb = [n for n, op in ops.items() if "embedding" in op]
+    ce = [n for n, op in ops.items() if "cross_entropy" in op]
+    assert emb and all(unit_of[n] == 0 for n in emb) and ce and all(unit_of[n] == LAYERS - 1 for n in ce)
+    # the tied embedding/head weight is held by both end units: states sum to the plan's plus one more copy
+    plan_states = sum(r["memory_bytes"] for r in p.nodes.values() if r["op"] == "param")
+    wte = next(r["memory_bytes"] for n, r in p.nodes.items() if r["op"] == "param" and "lm_head" in n)
+    assert sum(u.state_bytes for u in units) == pytest.approx(plan_states + wte)
+    # the interior boundaries carry the hidden state (and the labels, used by the loss in the last block)
+    hidden = IDS.shape[0] // 2 * IDS.shape[1] * 32 * 4
+    assert all(u.out_bytes >= hidden for u in units[:-1]) and units[-1].out_bytes == 0
+    assert all(u.checkpointable and u.ckpt_act_bytes < u.act_bytes for u in units)
+
+
+def test_stage_graphs_compose_to_the_program():
+    """Split the rank program of a pp=2 (interleaved: 4 chunks) plan and run the chunks in order in one process:
+    the loss equals the unsplit program's, and every value crossing a boundary is passed exactly once per chunk."""
+    model = _model()
+    p = autopart.plan(model, autopart.mesh((2,), ("pp",)), (IDS,), {"labels": IDS}, roles={"pp": "pp"},
+                      pipeline={"schedule": "interleaved", "virtual": 2, "micro_batches": 2})
+    b = p.pipeline["micro_batch_size"]
+    ids = IDS[:b]
+    t = trace(model, (ids,), {"labels": ids})
+    micro = autopart.plan(model, autopart.mesh((1,), ("pp",)), (ids,), {"labels": ids}, traced=t, pipeline="off",
+                          pins=dict(p.params))
+    gm = run_passes(t, micro, needs_grad_map(t))
+    prog = Program(gm, micro, t.params, t.buffers, t.constant_values, t.tied, t.user_inputs, t.input_paths)
+    stage_of = assign_stages(gm, micro, 4, p.pipeline["stage_of_layer"])
+    graphs = split_stages(prog, stage_of, 4)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers())
+
+    def feed_of(kind, name):
+        return {"param": lambda: named[prog.params[name]].detach(), "buffer": lambda: buffers[prog.buffers[name]],
+                "constant": lambda: prog.constants[name]}[kind]()
+
+    full_feed = []
+    user = iter([ids, ids])
+    for n in gm.graph.find_nodes(op="placeholder"):
+        name = prog.tied.get(n.name, n.name)
+        full_feed.append(named[prog.params[name]].detach() if name in prog.params else next(user))
+    want = gm(*full_feed)[0]
+    live = [ids, ids]
+    for g in graphs:
+        it = iter(live)
+        feed = [next(it) if kind == "live" else feed_of(kind, name) for kind, name in g.feeds]
+        assert len(g.live_in) == len(live)
+        live = list(g.gm(*feed))
+    torch.testing.assert_close(live[0], want, rtol=0, atol=0)
+    assert graphs[0].live_out == graphs[1].live_in and "labels" in graphs[2].live_in
