@@ -246,7 +246,6 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
     batch = _batch_of(traced)
     tried, errors = [], []
     best: Candidate | None = None
-    n_blocks = math.inf
 
     def schedules_for(units, p):
         return [s for s in _schedules(forced) if s in ("gpipe", "1f1b") or len(units) >= 2 * p]
@@ -282,6 +281,20 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 found = Candidate(axis, p, sub, units, pl, step, max(red), batch, batch // m)
         return found
 
+    state = {"best": None, "n_blocks": math.inf}
+    run = _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpoint, best_over_m, state, errors)
+
+    def stage_candidate(stage_cluster, stage_mesh, axis, p, recipe):
+        pipe = run(stage_cluster, stage_mesh, axis, p, recipe)
+        if pipe is not None and (state["best"] is None or pipe.step_s < state["best"].step_s):
+            state["best"] = pipe
+        return pipe
+
+    # besides the stage mesh's fastest sharding at the full batch, the Megatron recipe inside each stage (the last
+    # axis tensor parallel, the others data parallel): the ILP prices the whole batch at once and cannot see that a
+    # stage wants its batch split where micro-batches still divide, which the recipe guarantees
+    free_axes = [a for a in axis_names if a not in opts.roles]
+    recipes = [False] + ([True] if len(mesh) > 1 and len(free_axes) > 1 else [])
     for axis in axes:
         degrees = [mesh[axis]] if axis in pp_axes else [d for d in _divisors(mesh[axis]) if d > 1]
         if "stages" in forced:
@@ -290,38 +303,50 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 errors.append(f"{forced['stages']} stages do not divide mesh axis {axis_names[axis]} "
                               f"({mesh[axis]})")
         for p in degrees:
-            if p > n_blocks:
-                errors.append(f"p={p}: only {n_blocks} blocks")
+            if p > state["n_blocks"]:
+                errors.append(f"p={p}: only {state['n_blocks']} blocks")
                 continue
             stage_mesh = tuple(n // p if i == axis else n for i, n in enumerate(mesh))
             stage_cluster = dataclasses.replace(cluster, mesh_shape=stage_mesh)
-            pipe = None
-            for attempt, sub_limit in enumerate((math.inf, limit * p)):
-                try:
-                    sub = solve_stage(stage_cluster, sub_limit)
-                except ValueError as e:
-                    errors.append(f"p={p} on {axis_names[axis]}: stage sharding: {e}")
-                    break
-                units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
-                n_blocks = len(units)
-                if not allow_checkpoint:
-                    for u in units:
-                        u.checkpointable = False
-                if len(units) < p:
-                    errors.append(f"p={p}: only {len(units)} blocks")
-                    break
-                pipe = best_over_m(units, sub, stage_mesh, axis, p, limit, True)
-                if pipe is not None or attempt == 1:
-                    break
-                # nothing fits with the fastest stage sharding. A memory-bounded one is no faster per block than
-                # this sharding with memory ignored (a bound when every block has the same sharding, as tied blocks
-                # do): skip the bounded solve when that bound already loses
-                bound = best_over_m(units, sub, stage_mesh, axis, p, math.inf, False)
-                if bound is None or (best is not None and bound.step_s >= best.step_s):
-                    break
-            if pipe is not None and (best is None or pipe.step_s < best.step_s):
-                best = pipe
+            for recipe in recipes:
+                pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, recipe)
+                if pipe is not None and (best is None or pipe.step_s < best.step_s):
+                    best = pipe
     return best, tried, errors
+
+
+def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpoint, best_over_m, state, errors):
+    """One stage mesh: solve its shardings (fastest; if nothing then fits, memory-bounded) and the best pipeline."""
+
+    def run(stage_cluster, stage_mesh, axis, p, recipe):
+        pipe = None
+        for attempt, sub_limit in enumerate((math.inf, limit * p)):
+            try:
+                sub = solve_stage(stage_cluster, sub_limit, recipe)
+            except ValueError as e:
+                errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: stage sharding: "
+                              f"{e}")
+                break
+            units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
+            state["n_blocks"] = len(units)
+            if not allow_checkpoint:
+                for u in units:
+                    u.checkpointable = False
+            if len(units) < p:
+                errors.append(f"p={p}: only {len(units)} blocks")
+                break
+            pipe = best_over_m(units, sub, stage_mesh, axis, p, limit, True)
+            if pipe is not None or attempt == 1:
+                break
+            # nothing fits with the fastest stage sharding. A memory-bounded one is no faster per block than
+            # this sharding with memory ignored (a bound when every block has the same sharding, as tied blocks
+            # do): skip the bounded solve when that bound already loses
+            bound = best_over_m(units, sub, stage_mesh, axis, p, math.inf, False)
+            if bound is None or (state["best"] is not None and bound.step_s >= state["best"].step_s):
+                break
+        return pipe
+
+    return run
 
 
 def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], wall_s: float,

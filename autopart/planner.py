@@ -270,6 +270,25 @@ def analyze(traced: Traced, mesh_shape: tuple[int, ...]) -> Graphinfo:
     return Graphinfo(nodes, options, known, needs_grad, layer, kind)
 
 
+_ANALYZED: dict = {}
+
+
+def _analyzed(traced: Traced, mesh: tuple[int, ...]) -> Graphinfo:
+    """``analyze`` memoised for the last few (graph, mesh) pairs (the pipeline search solves each stage mesh twice);
+    callers get their own options dict (they replace entries with filtered lists)."""
+    import weakref
+
+    key = (id(traced.gm), mesh)
+    hit = _ANALYZED.get(key)
+    if hit is None or hit[0]() is not traced.gm:  # the same object, not a new one at a reused address
+        hit = (weakref.ref(traced.gm), analyze(traced, mesh))
+        if len(_ANALYZED) >= 4:
+            _ANALYZED.pop(next(iter(_ANALYZED)))
+        _ANALYZED[key] = hit
+    info = hit[1]
+    return dataclasses.replace(info, options=dict(info.options))
+
+
 def needs_grad_map(traced: Traced) -> dict[str, bool]:
     """Which nodes' values need a gradient: float values downstream of a floating-point parameter."""
     out: dict[str, bool] = {}
@@ -602,7 +621,7 @@ def _tie_groups(info: Graphinfo, enabled: bool) -> tuple[list[list[str]], dict[s
 
 def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions) -> Problem:
     mesh = cluster.mesh_shape
-    info = analyze(traced, mesh)
+    info = _analyzed(traced, tuple(mesh))
     roles = {}
     for name, role in opts.roles.items():
         if name not in axis_names:
@@ -805,10 +824,14 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
         raise NotImplementedError("a per-layer checkpoint dict together with pipeline stages: pass a mode string "
                                   "('none' / 'full') or leave checkpoint=None for the pipeline search to choose")
 
-    def solve_stage(stage_cluster: Cluster, lim: float):
+    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False):
         # the stage DP decides per-layer full recompute; a forced mode applies to every layer of the stage plan.
         # Offload is not searched with stages (the forced one still applies): the stage DP is what frees memory
-        o = dataclasses.replace(opts, roles=stage_roles, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
+        roles_k = dict(stage_roles)
+        if recipe:  # Megatron inside the stage: the last axis tensor parallel, every other one data parallel
+            for i, a in enumerate(axis_names):
+                roles_k.setdefault(a, "tp" if i == len(axis_names) - 1 else "dp")
+        o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
                                 offload=opts.offload if opts.offload is not None else "none")
         return _sharding_plan(traced, stage_cluster, axis_names, o)
 
