@@ -11,8 +11,9 @@ tp inside, zero=0). Reported: time after tracing, split into the plan without pi
 ``megatron``: for each row of the Megatron-Core H100 table (shared/REFERENCE.md: GPT, seq 4096, vocab 131072, bf16
 weights; Adam with fp32 master weights = 12 optimizer bytes per parameter), the published (tp, pp, dp) scored by
 ``autopart.evaluate`` (micro-batch of one sequence per data-parallel rank, 1F1B, optimizer states sharded over
-dp as Megatron-Core's distributed optimizer -- autopart's ZeRO-1 takes the ZeRO-2 layout) beside autopart's own plan for the same GPU count and batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8),
-nothing pinned). TFLOP/s per GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
+dp as Megatron-Core's distributed optimizer -- autopart's ZeRO-1 takes the ZeRO-2 layout) beside autopart's own
+plan for the same GPU count and batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8), nothing pinned). TFLOP/s per
+GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
 """
 
 from __future__ import annotations
