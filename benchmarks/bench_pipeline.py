@@ -10,8 +10,9 @@ tp inside, zero=0). Reported: time after tracing, split into the plan without pi
 
 ``megatron``: for each row of the Megatron-Core H100 table (shared/REFERENCE.md: GPT, seq 4096, vocab 131072, bf16
 weights; Adam with fp32 master weights = 12 optimizer bytes per parameter), the published (tp, pp, dp) scored by
-``autopart.evaluate`` (micro-batch of one sequence per data-parallel rank, 1F1B, optimizer states sharded over
-dp as Megatron-Core's distributed optimizer -- autopart's ZeRO-1 takes the ZeRO-2 layout) beside autopart's own
+``autopart.evaluate`` (micro-batch of one sequence per data-parallel rank, 1F1B, zero=0: Megatron's distributed
+optimizer shards optimizer states only, while autopart's ZeRO-1 takes the ZeRO-2 layout, which gathers parameters
+again for every micro-batch and does not shard h=4096/8192 over 48 ranks) beside autopart's own
 plan for the same GPU count and batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8), nothing pinned). TFLOP/s per
 GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
 """
@@ -110,7 +111,7 @@ def megatron(args) -> list[dict]:
         rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
                "published_tflops": published, "export_s": export_s}
         try:
-            ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=1,
+            ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=0,
                                    micro_batches=batch // dp if pp > 1 else None, **common)
             rec["published_step_s"] = ev.predicted["step_time_s"]
             rec["published_pred_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
