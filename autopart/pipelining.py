@@ -247,8 +247,11 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
     tried, errors = [], []
     best: Candidate | None = None
 
-    def schedules_for(units, p):
-        return [s for s in _schedules(forced) if s in ("gpipe", "1f1b") or len(units) >= 2 * p]
+    def schedules_for(units, p, m):
+        # interleaved: 2 chunks per rank need 2p blocks; torch's ScheduleInterleaved1F1B runs m micro-batches in
+        # rounds of max(1, m // p) and needs m to be a multiple of that
+        rounds = max(1, m // p)
+        return [s for s in _schedules(forced) if s in ("gpipe", "1f1b") or (len(units) >= 2 * p and m % rounds == 0)]
 
     def best_over_m(units, sub, stage_mesh, axis, p, mem_limit, log):
         f = _batch_shards(sub, traced, stage_mesh)
@@ -264,7 +267,12 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
             send = max(u.out_bytes for u in units[:-1]) / m
             p2p = 2 * collective_time("send_recv", send, 2, cluster.link(axis))
             try:
-                pl = best_pipeline(layer_costs, mem_limit, [p], [m], schedules_for(units, p), p2p)
+                scheds = schedules_for(units, p, m)
+                if not scheds:
+                    errors.append(f"p={p} m={m}: interleaved needs 2 blocks per rank and m a multiple of "
+                                  f"max(1, m // p) (torch's ScheduleInterleaved1F1B)")
+                    continue
+                pl = best_pipeline(layer_costs, mem_limit, [p], [m], scheds, p2p)
             except ValueError as e:
                 if log:
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
