@@ -59,6 +59,15 @@ class Unit:
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
+    # the same, counting only nodes of the block itself (not the embedding or head folded into it)
+    block_time_s: float = 0.0
+    block_fixed_s: float = 0.0
+    block_fwd_s: float = 0.0
+    block_act_bytes: float = 0.0
+    block_ckpt_bytes: float = 0.0
+    block_state_bytes: float = 0.0
+    block_grad_bytes: float = 0.0
+    block_reduce_s: float = 0.0
 
     def cost(self, m: int) -> LayerCost:
         rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
@@ -115,8 +124,11 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
             for u in us or [0]:
+                own = nodes[n.name]["layer"] == units[u].name
                 units[u].state_bytes += nodes[n.name]["memory_bytes"]
                 units[u].grad_bytes += nodes[n.name].get("grad_bytes", 0.0)
+                units[u].block_state_bytes += nodes[n.name]["memory_bytes"] * own
+                units[u].block_grad_bytes += nodes[n.name].get("grad_bytes", 0.0) * own
     for n in order:
         rec = nodes[n.name]
         if rec["op"] in ("param", "buffer", "constant", "input"):
@@ -124,21 +136,29 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
                 units[unit_of[n.name]].state_bytes += rec["memory_bytes"]
             continue
         u = units[unit_of[n.name]]
+        own = rec["layer"] == u.name
         u.time_s += rec["time_s"]
         u.act_bytes += rec["memory_bytes"]
+        u.block_time_s += rec["time_s"] * own
+        u.block_act_bytes += rec["memory_bytes"] * own
         if rec["region"] in ("layer", "attention"):
             u.fwd_s += rec["fwd_s"]
+            u.block_fwd_s += rec["fwd_s"] * own
             u.checkpointable = True
         else:
             u.ckpt_act_bytes += rec["memory_bytes"]
+            u.block_ckpt_bytes += rec["memory_bytes"] * own
     for c in plan.collectives:
         if c["user"] not in unit_of:
             continue
         u = units[unit_of[c["user"]]]
+        own = nodes.get(c["user"], {}).get("layer") == u.name
         if nodes.get(c["value"], {}).get("op") == "param":
             u.fixed_s += c["time_s"]
+            u.block_fixed_s += c["time_s"] * own
         else:
             u.time_s += c["time_s"]
+            u.block_time_s += c["time_s"] * own
     fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
     for fqn, axes in plan.reduced.items():
         ph = fqn_node.get(fqn)
@@ -147,7 +167,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         nbytes = nodes[ph].get("grad_bytes", 0.0)
         for u in sorted(set(users_units.get(ph, [])) or {0}):
             for i in axes:
-                units[u].reduce_s += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+                t = collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+                units[u].reduce_s += t
+                units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)
     # bytes crossing each boundary: a value made in unit u and last used in unit w crosses boundaries u..w-1
     node_of = {n.name: n for n in order}
     for name, us in users_units.items():
@@ -168,6 +190,77 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
     return units, unit_of
 
 
+def reduce_blocks(traced: Traced, keep: int = 2) -> tuple[Traced, int] | None:
+    """The graph with only its first ``keep`` of L identical consecutive blocks (users of a dropped block's nodes
+    read the same node of the last kept block), and L; None when the graph is not that shape. Solved with
+    ``PlanOptions.virtual_layers = L``, its tied groups are priced as L blocks: the sharding problem of the whole
+    model at a fraction of the size (the pipeline search ranks its candidates on it)."""
+    from autopart.planner import _layer_of
+
+    nodes = list(traced.graph.nodes)
+    layer = {n: _layer_of(n, traced) for n in nodes}
+    order: list[str] = []
+    per: dict[str, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        if n.op == "call_function" and layer[n]:
+            if layer[n] not in per:
+                order.append(layer[n])
+            per[layer[n]].append(n)
+    if len(order) <= keep or len({lay.rsplit(".", 1)[0] for lay in order}) != 1:
+        return None
+
+    def sig(n: fx.Node):
+        v = n.meta.get("val")
+        return (str(n.target), tuple(v.shape) if isinstance(v, torch.Tensor) else None)
+
+    ref = [sig(n) for n in per[order[0]]]
+    if any([sig(n) for n in per[lay]] != ref for lay in order[1:]):
+        return None
+    first = nodes.index(per[order[0]][0])
+    last = nodes.index(per[order[-1]][-1])
+    if any(n.op == "call_function" and not layer[n] for n in nodes[first:last + 1]):
+        return None  # something between the blocks: keep the whole graph
+    dropped = set(order[keep:])
+    counterpart = {}
+    for lay in dropped:
+        for j, n in enumerate(per[lay]):
+            counterpart[n] = per[order[keep - 1]][j]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    kept_ph = set()
+    for n in nodes:
+        if layer[n] in dropped:
+            continue
+        env[n] = g.node_copy(n, lambda a: env[counterpart.get(a, a)])
+        if n.op == "placeholder":
+            kept_ph.add(n.name)
+    gm = fx.GraphModule(traced.gm, g)
+    red = dataclasses.replace(
+        traced, gm=gm, params={k: v for k, v in traced.params.items() if k in kept_ph},
+        buffers={k: v for k, v in traced.buffers.items() if k in kept_ph},
+        constants={k: v for k, v in traced.constants.items() if k in kept_ph},
+        tied={k: v for k, v in traced.tied.items() if k in kept_ph},
+        constant_values={k: v for k, v in traced.constant_values.items() if k in kept_ph},
+        fingerprint=traced.fingerprint + f"-{keep}of{len(order)}")
+    return red, len(order)
+
+
+def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
+    """Units of a 2-block reduction -> the model's ``n_blocks``: the first keeps the embedding, the last the head;
+    the blocks between are the second block without the head (its own nodes only)."""
+    first, second = units
+    inner = dataclasses.replace(second, name="", time_s=second.block_time_s, fixed_s=second.block_fixed_s,
+                                fwd_s=second.block_fwd_s, act_bytes=second.block_act_bytes,
+                                ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
+                                state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,
+                                reduce_s=second.block_reduce_s)
+    out = [first]
+    for i in range(1, n_blocks - 1):
+        out.append(dataclasses.replace(inner, name=f"{first.name.rsplit('.', 1)[0]}.{i}"))
+    out.append(dataclasses.replace(second, name=f"{first.name.rsplit('.', 1)[0]}.{n_blocks - 1}"))
+    return out
+
+
 def stage_of_units(boundaries: list[int], n_units: int) -> list[int]:
     """Chunk index of every unit from the partition's start indices."""
     out = []
@@ -175,6 +268,9 @@ def stage_of_units(boundaries: list[int], n_units: int) -> list[int]:
     for c, (i, j) in enumerate(zip(boundaries, ends)):
         out += [c] * (j - i)
     return out
+
+
+FREE_DEGREES = 2  # pipeline degrees (best by the Megatron recipe inside stages) also solved with free stage shardings
 
 
 def _divisors(n: int) -> list[int]:
@@ -192,6 +288,8 @@ class Candidate:
     reduce_s: float
     batch: int
     micro_batch_size: int
+    key: tuple = ()  # how it was found: (stage cluster, stage mesh, axis, p, recipe, memory limit of the ILP)
+    ranked_on: str = "full graph"
 
 
 def _batch_of(traced: Traced) -> int:
@@ -292,8 +390,10 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
     state = {"best": None, "n_blocks": math.inf}
     run = _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpoint, best_over_m, state, errors)
 
+    reduced = reduce_blocks(traced)
+
     def stage_candidate(stage_cluster, stage_mesh, axis, p, recipe):
-        pipe = run(stage_cluster, stage_mesh, axis, p, recipe)
+        pipe = run(stage_cluster, stage_mesh, axis, p, recipe, reduced)
         if pipe is not None and (state["best"] is None or pipe.step_s < state["best"].step_s):
             state["best"] = pipe
         return pipe
@@ -302,7 +402,9 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
     # axis tensor parallel, the others data parallel): the ILP prices the whole batch at once and cannot see that a
     # stage wants its batch split where micro-batches still divide, which the recipe guarantees
     free_axes = [a for a in axis_names if a not in opts.roles]
-    recipes = [False] + ([True] if len(mesh) > 1 and len(free_axes) > 1 else [])
+    recipes = ([True] if len(mesh) > 1 and len(free_axes) > 1 else []) + [False]  # the recipe first: a quick
+    # solve whose result lets the bound skip free solves that cannot win
+    ranking: list[tuple] = []
     for axis in axes:
         degrees = [mesh[axis]] if axis in pp_axes else [d for d in _divisors(mesh[axis]) if d > 1]
         if "stages" in forced:
@@ -316,26 +418,55 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 continue
             stage_mesh = tuple(n // p if i == axis else n for i, n in enumerate(mesh))
             stage_cluster = dataclasses.replace(cluster, mesh_shape=stage_mesh)
-            for recipe in recipes:
-                pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, recipe)
-                if pipe is not None and (best is None or pipe.step_s < best.step_s):
-                    best = pipe
+            pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, recipes[0])
+            ranking.append((pipe.step_s if pipe is not None else math.inf, axis, p, stage_cluster, stage_mesh))
+            if pipe is not None and (best is None or pipe.step_s < best.step_s):
+                best = pipe
+    if len(recipes) > 1:
+        # the free stage sharding (a bigger ILP, ~2 s for a 70B model) only for the degrees the recipe ranks best
+        for _, axis, p, stage_cluster, stage_mesh in sorted(ranking, key=lambda r: r[0])[:FREE_DEGREES]:
+            pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, False)
+            if pipe is not None and (best is None or pipe.step_s < best.step_s):
+                best = pipe
+    if best is not None and reduced is not None:
+        # ranked on the 2-block graph (the same ILP, tied blocks priced L times: identical per-block costs);
+        # the winner is solved again on the whole graph, whose nodes the plan records
+        stage_cluster, stage_mesh, axis, p, recipe, sub_limit = best.key
+        final = run(stage_cluster, stage_mesh, axis, p, recipe, None, (sub_limit,))
+        if final is None:
+            raise AssertionError(f"pipeline candidate p={p} fits on the 2-block graph but not on the whole graph")
+        final.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), winner re-solved on the whole graph"
+        best = final
     return best, tried, errors
 
 
 def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpoint, best_over_m, state, errors):
-    """One stage mesh: solve its shardings (fastest; if nothing then fits, memory-bounded) and the best pipeline."""
+    """One stage mesh: solve its shardings (fastest; if nothing then fits, memory-bounded) and the best pipeline.
+    ``reduced``: (2-block graph, block count) to solve on instead of the whole graph (``reduce_blocks``)."""
 
-    def run(stage_cluster, stage_mesh, axis, p, recipe):
+    def run(stage_cluster, stage_mesh, axis, p, recipe, reduced=None, limits=None):
+        from autopart.planner import Pruned
+
         pipe = None
-        for attempt, sub_limit in enumerate((math.inf, limit * p)):
+        for attempt, sub_limit in enumerate(limits or (math.inf, limit * p)):
+            # a pipeline's step is at least its stage plan's total time over p (each block runs once per stage
+            # and micro-batch): a stage problem whose cheapest nodes already exceed p x the best step is skipped
+            cutoff = state["best"].step_s * p if state["best"] is not None and limits is None else None
             try:
-                sub = solve_stage(stage_cluster, sub_limit, recipe)
+                sub = solve_stage(stage_cluster, sub_limit, recipe, reduced, cutoff)
+            except Pruned as e:
+                state["pruned"] = state.get("pruned", 0) + 1
+                errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: pruned (bound "
+                              f"{e.args[0] / p:.4g} s >= best {state['best'].step_s:.4g} s)")
+                break
             except ValueError as e:
                 errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: stage sharding: "
                               f"{e}")
                 break
-            units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
+            if reduced is not None:
+                units = expand_units(block_units(sub, reduced[0], stage_mesh, stage_cluster)[0], reduced[1])
+            else:
+                units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
             state["n_blocks"] = len(units)
             if not allow_checkpoint:
                 for u in units:
@@ -344,7 +475,9 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
                 errors.append(f"p={p}: only {len(units)} blocks")
                 break
             pipe = best_over_m(units, sub, stage_mesh, axis, p, limit, True)
-            if pipe is not None or attempt == 1:
+            if pipe is not None:
+                pipe.key = (stage_cluster, stage_mesh, axis, p, recipe, sub_limit)
+            if pipe is not None or attempt == 1 or limits is not None:
                 break
             # nothing fits with the fastest stage sharding. A memory-bounded one is no faster per block than
             # this sharding with memory ignored (a bound when every block has the same sharding, as tied blocks
@@ -396,6 +529,9 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "search_s": wall_s,
         "optimality": "stage boundaries, checkpointing: exact DP per (degree, micro-batches, schedule), all "
                       "enumerated; per-node shardings: the stage-mesh ILP's status (solver)",
+        "candidates_ranked_on": cand.ranked_on,
+        "stage_shardings_searched": "Megatron recipe inside the stage for every degree; free shardings for the "
+                                    f"{FREE_DEGREES} best degrees of that ranking (all degrees when axes are pinned)",
     }
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)

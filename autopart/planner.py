@@ -73,6 +73,10 @@ class PlanOptions:
     # None: the solver decides whether and how to pipeline; "off"; or a dict forcing any of "stages",
     # "micro_batches", "schedule" ("gpipe" | "1f1b" | "interleaved"), "virtual", "axis" (mesh axis name)
     pipeline: dict | str | None = None
+    # internal: the graph holds 2 of this many identical blocks (``pipelining.reduce_blocks``); tied groups are
+    # priced as if they had this many members
+    virtual_layers: int = 0
+    objective_cutoff: float | None = None  # internal: raise ``Pruned`` if no plan can be cheaper than this
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -86,6 +90,10 @@ class PlanOptions:
             if bad:
                 raise ValueError(f"pipeline options {sorted(bad)} unknown: use stages, micro_batches, schedule, "
                                  "virtual, axis")
+
+
+class Pruned(Exception):
+    """No plan of the problem can beat ``PlanOptions.objective_cutoff``: its lower bound is ``args[0]``."""
 
 
 def value_of(node: fx.Node) -> Any:
@@ -489,6 +497,7 @@ class Problem:
     region: list[str] = field(default_factory=list)  # per group: "" | "layer" | "attention" | "layer_output"
     grad_memory: list[np.ndarray] = field(default_factory=list)  # parameter gradients (not live at the peak)
     bucket_memory: list[np.ndarray] = field(default_factory=list)  # gradients that go through reduction buckets
+    scale: list[int] = field(default_factory=list)  # per group: how many nodes its costs stand for
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -668,9 +677,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         for a in torch.utils._pytree.tree_leaves(o.args):
             if isinstance(a, fx.Node):
                 out_nodes.add(_producer(a))
+    scales = []
     for members in groups:
         rep = node_of[members[0]]
-        k = len(members)
+        k = opts.virtual_layers if opts.virtual_layers and len(members) > 1 else len(members)
+        scales.append(k)
         opts_r = info.options[rep.name]
         comp = np.zeros(len(opts_r))
         grad = np.zeros(len(opts_r))
@@ -715,7 +726,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     rr = tuple(Replicate() for _ in mesh)
                     for a, o in enumerate(opts_r):
                         cost[a] += transition_time(v, output_spec(o, idx), rr, (False,) * len(mesh), False, cluster)
-        node_cost.append(cost * k if len(members) > 1 else cost)
+        node_cost.append(cost * k)
         compute_cost.append(comp * k)
         node_memory.append(mem * k)
         fwd_compute.append(fwd * k)
@@ -769,10 +780,10 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                         t = cache[ck] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                         regather=regathers[ai])
                     mat[ai, bi] = t
-            scale = len(groups[gv]) if len(groups[gv]) > 1 else 1
+            scale = scales[gv]
             edges[key] = edges.get(key, 0) + mat * scale
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region, grad_memory, bucket_memory)
+                   region, grad_memory, bucket_memory, scales)
 
 
 def _outs(o: OpOption) -> tuple:
@@ -807,16 +818,24 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
         # the fastest plan without stages, memory ignored: when it fits it is the plan without stages; if not, it
         # bounds that plan's step time from below, and the (slow) memory-bounded solve runs only if a pipeline
         # does not already beat the bound
+        # (solved on the 2-block reduction when the model has one: the same ILP, its objective is the bound)
+        reduced = pipelining.reduce_blocks(traced)
         try:
-            free = _sharding_plan(traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
+            if reduced is not None:
+                free = _sharding_plan(reduced[0], cluster, axis_names,
+                                      dataclasses.replace(no_pp, memory_limit=math.inf, virtual_layers=reduced[1]))
+            else:
+                free = _sharding_plan(traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
         except ValueError as e:
             base_err = e
         else:
             limit0 = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
             if free.solver.get("free_memory_row_bytes", math.inf) <= limit0:
-                base = free
+                base = free if reduced is None else _sharding_plan(
+                    traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
             else:
-                base_bound = free.predicted["step_time_s"]
+                base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
+                    else free.solver["objective"]
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -824,7 +843,7 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
         raise NotImplementedError("a per-layer checkpoint dict together with pipeline stages: pass a mode string "
                                   "('none' / 'full') or leave checkpoint=None for the pipeline search to choose")
 
-    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False):
+    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False, reduced=None, cutoff=None):
         # the stage DP decides per-layer full recompute; a forced mode applies to every layer of the stage plan.
         # Offload is not searched with stages (the forced one still applies): the stage DP is what frees memory
         roles_k = dict(stage_roles)
@@ -832,7 +851,11 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
             for i, a in enumerate(axis_names):
                 roles_k.setdefault(a, "tp" if i == len(axis_names) - 1 else "dp")
         o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
-                                offload=opts.offload if opts.offload is not None else "none")
+                                offload=opts.offload if opts.offload is not None else "none",
+                                objective_cutoff=cutoff)
+        if reduced is not None:
+            return _sharding_plan(reduced[0], stage_cluster, axis_names,
+                                  dataclasses.replace(o, virtual_layers=reduced[1]))
         return _sharding_plan(traced, stage_cluster, axis_names, o)
 
     t0 = time.perf_counter()
@@ -865,6 +888,12 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     t0 = time.perf_counter()
     prob = build_problem(traced, cluster, axis_names, opts)
     timings["strategies_and_costs_s"] = time.perf_counter() - t0
+    if opts.objective_cutoff is not None:
+        # every node's and every edge's cheapest option, chosen independently: no plan of this problem is cheaper
+        # (the pipeline search skips stage meshes whose bound already loses to a candidate it has)
+        floor = sum(float(np.min(c)) for c in prob.node_cost) + sum(float(np.min(m)) for m in prob.edges.values())
+        if floor >= opts.objective_cutoff:
+            raise Pruned(floor)
     info, groups = prob.info, prob.groups
     names = [",".join(g[:2]) + (f",+{len(g) - 2}" if len(g) > 2 else "") for g in groups]
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
@@ -1017,7 +1046,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     for n in info.nodes:
         o = chosen[n.name]
         gid = prob.group_of[n.name]
-        a, k = sol.choice[gid], len(prob.groups[gid])
+        a, k = sol.choice[gid], prob.scale[gid] if prob.scale else len(prob.groups[gid])
         rec = {"op": str(n.target) if n.op == "call_function" else info.kind[n.name],
                "inputs": [spec_str(s) for s in o.inputs],
                "output": [spec_str(s) for s in _outs(o)] if isinstance(o.output[0], tuple) else spec_str(o.output),
