@@ -114,3 +114,32 @@ def test_stage_graphs_compose_to_the_program():
         live = list(g.gm(*feed))
     torch.testing.assert_close(live[0], want, rtol=0, atol=0)
     assert graphs[0].live_out == graphs[1].live_in and "labels" in graphs[2].live_in
+
+
+def test_two_block_reduction_prices_the_whole_model():
+    """The pipeline search ranks candidates on the graph cut to 2 of its L identical blocks, tied groups priced L
+    times: same ILP optimum and the same per-block costs as the whole graph."""
+    import dataclasses
+
+    from autopart.pipelining import expand_units, reduce_blocks
+    from autopart.planner import PlanOptions, _sharding_plan
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, max_seq_len=32, n_layer=6, n_head=4, d_model=64))
+    ids = torch.randint(0, 128, (8, 32))
+    t = trace(model, (ids,), {"labels": ids})
+    red, n = reduce_blocks(t)
+    assert n == 6 and len(list(red.graph.nodes)) < len(list(t.graph.nodes)) / 2
+    cluster = autopart.preset("cpu", (2, 2))
+    o = PlanOptions(pipeline="off", checkpoint="none", memory_limit=float("inf"))
+    full = _sharding_plan(t, cluster, ("a", "b"), o)
+    small = _sharding_plan(red, cluster, ("a", "b"), dataclasses.replace(o, virtual_layers=n))
+    assert small.solver["objective"] == pytest.approx(full.solver["objective"], rel=1e-9)
+    assert small.solver["free_memory_row_bytes"] == pytest.approx(full.solver["free_memory_row_bytes"], rel=1e-9)
+    want, _ = block_units(full, t, (2, 2), cluster)
+    got = expand_units(block_units(small, red, (2, 2), cluster)[0], n)
+    assert [u.name for u in got] == [u.name for u in want]
+    for a, b in zip(want, got):
+        for f in ("time_s", "fixed_s", "fwd_s", "act_bytes", "ckpt_act_bytes", "state_bytes", "grad_bytes",
+                  "reduce_s", "out_bytes"):
+            assert getattr(b, f) == pytest.approx(getattr(a, f), rel=1e-9, abs=1e-15), (a.name, f)
