@@ -270,7 +270,7 @@ def stage_of_units(boundaries: list[int], n_units: int) -> list[int]:
     return out
 
 
-FREE_DEGREES = 2  # pipeline degrees (best by the Megatron recipe inside stages) also solved with free stage shardings
+FREE_DEGREES = 1  # pipeline degrees (best by the Megatron recipe inside stages) also solved with free stage shardings
 
 
 def _divisors(n: int) -> list[int]:
@@ -531,7 +531,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
                       "enumerated; per-node shardings: the stage-mesh ILP's status (solver)",
         "candidates_ranked_on": cand.ranked_on,
         "stage_shardings_searched": "Megatron recipe inside the stage for every degree; free shardings for the "
-                                    f"{FREE_DEGREES} best degrees of that ranking (all degrees when axes are pinned)",
+                                    f"{FREE_DEGREES} best degree(s) of that ranking (all degrees when axes are pinned)",
     }
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)

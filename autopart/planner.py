@@ -812,30 +812,6 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
         return _sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
-    base, base_err, base_bound = None, None, None
-    no_pp = dataclasses.replace(opts, pipeline="off")
-    if not pp_axes and "stages" not in forced:
-        # the fastest plan without stages, memory ignored: when it fits it is the plan without stages; if not, it
-        # bounds that plan's step time from below, and the (slow) memory-bounded solve runs only if a pipeline
-        # does not already beat the bound
-        # (solved on the 2-block reduction when the model has one: the same ILP, its objective is the bound)
-        reduced = pipelining.reduce_blocks(traced)
-        try:
-            if reduced is not None:
-                free = _sharding_plan(reduced[0], cluster, axis_names,
-                                      dataclasses.replace(no_pp, memory_limit=math.inf, virtual_layers=reduced[1]))
-            else:
-                free = _sharding_plan(traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
-        except ValueError as e:
-            base_err = e
-        else:
-            limit0 = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
-            if free.solver.get("free_memory_row_bytes", math.inf) <= limit0:
-                base = free if reduced is None else _sharding_plan(
-                    traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
-            else:
-                base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
-                    else free.solver["objective"]
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -862,6 +838,35 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     cand, tried, errors = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
                                             allow_checkpoint=ck in (None, "selective"))
     wall = time.perf_counter() - t0
+    base, base_err, base_bound = None, None, None
+    no_pp = dataclasses.replace(opts, pipeline="off")
+    if not pp_axes and "stages" not in forced:
+        # the fastest plan without stages, memory ignored: when it fits it is the plan without stages; if not, it
+        # bounds that plan's step time from below, and the (slow) memory-bounded solve runs only if the pipeline
+        # does not already beat the bound. Solved on the 2-block reduction when the model has one (the same ILP;
+        # its objective is the bound), and skipped when even its cheapest-options floor loses to the pipeline
+        reduced = pipelining.reduce_blocks(traced)
+        cutoff = cand.step_s if cand is not None else None
+        try:
+            if reduced is not None:
+                free = _sharding_plan(reduced[0], cluster, axis_names,
+                                      dataclasses.replace(no_pp, memory_limit=math.inf, virtual_layers=reduced[1],
+                                                          objective_cutoff=cutoff))
+            else:
+                free = _sharding_plan(traced, cluster, axis_names,
+                                      dataclasses.replace(no_pp, memory_limit=math.inf, objective_cutoff=cutoff))
+        except Pruned as e:
+            base_bound = e.args[0]
+        except ValueError as e:
+            base_err = e
+        else:
+            limit0 = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
+            if free.solver.get("free_memory_row_bytes", math.inf) <= limit0:
+                base = free if reduced is None else _sharding_plan(
+                    traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
+            else:
+                base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
+                    else free.solver["objective"]
     if base is None and base_bound is not None and (cand is None or cand.step_s >= base_bound):
         try:
             base = _sharding_plan(traced, cluster, axis_names, no_pp)
