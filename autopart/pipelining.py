@@ -25,13 +25,17 @@ the plan without pipeline (``p = 1``) only if faster, or if that plan does not f
 Approximation, stated: the per-node shardings are the ILP's at the traced batch on the stage mesh, scaled to the
 micro-batch; ``parallelize`` re-solves the shardings at the micro-batch size (parameters pinned) for the program it
 runs, so the executed program is exact and the plan's prediction is the scaled one.
+
+Search cost: candidates are ranked on ``reduce_blocks`` (2 of the L identical blocks, tied groups priced L times:
+the same ILP, tested equal), the winner re-solved on the whole graph. Per degree the stage mesh is solved with the
+Megatron recipe inside it (last axis tp, others dp: quick, and its batch split is what micro-batches need) and,
+for the ``FREE_DEGREES`` best degrees of that ranking, with free shardings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -543,12 +547,6 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
                                        "activations": mem["activations"], "total": mem["total"]},
                       "sharding_only": plan.predicted})
     return dataclasses.replace(plan, pipeline=pipeline, checkpoint=ckpt, predicted=predicted)
-
-
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
 
 
 def assign_stages(gm: fx.GraphModule, plan, chunks: int, stage_of_layer: dict[str, int]) -> dict[str, int]:
