@@ -2,10 +2,11 @@
 
 from autopart.api import evaluate, parallelize, parse_bytes, plan
 from autopart.cost import Cluster, preset
+from autopart.extend import register_op
 from autopart.placement import Partial, Replicate, Shard
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh, mesh
 
 __all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "evaluate", "mesh", "parallelize", "parse_bytes",
-           "plan", "preset"]
+           "plan", "preset", "register_op"]
 __version__ = "0.1.0"

@@ -957,6 +957,15 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     first = "none" if not base_modes else "forced"
     bucket0, sol0 = 0.0, None
     run(first, base_modes, base_off, bounded=False)  # the fastest plan, memory aside: does memory bind at all?
+    if first not in results:  # not even without a memory limit: some node has no option its neighbours accept
+        exc = errors[first]
+        unsupported = sorted({str(n.target) for n in info.nodes if not info.known[n.name]})
+        raise ValueError(
+            f"no sharding of this graph satisfies the pinned roles {dict(opts.roles)} on mesh {cluster.mesh_shape}: "
+            f"{exc}" + (f" Ops without a sharding rule (they can only run replicated, which a 'dp' axis forbids "
+                        f"for batch-sharded values): {', '.join(unsupported)}; register one with "
+                        f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
+                        if unsupported else "")) from exc
     sol0, _, _, mem0, _, _ = results[first]
     bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
     row0 = sum(float(m[c] + g[c]) for m, g, c in zip(mem0, prob.grad_memory, sol0.choice))

@@ -54,6 +54,7 @@ def register(*ops: Any) -> Callable[[Rule], Rule]:
     def deco(fn: Rule) -> Rule:
         for op in ops:
             _RULES[op] = fn
+        _OPTIONS_CACHE.clear()
         return fn
 
     return deco
