@@ -127,10 +127,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
     Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
     parameters are broadcast from rank 0 before sharding.
     """
-    import torch.distributed as dist
-
     from autopart.passes import run_passes
-    from autopart.runtime.module import ParallelModule, Program, signature
+    from autopart.runtime.module import ParallelModule, signature
 
     m = _as_mesh(mesh)
     if m.device_mesh is None:
@@ -155,11 +153,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                    local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero, offload=offload)
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
-        text = [None]
-        if dist.get_rank() == 0:
-            text[0] = globals()["plan"](model, m, traced=t, pins=pins, pipeline=pipeline, **plan_kw).to_json()
-        dist.broadcast_object_list(text, src=0)
-        plan = Plan.from_json(text[0])
+        plan = _shared_plan(model, m, t, pins=pins, pipeline=pipeline, **plan_kw)
     if plan.pipeline:
         if local_batch:
             raise NotImplementedError("local_batch=True with a pipelined plan: pass the global batch (every rank "
@@ -170,7 +164,32 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
 
-    model_ref = weakref.ref(model)  # do not keep the user's full-size model alive for later re-tracing
+    return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
+                          tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
+                          loss_fn=loss_fn, local_batch_axes=local_axes,
+                          example_signature=example_sig,
+                          make_program=_program_maker(model, m, pins, {**plan_kw, "pipeline": "off"}, factor))
+
+
+def _shared_plan(model: nn.Module, mesh: Mesh, traced: Traced, **kw) -> Plan:
+    """``plan(...)`` made on rank 0 and broadcast, so every rank runs the same plan."""
+    import torch.distributed as dist
+
+    text = [None]
+    if dist.get_rank() == 0:
+        text[0] = globals()["plan"](model, mesh, traced=traced, **kw).to_json()
+    dist.broadcast_object_list(text, src=0)
+    return Plan.from_json(text[0])
+
+
+def _program_maker(model: nn.Module, mesh: Mesh, pins, plan_kw: dict, repeat: int = 1) -> Callable:
+    """``make_program(args, kwargs, param_pins)`` for ``ParallelModule``: trace a new input signature (each batched
+    input repeated ``repeat`` times: the global batch of per-rank slices) and plan it with every parameter pinned to
+    its current placement. Holds the model weakly: the user's full-size model is not kept alive for it."""
+    from autopart.passes import run_passes
+    from autopart.runtime.module import Program
+
+    model_ref = weakref.ref(model)
 
     def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
         model = model_ref()
@@ -178,24 +197,15 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
             raise RuntimeError("called with inputs of a new shape or signature, which needs tracing the model again, "
                                "but the original model object was freed: keep it alive, or call with the planned "
                                "signature")
-        if local_axes:
-            args = tuple(_repeat_batch(a, factor) for a in args)
-            kwargs = {k: _repeat_batch(v, factor) for k, v in kwargs.items()}
+        if repeat > 1:
+            args = tuple(_repeat_batch(a, repeat) for a in args)
+            kwargs = {k: _repeat_batch(v, repeat) for k, v in kwargs.items()}
         t2 = trace(model, args, kwargs)
-        text = [None]
-        if dist.get_rank() == 0:
-            text[0] = globals()["plan"](model, m, traced=t2, pins={**(pins or {}), **param_pins},
-                                        pipeline="off", **plan_kw).to_json()
-        dist.broadcast_object_list(text, src=0)
-        p2 = Plan.from_json(text[0])
+        p2 = _shared_plan(model, mesh, t2, pins={**(pins or {}), **param_pins}, **plan_kw)
         return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
                        t2.tied, t2.user_inputs, t2.input_paths)
 
-    return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
-                          tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
-                          loss_fn=loss_fn, local_batch_axes=local_axes,
-                          example_signature=example_sig,
-                          make_program=make_program)
+    return make_program
 
 
 def _repeat_batch(x: Any, factor: int) -> Any:
@@ -211,10 +221,8 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from autopart.passes import run_passes
     from autopart.runtime.mesh import backend_for_device
-    from autopart.runtime.module import Program
-    from autopart.runtime.pipeline import PipelinedModule, world_layout
+    from autopart.runtime.pipeline import PipelinedModule, first_micro_batch, world_layout
 
     pipe = plan.pipeline
     world = tuple(pipe["world_mesh_shape"])
@@ -241,37 +249,13 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     stage_roles = {a: r for a, r in (plan_kw.get("roles") or {}).items() if r != "pp"}
     micro_kw = dict(plan_kw, roles=stage_roles, memory_budget=float("inf"), pipeline="off",
                     checkpoint=dict(plan.checkpoint), cluster=Cluster.from_json(plan.cluster))
-    model_ref = weakref.ref(model)
-    b = int(pipe["micro_batch_size"])
-
-    def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
-        model = model_ref()
-        if model is None:
-            raise RuntimeError("a new input signature needs tracing the model again, but the original model object "
-                               "was freed: keep it alive")
-        t2 = trace(model, args, kwargs)
-        text = [None]
-        if dist.get_rank() == 0:
-            text[0] = globals()["plan"](model, stage_mesh, traced=t2, pins={**(pins or {}), **param_pins},
-                                        **micro_kw).to_json()
-        dist.broadcast_object_list(text, src=0)
-        p2 = Plan.from_json(text[0])
-        p2.pipeline = {}
-        return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
-                       t2.tied, t2.user_inputs, t2.input_paths)
-
-    batch = int(pipe["batch"])
-
-    def cut(x):
-        return x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
-
-    margs = tuple(cut(a) for a in example_inputs)
-    mkw = {k: cut(v) for k, v in example_kwargs.items()}
+    make_program = _program_maker(model, stage_mesh, pins, micro_kw)
+    margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), int(pipe["micro_batch_size"]))
     prog = make_program(margs, mkw, dict(plan.params))
     # which chunks use each parameter (a tied embedding/head: the first and the last)
     from autopart.pipelining import assign_stages
 
-    stage_of = assign_stages(prog.gm, prog.plan, p * int(pipe.get("virtual", 1)), pipe["stage_of_layer"])
+    stage_of = assign_stages(prog.gm, prog.plan, pipe["stage_of_layer"])
     users: dict[str, set[int]] = {}
     for n in prog.gm.graph.nodes:
         if n.op != "call_function":

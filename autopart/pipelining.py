@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
+from autopart.planner import _local_bytes
 from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline
 from autopart.trace import Traced
 
@@ -79,14 +80,6 @@ class Unit:
         fwd = min(self.fwd_s / m, t)
         return LayerCost(fwd_s=fwd, bwd_s=t - fwd, act_bytes=self.act_bytes / m,
                          state_bytes=self.state_bytes + self.grad_bytes, recompute_act_bytes=rec)
-
-
-def _local_bytes(val: torch.Tensor, spec, mesh) -> float:
-    n = val.numel() * val.dtype.itemsize
-    for p, size in zip(spec, mesh):
-        if isinstance(p, Shard):
-            n /= size
-    return n
 
 
 def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -> tuple[list[Unit], dict[str, int]]:
@@ -459,7 +452,6 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
             try:
                 sub = solve_stage(stage_cluster, sub_limit, recipe, reduced, cutoff)
             except Pruned as e:
-                state["pruned"] = state.get("pruned", 0) + 1
                 errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: pruned (bound "
                               f"{e.args[0] / p:.4g} s >= best {state['best'].step_s:.4g} s)")
                 break
@@ -516,7 +508,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
             "memory_bytes": {"states": sum(u.state_bytes for u in us), "gradients": sum(u.grad_bytes for u in us),
                              "activations": n_fl * act, "total": sum(u.state_bytes + u.grad_bytes for u in us)
                              + n_fl * act},
-            "send_bytes": us[-1].out_bytes / m if c < len(stages) and j < len(units) else 0.0,
+            "send_bytes": us[-1].out_bytes / m if j < len(units) else 0.0,
             "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k]],
         })
     world = cluster.mesh_shape
@@ -549,7 +541,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     return dataclasses.replace(plan, pipeline=pipeline, checkpoint=ckpt, predicted=predicted)
 
 
-def assign_stages(gm: fx.GraphModule, plan, chunks: int, stage_of_layer: dict[str, int]) -> dict[str, int]:
+def assign_stages(gm: fx.GraphModule, plan, stage_of_layer: dict[str, int]) -> dict[str, int]:
     """Chunk (global stage index) of every call of a rewritten graph: nodes of a planned block go with it; the
     others follow their latest input, and those fed only by placeholders (a parameter's gather, an embedding
     lookup, a position table) go with their earliest user."""

@@ -174,21 +174,24 @@ class ParallelModule(nn.Module):
             self._programs[key] = prog
         return prog
 
-    def _bind_inputs(self, prog: Program, args: tuple, kwargs: dict, positional_only: bool = False
-                     ) -> list[torch.Tensor]:
-        """This rank's pieces of the user inputs (``positional_only``: ``args`` already holds every tensor input
-        in the program's order)."""
+    @staticmethod
+    def _user_tensors(prog: Program, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensor inputs in the program's order: positional ones, then keyword ones by the traced names."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        names = [n for n in prog.input_names if n.startswith("args[") or positional_only]
+        names = [n for n in prog.input_names if n.startswith("args[")]
         if len(tensors) != len(names):
             raise ValueError(f"expected {len(names)} positional tensor inputs as when planned, got {len(tensors)}")
         for name in prog.input_names:
-            if name.startswith("kwargs[") and not positional_only:
+            if name.startswith("kwargs["):
                 key = name[8:-2]
                 if key not in kwargs:
                     raise ValueError(f"the plan was traced with keyword input {key!r}; pass it (or re-plan "
                                      f"without it)")
                 tensors.append(kwargs[key])
+        return tensors
+
+    def _bind_inputs(self, prog: Program, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's pieces of the user inputs (``tensors`` in the program's order, ``_user_tensors``)."""
         out = []
         for ph, t in zip(prog.user_inputs, tensors):
             t = t.to(self._device)
@@ -200,27 +203,30 @@ class ParallelModule(nn.Module):
             out.append(t)
         return out
 
-    def _run(self, args: tuple, kwargs: dict) -> Any:
-        prog = self._program(args, kwargs)
-        inputs = self._bind_inputs(prog, args, kwargs)
-        feed = []
-        user = iter(inputs)
-        for node in prog.gm.graph.find_nodes(op="placeholder"):
-            name = node.name
-            if name in prog.tied:
-                name = prog.tied[name]
-            if name in prog.params:
-                feed.append(self.param(prog.params[name]).to_local())
-            elif name in prog.buffers:
-                feed.append(self._buffers_local[prog.buffers[name]])
-            elif name in prog.constants:
-                feed.append(prog.constants[name])
-            else:
-                feed.append(next(user))
+    def _state_value(self, prog: Program, name: str) -> Any:
+        """What feeds placeholder ``name`` (tied names resolved) when it is not a user input: this rank's local
+        parameter shard (differentiable), a buffer, or a lifted constant; None for a user input."""
+        name = prog.tied.get(name, name)
+        if name in prog.params:
+            return self.param(prog.params[name]).to_local()
+        if name in prog.buffers:
+            return self._buffers_local[prog.buffers[name]]
+        return prog.constants.get(name)
+
+    def _call(self, prog: Program, gm: fx.GraphModule, feed: list) -> Any:
+        """Run ``gm`` (the program or a piece of it) with this rank's collective groups and saved-tensor hooks."""
         offload = "activations" in prog.plan.offload
         with C.axis_groups(self._groups, self._coords, self._sizes), C.saved_tensor_hooks(offload):
-            outs = prog.gm(*feed)
-        return outs
+            return gm(*feed)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        prog = self._program(args, kwargs)
+        user = iter(self._bind_inputs(prog, self._user_tensors(prog, args, kwargs)))
+        feed = []
+        for node in prog.gm.graph.find_nodes(op="placeholder"):
+            value = self._state_value(prog, node.name)
+            feed.append(next(user) if value is None else value)
+        return self._call(prog, prog.gm, feed)
 
     def forward(self, *args, **kwargs):
         outs = self._run(args, kwargs)

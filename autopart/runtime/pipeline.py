@@ -27,7 +27,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopart.placement import local_shape, parse_spec
-from autopart.runtime import collectives as C
 from autopart.runtime.module import ParallelModule, Program
 
 
@@ -121,22 +120,11 @@ class _Stage(nn.Module):
 
     def forward(self, *live: torch.Tensor) -> tuple[torch.Tensor, ...]:
         owner = self._owner[0]
-        if self.first:
-            live = tuple(owner._bind_inputs(self._prog, live, {}, positional_only=True))
+        if self.first:  # the user inputs of one micro-batch, whole: keep this rank's pieces
+            live = tuple(owner._bind_inputs(self._prog, list(live)))
         it = iter(live)
-        feed = []
-        for kind, name in self.sg.feeds:
-            if kind == "param":
-                feed.append(owner.param(self._prog.params[name]).to_local())
-            elif kind == "buffer":
-                feed.append(owner._buffers_local[self._prog.buffers[name]])
-            elif kind == "constant":
-                feed.append(self._prog.constants[name])
-            else:
-                feed.append(next(it))
-        with C.axis_groups(owner._groups, owner._coords, owner._sizes), \
-                C.saved_tensor_hooks("activations" in self._prog.plan.offload):
-            out = self.gm(*feed)
+        feed = [next(it) if kind == "live" else owner._state_value(self._prog, name) for kind, name in self.sg.feeds]
+        out = owner._call(self._prog, self.gm, feed)
         return tuple(o if o.is_contiguous() else o.contiguous() for o in out)
 
 
@@ -175,7 +163,7 @@ class PipelinedModule(ParallelModule):
 
         from autopart.pipelining import assign_stages
 
-        stage_of = assign_stages(prog.gm, prog.plan, self.chunks, self._stage_of_layer)
+        stage_of = assign_stages(prog.gm, prog.plan, self._stage_of_layer)
         graphs = split_stages(prog, stage_of, self.chunks)
         by_name = {n.name: n for n in prog.gm.graph.nodes}
         mesh = tuple(prog.plan.mesh_shape)
@@ -229,13 +217,6 @@ class PipelinedModule(ParallelModule):
         return cache[key]
 
     # ---- running ---------------------------------------------------------------------------------------------
-    def _flat_inputs(self, prog: Program, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        for name in prog.input_names:
-            if name.startswith("kwargs["):
-                tensors.append(kwargs[name[8:-2]])
-        return [t.to(self._device) for t in tensors]
-
     def _micro(self, args: tuple, kwargs: dict) -> tuple[Program, int, list[torch.Tensor]]:
         """The program of one micro-batch for these inputs, the number of micro-batches, the flat inputs."""
         b = int(self.pipeline["micro_batch_size"])
@@ -244,13 +225,9 @@ class PipelinedModule(ParallelModule):
         if batch is None or batch % b:
             raise ValueError(f"the pipeline runs micro-batches of {b} (plan: {self.pipeline['micro_batches']} of "
                              f"batch {self.pipeline['batch']}); got a batch of {batch}, not a multiple of {b}")
-        n = batch // b
-        margs = tuple(a[:b] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch else a
-                      for a in args)
-        mkw = {k: v[:b] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
-               for k, v in kwargs.items()}
+        margs, mkw = first_micro_batch(args, kwargs, batch, b)
         prog = self._program(margs, mkw)
-        return prog, n, self._flat_inputs(prog, args, kwargs)
+        return prog, batch // b, [t.to(self._device) for t in self._user_tensors(prog, args, kwargs)]
 
     def forward_backward(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the global batch through the pipeline schedule; returns the loss (on every
@@ -366,6 +343,14 @@ class PipelinedModule(ParallelModule):
                     mine = g
             if mine is not None and fqn in self._key_of:
                 self._shared_groups.append((fqn, mine))
+
+
+def first_micro_batch(args: tuple, kwargs: dict, batch: int, b: int) -> tuple[tuple, dict]:
+    """The inputs cut to their first ``b`` rows along a batch dimension of size ``batch`` (others unchanged)."""
+    def cut(x: Any) -> Any:
+        return x[:b] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
 
 
 def world_layout(world_shape: tuple[int, ...], axis: int, degree: int) -> torch.Tensor:

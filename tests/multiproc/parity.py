@@ -68,6 +68,22 @@ def reference(name: str, layers: int = 2):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
+def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5) -> tuple[list[float], torch.nn.Module]:
+    """One process, gradients clipped to ``max_norm``: per step the loss then the global gradient norm before
+    clipping, and the trained model."""
+    model = make_model(name, layers)
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    out = []
+    for ids in batches():
+        loss = loss_of(model(ids, labels=ids))
+        loss.backward()
+        out.append(loss.item())
+        out.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return out, model
+
+
 def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False,
                 checkpoint: dict[str, str] | str | None = None, pipeline: dict | str | None = None,
                 layers: int = 2):

@@ -93,19 +93,10 @@ def test_pipeline_grad_clipping() -> None:
     """``pm.clip_grad_norm_`` clips by the norm over every stage (the tied embedding/head counted once)."""
     import torch
 
-    from tests.multiproc.parity import OPT, batches, make_model
+    from tests.multiproc.parity import reference_clipped
 
     results = run_ranks(4, _clipped_run)
-    model = make_model("gpt", LAYERS)
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    ref = []
-    for ids in batches():
-        loss = model(ids, labels=ids)
-        loss.backward()
-        ref.append(loss.item())
-        ref.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)))
-        opt.step()
-        opt.zero_grad()
+    ref, model = reference_clipped("gpt", LAYERS)
     for out, params in results:
         assert out == pytest.approx(ref, abs=1e-5), (out, ref)  # losses and global gradient norms
         for k, v in model.named_parameters():

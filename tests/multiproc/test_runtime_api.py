@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, make_model
+from tests.multiproc.parity import OPT, batches, make_model, reference_clipped
 
 pytestmark = pytest.mark.multiproc
 
@@ -35,16 +35,7 @@ def _local_batch_run() -> tuple[list[float], dict]:
 
 def test_local_batch_and_grad_clipping():
     results = run_ranks(2, _local_batch_run)
-    model = make_model("gpt")
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    ref = []
-    for ids in batches():
-        loss = model(ids, labels=ids)
-        loss.backward()
-        ref.append(loss.item())
-        ref.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)))
-        opt.step()
-        opt.zero_grad()
+    ref, model = reference_clipped("gpt")
     for losses, params in results:
         assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)  # losses and global gradient norms
         for k, v in model.named_parameters():

@@ -91,7 +91,7 @@ def test_stage_graphs_compose_to_the_program():
                           pins=dict(p.params))
     gm = run_passes(t, micro, needs_grad_map(t))
     prog = Program(gm, micro, t.params, t.buffers, t.constant_values, t.tied, t.user_inputs, t.input_paths)
-    stage_of = assign_stages(gm, micro, 4, p.pipeline["stage_of_layer"])
+    stage_of = assign_stages(gm, micro, p.pipeline["stage_of_layer"])
     graphs = split_stages(prog, stage_of, 4)
     named = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers())
