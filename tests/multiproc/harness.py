@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -32,6 +33,12 @@ def _worker(rank: int, world: int, port: int, fn, args, outdir: str, backend: st
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # The outcome is on disk; leave without interpreter teardown. Destroying torch's static objects at exit
+    # sometimes finds a C++ thread still joinable ("terminate called without an active exception", SIGABRT),
+    # seen in CI after the rank had passed and written its result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn, *args, backend: str = "gloo"):
