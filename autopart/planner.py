@@ -498,6 +498,7 @@ class Problem:
     grad_memory: list[np.ndarray] = field(default_factory=list)  # parameter gradients (not live at the peak)
     bucket_memory: list[np.ndarray] = field(default_factory=list)  # gradients that go through reduction buckets
     scale: list[int] = field(default_factory=list)  # per group: how many nodes its costs stand for
+    gathered_memory: list[np.ndarray] = field(default_factory=list)  # ZeRO: the gathered copy kept for backward
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -663,6 +664,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
+    gathered_memory = []
     saving_users = _saving_users(info)
     last_of_layer: set[str] = set()
     seen_layer: dict[str, str] = {}
@@ -689,6 +691,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         fwd = np.zeros(len(opts_r))
         icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
+        gath = np.zeros(len(opts_r))
         val = value_of(rep)
         if info.kind[rep.name] == "op":
             flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
@@ -714,7 +717,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 gathered = [i for i in dp_axes if isinstance(o.output[i], Shard)]
                 if gathered and o.tag != "zero3":  # ZeRO-2: the gathered copy is saved from forward to backward
                     full = tuple(Replicate() if i in gathered else p for i, p in enumerate(o.output))
-                    mem[a] += _local_bytes(val, full, mesh)
+                    gath[a] = _local_bytes(val, full, mesh)
+                    mem[a] += gath[a]
         elif info.kind[rep.name] in ("buffer", "constant"):
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh)
@@ -732,6 +736,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         fwd_compute.append(fwd * k)
         grad_memory.append(grad * k)
         bucket_memory.append(bucket * k)
+        gathered_memory.append(gath * k)
         region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
     for v in info.nodes:
@@ -783,7 +788,24 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             scale = scales[gv]
             edges[key] = edges.get(key, 0) + mat * scale
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region, grad_memory, bucket_memory, scales)
+                   region, grad_memory, bucket_memory, scales, gathered_memory)
+
+
+# The two moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
+# larger of the two (``peak_forward`` / ``peak_backward`` in ``plan.predicted["memory_bytes"]``).
+MEMORY_ROWS = ("end of forward (model states, gathered parameters, saved activations, one recomputed layer)",
+               "end of backward (model states, gradients, one reduction bucket)")
+
+
+def memory_rows(prob: Problem, mem: list[np.ndarray]) -> list[np.ndarray]:
+    """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 2) array, from ``mem`` (the node memory after
+    checkpointing and offload: states for parameters and buffers, saved activations for ops)."""
+    out = []
+    for g, m in enumerate(mem):
+        kind = prob.info.kind[prob.groups[g][0]]
+        states = m - prob.gathered_memory[g] if kind == "param" else m if kind in ("buffer", "constant") else 0.0 * m
+        out.append(np.stack([m, states + prob.grad_memory[g]], axis=1))
+    return out
 
 
 def _outs(o: OpOption) -> tuple:
@@ -914,15 +936,18 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     results: dict[str, Any] = {}
     errors: dict[str, InfeasibleError] = {}
 
+    def recompute_bytes(modes: dict[str, str], ckpt_mem: list[np.ndarray], choice) -> float:
+        """During backward one checkpointed layer is recomputed at a time: its activations come back."""
+        if not modes:
+            return 0.0
+        n_ckpt = max(1, sum(1 for m in modes.values() if m != "none"))
+        return sum(float((m0 - m1)[c]) for m0, m1, c in zip(prob.node_memory, ckpt_mem, choice)) / n_ckpt
+
     def run(label: str, modes: dict[str, str], offload: frozenset = frozenset(), bounded: bool = True) -> None:
         cost, ckpt_mem = apply_checkpoint(prob, modes)
-        # during backward one checkpointed layer is recomputed at a time: its activations come back transiently
-        n_ckpt = max(1, sum(1 for m in modes.values() if m != "none"))
 
         def recompute_of(choice) -> float:
-            if not modes:
-                return 0.0
-            return sum(float((m0 - m1)[c]) for m0, m1, c in zip(prob.node_memory, ckpt_mem, choice)) / n_ckpt
+            return recompute_bytes(modes, ckpt_mem, choice)
 
         recompute = min(float((m0 - m1).min()) for m0, m1 in zip(prob.node_memory, ckpt_mem)) if modes else 0.0
         cost, mem = apply_offload(prob, cost, ckpt_mem, offload, cluster, opts)
@@ -930,25 +955,25 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
         try:
-            # one memory row, safe for both peaks: states + saved activations + gradients + one reduction bucket
-            # (the end-of-forward peak has no gradients and the end-of-backward one no activations, so the row
-            # over-counts by the smaller of the two; the plan reports the larger peak itself)
-            both = [m + g for m, g in zip(mem, prob.grad_memory)]
-            base = bucket0 + (recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute))
+            # two memory rows, the two moments the plan's peak is the larger of: the end of forward (states,
+            # gathered parameters, saved activations, one recomputed layer) and the end of backward (states,
+            # gradients, one reduction bucket)
+            rows = memory_rows(prob, mem)
+            base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0])
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
             elif bounded and sol0 is not None:  # repair the free optimum greedily into the budget
-                hint = repair_to_budget(list(sol0.choice), with_self, both, edge_list, limit - base)
+                hint = repair_to_budget(list(sol0.choice), with_self, rows, edge_list, limit - base)
             for _ in range(3 if bounded else 1):
-                sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=both, edges=edge_list,
+                sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
-                                       hint=hint), sopts)
+                                       hint=hint, memory_labels=list(MEMORY_ROWS)), sopts)
                 grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
-                need = min(BUCKET_BYTES, grads) + recompute_of(sol.choice)
-                if need <= base * (1 + 1e-9):
+                need = np.array([recompute_of(sol.choice), min(BUCKET_BYTES, grads)])
+                if (need <= base * (1 + 1e-9)).all():
                     break
-                base = need
+                base = np.maximum(base, need)
             results[label] = (sol, modes, cost, mem, offload, ckpt_mem)
         except InfeasibleError as exc:
             errors[label] = exc
@@ -966,10 +991,10 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"for batch-sharded values): {', '.join(unsupported)}; register one with "
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
-    sol0, _, _, mem0, _, _ = results[first]
+    sol0, modes0, _, mem0, _, ckpt0 = results[first]
     bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
-    row0 = sum(float(m[c] + g[c]) for m, g, c in zip(mem0, prob.grad_memory, sol0.choice))
-    row0 += bucket0
+    row0 = max(sum(r[c] for r, c in zip(memory_rows(prob, mem0), sol0.choice)) +
+               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0]))
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
     if binds:
@@ -1007,9 +1032,10 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         tried = ", ".join(timings["checkpoint_variants"])
         raise ValueError(
             f"no plan fits in {_fmt_bytes(limit)} per device on {cluster.name} mesh {cluster.mesh_shape} "
-            f"(activation checkpointing tried: {tried}). The memory row binds: the smallest per-device peak any "
-            f"plan reaches is {_fmt_bytes(exc.min_memory)}, largest terms: {contrib}. Raise memory_budget to at "
-            f"least {_fmt_bytes(exc.min_memory)}, add devices (if every term shrank with the mesh, about "
+            f"(activation checkpointing tried: {tried}). Memory binds at the {exc.binding or 'peak'}: the smallest "
+            f"per-device peak any plan reaches is {_fmt_bytes(exc.min_memory)}, largest terms there: {contrib}. "
+            f"Raise memory_budget to at least {_fmt_bytes(exc.min_memory)}, add devices (if every term shrank with "
+            f"the mesh, about "
             f"{math.ceil(cluster.world_size * exc.min_memory / limit) if math.isfinite(exc.min_memory) else '?'} "
             f"instead of {cluster.world_size}; replicated terms do not shrink, so that is a lower bound), or pin "
             f"roles that shard more (zero=3, a tensor-parallel axis)."
@@ -1170,11 +1196,14 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
-                     edges: list[tuple[int, int, np.ndarray]], limit: float, max_steps: int = 10_000
+                     edges: list[tuple[int, int, np.ndarray]], limit, max_steps: int = 10_000
                      ) -> list[int] | None:
     """A feasible warm start for the memory-bounded solve: from ``choice``, repeatedly switch the one group whose
-    switch frees memory at the least added time per byte (node cost and incident edges), until the memory row
-    fits. Returns None when it gets stuck (the solver then starts cold)."""
+    switch removes excess memory at the least added time per byte (node cost and incident edges), until every
+    memory row fits. ``mem`` entries are (K,) or (K, R); ``limit`` a number or one per row. Returns None when it
+    gets stuck (the solver then starts cold)."""
+    mem = [m[:, None] if m.ndim == 1 else m for m in mem]
+    limit = np.broadcast_to(np.asarray(limit, dtype=float), (mem[0].shape[1],)) if mem else np.zeros(1)
     adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
     for u, v, m in edges:
         adj[u].append((v, m, True))
@@ -1186,28 +1215,34 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
             t += float(m[a, choice[other]] if out else m[choice[other], a])
         return t
 
-    used = sum(float(m[c]) for m, c in zip(mem, choice))
+    def excess(used: np.ndarray) -> float:
+        return float(np.maximum(used - limit, 0.0).sum())
+
+    used = sum(m[c] for m, c in zip(mem, choice))
     for _ in range(max_steps):
-        if used <= limit:
+        over = excess(used)
+        if over <= 0:
             return choice
         best = None
         for g in range(len(choice)):
-            cur_m = float(mem[g][choice[g]])
-            cheaper = np.nonzero(mem[g] < cur_m)[0]
-            if not len(cheaper):
+            cur = mem[g][choice[g]]
+            delta = mem[g] - cur  # (K, R): the change of every row if g switched
+            gain = over - np.maximum(used + delta - limit, 0.0).sum(axis=1)
+            better = np.nonzero(gain > 0)[0]
+            if not len(better):
                 continue
             cur_t = local_cost(g, choice[g])
-            for a in cheaper:
+            for a in better:
                 dt = local_cost(g, int(a)) - cur_t
                 if not math.isfinite(dt):
                     continue
-                ratio = max(dt, 0.0) / (cur_m - float(mem[g][a]))
+                ratio = max(dt, 0.0) / gain[a]
                 if best is None or ratio < best[0]:
                     best = (ratio, g, int(a))
         if best is None:
             return None
         _, g, a = best
-        used -= float(mem[g][choice[g]]) - float(mem[g][a])
+        used = used + mem[g][a] - mem[g][choice[g]]
         choice[g] = a
     return None
 

@@ -8,7 +8,9 @@ Formulation
 Data: groups :math:`i \in V` with options :math:`k \in K_i`, node cost :math:`c_{ik}` (seconds) and memory
 :math:`m_{ik}` (bytes per device); edges :math:`(u, v) \in E` with resharding cost :math:`C^{uv}_{ab}` (seconds);
 forbidden options :math:`c_{ik} = \infty` and forbidden pairs :math:`C^{uv}_{ab} = \infty`; memory base :math:`B`
-and limit :math:`L`.
+and limit :math:`L`. Memory may have several rows :math:`r` (``node_memory`` entries of shape (K, R)), each a
+moment of the step whose live bytes must fit: the planner uses two, the end of forward (states + saved activations)
+and the end of backward (states + gradients). One row summing both would refuse budgets that plans meet.
 
 Variables: :math:`x_{ik} \in \{0, 1\}` for every allowed option, :math:`e^{uv}_{ab} \in [0, 1]` (continuous) for
 every allowed pair. Forbidden options and pairs get no variable.
@@ -19,7 +21,7 @@ every allowed pair. Forbidden options and pairs get no variable.
     \text{choose}_i:            \; & \sum_k x_{ik} = 1                          & \forall i \in V       \\
     \text{tie\_src}_{uv,a}:     \; & \sum_b e^{uv}_{ab} = x_{ua}                & \forall (u,v), a      \\
     \text{tie\_dst}_{uv,b}:     \; & \sum_a e^{uv}_{ab} = x_{vb}                & \forall (u,v), b      \\
-    \text{memory}:              \; & B + \sum_{i, k} m_{ik} x_{ik} \le L
+    \text{memory}_r:            \; & B_r + \sum_{i, k} m_{ikr} x_{ikr} \le L        & \forall r
 
 With integral :math:`x`, the two tie families pin :math:`e^{uv}` to the single pair :math:`(a, b)` chosen at the
 endpoints (the transportation polytope with unit marginals has one point), so :math:`e` needs no integrality and a
@@ -40,7 +42,7 @@ Presolve (`_presolve`, all exact)
 4. option :math:`k` of group :math:`i` is dropped when another option :math:`j` is no worse in node cost, in memory
    (when the memory row binds) and on every incident edge row, elementwise (strictly better somewhere, or equal with
    lower index): replacing :math:`k` by :math:`j` in any solution keeps it feasible and does not raise its cost;
-5. the memory row is dropped when even the largest option everywhere fits, and the problem is reported infeasible
+5. a memory row is dropped when even the largest option everywhere fits, and the problem is reported infeasible
    when even the smallest does not.
 
 Steps repeat until nothing changes. Without a memory row the groups split into connected components; a component
@@ -94,11 +96,35 @@ class Problem:
 
     names: list[str]
     node_cost: list[np.ndarray]
-    node_memory: list[np.ndarray]
+    node_memory: list[np.ndarray]  # (K,) for one memory row, or (K, R) for R rows
     edges: list[tuple[int, int, np.ndarray]]
     memory_limit: float | None = None
-    memory_base: float = 0.0
+    memory_base: float | list[float] | np.ndarray = 0.0  # one per row
     hint: list[int] | None = None
+    memory_labels: list[str] | None = None  # what each memory row is, for messages
+
+    @property
+    def num_memory_rows(self) -> int:
+        m = np.asarray(self.node_memory[0]) if self.node_memory else np.zeros(1)
+        return 1 if m.ndim == 1 else int(m.shape[1])
+
+    def memory_matrix(self, i: int) -> np.ndarray:
+        """Group i's memory as (K, R)."""
+        m = np.asarray(self.node_memory[i], dtype=float)
+        return m[:, None] if m.ndim == 1 else m
+
+    def base_vector(self) -> np.ndarray:
+        b = np.atleast_1d(np.asarray(self.memory_base, dtype=float))
+        return np.repeat(b, self.num_memory_rows) if b.size == 1 else b
+
+    def label(self, r: int) -> str:
+        if self.memory_labels is not None and r < len(self.memory_labels):
+            return self.memory_labels[r]
+        return "memory" if self.num_memory_rows == 1 else f"memory row {r}"
+
+    def peaks(self, choice: tuple[int, ...] | list[int]) -> np.ndarray:
+        """Bytes per device on every memory row for a choice."""
+        return self.base_vector() + sum(self.memory_matrix(i)[k] for i, k in enumerate(choice))
 
     def validate(self) -> None:
         """Raise ValueError naming the first malformed group or edge."""
@@ -108,12 +134,14 @@ class Problem:
                 f"Problem has {n} names, {len(self.node_cost)} node_cost and {len(self.node_memory)} node_memory "
                 "entries; give one of each per group."
             )
+        rows = self.num_memory_rows
         for i, (c, m) in enumerate(zip(self.node_cost, self.node_memory, strict=True)):
             c, m = np.asarray(c), np.asarray(m)
-            if c.ndim != 1 or c.shape != m.shape or c.size == 0:
+            if c.ndim != 1 or c.size == 0 or m.shape[:1] != c.shape or m.ndim not in (1, 2) or \
+                    (1 if m.ndim == 1 else m.shape[1]) != rows:
                 raise ValueError(
-                    f"group {self.names[i]!r}: node_cost shape {c.shape} and node_memory shape {m.shape} must be the "
-                    "same non-empty (K,)."
+                    f"group {self.names[i]!r}: node_cost shape {c.shape} and node_memory shape {m.shape}: give a "
+                    f"non-empty (K,) cost and (K,) or (K, R) memory, R the same for every group (here {rows})."
                 )
             if np.isnan(c).any() or (c < 0).any() or np.isnan(m).any() or (~np.isfinite(m)).any():
                 raise ValueError(
@@ -132,13 +160,14 @@ class Problem:
                 raise ValueError(f"edge {self.names[u]!r} -> {self.names[v]!r}: costs must be >= 0 or inf.")
         if self.hint is not None and len(self.hint) != n:
             raise ValueError(f"hint has {len(self.hint)} entries for {n} groups.")
+        if self.base_vector().shape != (rows,):
+            raise ValueError(f"memory_base has {self.base_vector().size} entries for {rows} memory rows.")
 
     def evaluate(self, choice: tuple[int, ...] | list[int]) -> tuple[float, float]:
         """Return (seconds, peak bytes per device) of a choice, computed from the original data."""
         cost = sum(float(self.node_cost[i][k]) for i, k in enumerate(choice))
         cost += sum(float(mat[choice[u], choice[v]]) for u, v, mat in self.edges)
-        peak = self.memory_base + sum(float(self.node_memory[i][k]) for i, k in enumerate(choice))
-        return cost, peak
+        return cost, float(self.peaks(choice).max())
 
 
 @dataclass(frozen=True)
@@ -215,10 +244,11 @@ class Solution:
 class InfeasibleError(ValueError):
     """No choice satisfies the memory limit (or the forbidden pairs); says by how much and what dominates memory."""
 
-    def __init__(self, message: str, min_memory: float, contributors: list[tuple[str, float]]):
+    def __init__(self, message: str, min_memory: float, contributors: list[tuple[str, float]], binding: str = ""):
         super().__init__(message)
         self.min_memory = min_memory
         self.contributors = contributors
+        self.binding = binding  # the memory row (moment of the step) at the reported peak
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,10 +263,10 @@ class _Reduced:
     groups: list[int]
     options: list[np.ndarray]
     cost: list[np.ndarray]
-    memory: list[np.ndarray]
+    memory: list[np.ndarray]  # (K, R): only the rows that can still bind
     edges: list[tuple[int, int, np.ndarray]]
     offset: float
-    memory_base: float
+    memory_base: np.ndarray  # (R,)
     memory_limit: float | None
     fixed: dict[int, int]
     replaced_by: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -259,7 +289,7 @@ def _presolve(problem: Problem, enabled: bool) -> _Reduced:
     n = len(problem.names)
     opts = [np.arange(len(c)) for c in problem.node_cost]
     cost = [np.asarray(c, dtype=float).copy() for c in problem.node_cost]
-    mem = [np.asarray(m, dtype=float).copy() for m in problem.node_memory]
+    mem = [problem.memory_matrix(i).copy() for i in range(n)]
     edges: dict[tuple[int, int], np.ndarray] = {}
     for u, v, mat in problem.edges:
         mat = np.asarray(mat, dtype=float)
@@ -273,7 +303,7 @@ def _presolve(problem: Problem, enabled: bool) -> _Reduced:
     for key in edges:
         adj[key[0]].add(key)
         adj[key[1]].add(key)
-    offset, base, limit = 0.0, float(problem.memory_base), problem.memory_limit
+    offset, base, limit = 0.0, problem.base_vector().copy(), problem.memory_limit
     fixed: dict[int, int] = {}
     replaced_by: dict[tuple[int, int], int] = {}
 
@@ -334,11 +364,16 @@ def _presolve(problem: Problem, enabled: bool) -> _Reduced:
         if changed:
             continue
         if limit is not None and free:
-            if base + sum(float(mem[i].max()) for i in free) <= limit:
-                limit = None
-                changed = True
-            elif base + sum(float(mem[i].min()) for i in free) > limit:
+            if (base + sum(mem[i].min(axis=0) for i in free) > limit).any():
                 raise _memory_infeasible(problem)
+            slack = base + sum(mem[i].max(axis=0) for i in free) <= limit
+            if slack.any():  # this row fits whatever is chosen: drop it
+                for i in range(n):
+                    mem[i] = mem[i][:, ~slack]
+                base = base[~slack]
+                if not base.size:
+                    limit = None
+                changed = True
         if not enabled:
             break
         for i in free:
@@ -349,7 +384,7 @@ def _presolve(problem: Problem, enabled: bool) -> _Reduced:
                     drop_edge(key)
                     keep(j, np.isfinite(cost[j]))
                 offset += float(cost[i][0])
-                base += float(mem[i][0])
+                base = base + mem[i][0]
                 fixed[i] = int(opts[i][0])
                 changed = True
         if changed:
@@ -358,7 +393,7 @@ def _presolve(problem: Problem, enabled: bool) -> _Reduced:
             k = len(opts[i])
             parts = [cost[i][:, None]] + [rows(i, key) for key in sorted(adj[i])]
             if limit is not None:
-                parts.append(mem[i][:, None])
+                parts.append(mem[i])
             feat = np.concatenate(parts, axis=1)
             le = (feat[:, None, :] <= feat[None, :, :]).all(axis=2)
             lt = (feat[:, None, :] < feat[None, :, :]).any(axis=2)
@@ -474,8 +509,10 @@ def _scales(red: _Reduced, integer: bool) -> tuple[float, float]:
         cost_scale = _CPSAT_MAX_COEF / top if top > 0 else 1.0
         return cost_scale, 1.0
     cost_scale = 10.0 ** math.floor(math.log10(_MIP_MAX_COEF / top)) if top > 0 else 1.0
-    rhs = (red.memory_limit - red.memory_base) if red.memory_limit is not None else 0.0
-    return cost_scale, (1.0 / rhs if rhs > 0 else 1.0)
+    if red.memory_limit is None:
+        return cost_scale, 1.0
+    rhs = red.memory_limit - red.memory_base
+    return cost_scale, np.where(rhs > 0, 1.0 / np.where(rhs > 0, rhs, 1.0), 1.0)
 
 
 @dataclass
@@ -490,7 +527,7 @@ class _Mip:
     row_lb: list[float] = field(default_factory=list)
     row_ub: list[float] = field(default_factory=list)
     coo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
-    memory_row: int = -1
+    memory_rows: list[int] = field(default_factory=list)
     edge_pairs: list[tuple[int, int, np.ndarray, np.ndarray, int]] = field(default_factory=list)
 
     def _add_rows(self, names: list[str], lb: float, ub: float, rows, cols, vals) -> None:
@@ -541,15 +578,15 @@ class _Mip:
             )
 
     def add_memory_constraint(self, red: _Reduced) -> None:
-        """memory:  sum_{i,k} m_{ik} x_{ik} <= L - B  (bytes per device)."""
+        """memory_r:  sum_{i,k} m_{ikr} x_{ik} <= L - B_r  (bytes per device), one row per binding moment r."""
         if red.memory_limit is None:
             return
-        self.memory_row = len(self.row_names)
-        mem = np.concatenate(red.memory)
-        nz = np.flatnonzero(mem)
-        self._add_rows(
-            ["memory"], -math.inf, red.memory_limit - red.memory_base, np.zeros(len(nz), dtype=int), nz, mem[nz]
-        )
+        mem = np.concatenate(red.memory, axis=0)
+        for r in range(mem.shape[1]):
+            self.memory_rows.append(len(self.row_names))
+            nz = np.flatnonzero(mem[:, r])
+            self._add_rows([f"memory[{r}]"], -math.inf, red.memory_limit - float(red.memory_base[r]),
+                           np.zeros(len(nz), dtype=int), nz, mem[nz, r])
 
     def arrays(self, cost_scale: float, memory_scale: float):
         """Assembled (objective, integer, row lb, row ub, rows, cols, vals) with scaling applied, rows sorted."""
@@ -558,9 +595,10 @@ class _Mip:
         cols = np.concatenate([c for _, c, _ in self.coo]).astype(np.int64)
         vals = np.concatenate([v for _, _, v in self.coo])
         lb, ub = np.array(self.row_lb), np.array(self.row_ub)
-        if self.memory_row >= 0:
-            vals = np.where(rows == self.memory_row, vals * memory_scale, vals)
-            ub[self.memory_row] *= memory_scale
+        scale = np.broadcast_to(np.asarray(memory_scale, dtype=float), (max(len(self.memory_rows), 1),))
+        for r, row in enumerate(self.memory_rows):
+            vals = np.where(rows == row, vals * scale[r], vals)
+            ub[row] *= scale[r]
         order = np.lexsort((cols, rows))
         return obj, np.concatenate(self.integer), lb, ub, rows[order], cols[order], vals[order]
 
@@ -666,7 +704,7 @@ def _run_cpsat(
     bounds = np.searchsorted(rows, np.arange(len(lb) + 1))
     for r in range(len(lb)):
         sl = slice(bounds[r], bounds[r + 1])
-        if r == mip.memory_row:
+        if r in mip.memory_rows:
             coefs = np.ceil(vals[sl]).astype(np.int64).tolist()
             rhs = math.floor(ub[r])
             model.add(cp_model.LinearExpr.weighted_sum([xs[c] for c in cols[sl]], coefs) <= rhs)
@@ -699,31 +737,50 @@ def _run_cpsat(
 
 
 def _memory_infeasible(problem: Problem) -> InfeasibleError:
-    """Solve min peak memory subject only to forbidden options and pairs, and explain the shortfall."""
-    probe = Problem(
-        names=problem.names,
-        node_cost=[
-            np.where(np.isfinite(c), m, np.inf) for c, m in zip(problem.node_cost, problem.node_memory, strict=True)
-        ],
-        node_memory=[np.zeros(len(c)) for c in problem.node_cost],
-        edges=[(u, v, np.where(np.isfinite(mat), 0.0, np.inf)) for u, v, mat in problem.edges],
-        memory_base=problem.memory_base,
-    )
-    sol = solve(probe, SolverOptions(relative_gap=0.0, time_limit_s=60.0))
-    _, peak = problem.evaluate(sol.choice)
+    """Find the least peak memory subject only to forbidden options and pairs, and explain the shortfall.
+
+    One row: the minimum is exact. Several rows (the peak is their maximum): each row is minimised on its own, and
+    so is their sum; the best of those choices is a peak that is reachable, and the largest single-row minimum is
+    a bound no choice goes below; the message gives both when they differ.
+    """
+    rows = problem.num_memory_rows
+    mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
+    base = problem.base_vector()
+    weights = [np.eye(rows)[r] for r in range(rows)] + ([np.ones(rows)] if rows > 1 else [])
+    best, lower = None, 0.0
+    for w in weights:
+        probe = Problem(
+            names=problem.names,
+            node_cost=[np.where(np.isfinite(c), m @ w, np.inf) for c, m in zip(problem.node_cost, mats, strict=True)],
+            node_memory=[np.zeros(len(c)) for c in problem.node_cost],
+            edges=[(u, v, np.where(np.isfinite(mat), 0.0, np.inf)) for u, v, mat in problem.edges],
+        )
+        sol = solve(probe, SolverOptions(relative_gap=0.0, time_limit_s=60.0))
+        peaks = problem.peaks(sol.choice)
+        if w.sum() == 1:
+            lower = max(lower, float((base @ w) + sol.bound))
+        if best is None or peaks.max() < best[1].max():
+            best = (sol.choice, peaks)
+    choice, peaks = best
+    r = int(np.argmax(peaks))
+    peak = float(peaks[r])
     terms = sorted(
-        ((problem.names[i], float(problem.node_memory[i][k])) for i, k in enumerate(sol.choice)),
+        ((problem.names[i], float(mats[i][k, r])) for i, k in enumerate(choice)),
         key=lambda t: -t[1],
     )[:5]
     limit = problem.memory_limit or 0.0
     listing = ", ".join(f"{name} {b / _GIB:.3g} GiB" for name, b in terms)
+    at = f" at the {problem.label(r)}" if rows > 1 else ""
+    reach = (f"the smallest achievable peak is {peak / _GIB:.3g} GiB" if rows == 1 or peak <= lower * (1 + 1e-9)
+             else f"a peak of {peak / _GIB:.3g} GiB is reachable and none below {lower / _GIB:.3g} GiB")
     return InfeasibleError(
-        f"no sharding choice fits the memory limit of {limit / _GIB:.3g} GiB per device: the smallest achievable "
-        f"peak is {peak / _GIB:.3g} GiB ({problem.memory_base / _GIB:.3g} GiB fixed base). Largest terms at that "
-        f"minimum: {listing}. Fix: raise the memory budget to at least {peak / _GIB:.3g} GiB, add devices so more "
-        "state can be sharded, or enable activation checkpointing / optimizer-state sharding to shrink these terms.",
+        f"no sharding choice fits the memory limit of {limit / _GIB:.3g} GiB per device: {reach}{at} "
+        f"({float(base[r]) / _GIB:.3g} GiB fixed base). Largest terms there: {listing}. Fix: raise the memory budget "
+        f"to at least {peak / _GIB:.3g} GiB, add devices so more state can be sharded, or enable activation "
+        "checkpointing / optimizer-state sharding to shrink these terms.",
         peak,
         terms,
+        problem.label(r),
     )
 
 

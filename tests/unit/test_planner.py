@@ -177,12 +177,18 @@ def test_budget_sweep_switches_techniques_in_order():
     loose = autopart.plan(model, mesh, (ids,), {"labels": ids}, roles=roles)
     assert not loose.zero and not loose.checkpoint
     need = loose.predicted["memory_bytes"]["total"]
+    # the budget is checked against the plan's own peak (the larger of end of forward and end of backward): a budget
+    # equal to it admits the same plan
+    same = autopart.plan(model, mesh, (ids,), {"labels": ids}, roles=roles, memory_budget=need * (1 + 1e-9))
+    assert same.predicted["step_time_s"] == pytest.approx(loose.predicted["step_time_s"], rel=1e-9)
+    assert not same.zero and not same.checkpoint
     prev, seen = loose, []
     for frac in (0.9, 0.75, 0.6, 0.5, 0.4, 0.3):
         try:
             p = autopart.plan(model, mesh, (ids,), {"labels": ids}, roles=roles, memory_budget=need * frac)
         except ValueError as err:
             assert "Raise memory_budget to at least" in str(err)
+            assert "Memory binds at the end of" in str(err)
             break
         assert p.predicted["memory_bytes"]["total"] <= need * frac * (1 + 1e-6)
         assert p.predicted["step_time_s"] >= prev.predicted["step_time_s"] * (1 - 1e-9)

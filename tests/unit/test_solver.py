@@ -198,3 +198,65 @@ def test_hint_and_options_are_accepted():
 def test_solution_json_round_trip():
     sol = Solution((0, 2, 1), "feasible", 1.5e-3, 1.2e-3, 0.2, 0.01, "highs", 40, 12)
     assert Solution.from_json(json.loads(json.dumps(sol.to_json()))) == sol
+
+
+def test_two_memory_rows_admit_what_one_summed_row_refuses():
+    # forward row: activations; backward row: gradients. The peak is the larger row, not their sum.
+    p = Problem(
+        ["act", "grad"],
+        [np.array([0.0, 1.0]), np.array([0.0, 1.0])],
+        [np.array([[60.0, 0.0], [10.0, 0.0]]), np.array([[0.0, 60.0], [0.0, 10.0]])],
+        [],
+        memory_limit=70.0,
+        memory_base=[5.0, 5.0],
+        memory_labels=["end of forward", "end of backward"],
+    )
+    for options in (EXACT, MIP_ONLY, SolverOptions(backend="cp-sat", relative_gap=0.0)):
+        sol = solve(p, options)
+        assert sol.choice == (0, 0) and sol.objective == 0.0
+    assert p.evaluate((0, 0)) == (0.0, 65.0)
+    summed = Problem(p.names, p.node_cost, [m.sum(axis=1) for m in p.node_memory], [], memory_limit=70.0,
+                     memory_base=10.0)
+    assert solve(summed, EXACT).choice != (0, 0)  # 130 bytes summed: the one-row model refuses it
+
+
+def test_two_memory_rows_infeasible_names_the_binding_row():
+    p = Problem(
+        ["a", "b"],
+        [np.array([0.0, 1.0]), np.array([0.0, 1.0])],
+        [np.array([[50.0, 1.0], [20.0, 30.0]]), np.array([[50.0, 1.0], [20.0, 30.0]])],
+        [],
+        memory_limit=50.0,
+        memory_labels=["end of forward", "end of backward"],
+    )
+    with pytest.raises(InfeasibleError) as info:
+        solve(p, EXACT)
+    # best max-row peak: both pick option 1 -> rows (40, 60) -> 60, binding at the end of backward
+    assert info.value.min_memory == pytest.approx(60.0)
+    assert info.value.binding == "end of backward"
+    assert "end of backward" in str(info.value)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_two_row_problems_match_brute_force(seed):
+    rng = np.random.default_rng(100 + seed)
+    checked = 0
+    for _ in range(20):
+        p = random_problem(rng)
+        p.node_memory = [np.stack([rng.integers(1, 100, size=len(c)), rng.integers(1, 100, size=len(c))], axis=1)
+                         .astype(float) for c in p.node_cost]
+        p.memory_base = [3.0, 7.0]
+        lo = max(p.base_vector() + sum(m.min(axis=0) for m in p.node_memory))
+        hi = max(p.base_vector() + sum(m.max(axis=0) for m in p.node_memory))
+        p.memory_limit = float(lo + rng.uniform(0.1, 0.8) * (hi - lo))
+        best = brute_force(p)
+        for options in (EXACT, MIP_ONLY):
+            if best is None:
+                with pytest.raises(InfeasibleError):
+                    solve(p, options)
+                continue
+            sol = solve(p, options)
+            assert sol.objective == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+            assert p.evaluate(sol.choice)[1] <= p.memory_limit * (1 + 1e-6)
+            checked += 1
+    assert checked > 10
