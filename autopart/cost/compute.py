@@ -90,6 +90,35 @@ def _matmul_flops(args: tuple, kwargs: dict, out: Any) -> int:
     return batch * matmul_flops(m, n, int(a.shape[-1]))
 
 
+@_formula(aten.einsum)
+def _einsum_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """Explicit equations, operands contracted left to right as ``torch.einsum`` does without a path: each pairwise
+    product costs 2 x the product of the sizes of every letter either side holds (``"egcd,edf->egcf"``: 2·E·G·C·d·f,
+    so MoE experts are priced at their capacity C); a single operand (a sum or a permutation) costs its numel."""
+    equation, operands = args[0].replace(" ", ""), list(args[1])
+    lhs, arrow, rhs = equation.partition("->")
+    terms = lhs.split(",")
+    if "..." in equation:  # broadcast dims, aligned from the right, as the digits "0".."9"
+        nb = max(x.dim() - len(t) + 3 for t, x in zip(terms, operands) if "..." in t)
+        terms = [t.replace("...", "0123456789"[nb - (x.dim() - len(t) + 3):nb]) for t, x in zip(terms, operands)]
+        rhs = rhs.replace("...", "0123456789"[:nb])
+    if not arrow:
+        rhs = "".join(c for c in "".join(terms) if "".join(terms).count(c) == 1)
+    size: dict[str, int] = {}
+    for t, x in zip(terms, operands):
+        for c, n in zip(t, x.shape):
+            size[c] = max(size.get(c, 1), int(n))
+    if len(terms) == 1:
+        return _numel(operands[0].shape)
+    flops, held = 0, terms[0]
+    for i in range(1, len(terms)):
+        letters = set(held) | set(terms[i])
+        flops += 2 * math.prod(size[c] for c in letters)
+        later = set(rhs).union(*terms[i + 1:])
+        held = "".join(c for c in letters if c in later)
+    return flops
+
+
 @_formula(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu)
 def _sdpa_flops(args: tuple, kwargs: dict, out: Any) -> int:
     """q [b, h, s, d], k/v [b, hk, t, d]: 4·b·h·s·t·d (halved for causal masks by ``node_flops``)."""

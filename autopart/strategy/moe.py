@@ -1,0 +1,53 @@
+"""Ops of mixture-of-experts routing in its dense (GShard) form: ``einsum``, ``topk``, ``one_hot``.
+
+``torch.export``'s training IR keeps ``torch.einsum`` as one ``aten.einsum`` node (it is decomposed into
+permute/view/bmm only later), so the equation itself is the rule: each letter gives one sharding, as for the
+matmul family (``matrix.einsum_options``). With the expert input ``einsum('gsec,gsd->egcd')`` split on ``g`` (the
+batch) and the experts ``einsum('egcd,edf->egcf')`` split on ``e`` (stacked expert weights ``Shard(0)``), the edge
+between them converts ``Shard(1)`` to ``Shard(0)`` of ``[E, G, C, d]``: the all-to-all of expert parallelism, which
+the planner prices like any other conversion. ``topk`` and ``one_hot`` act along one dimension (the router's
+expert dim, the new class dim) and keep every other dimension's sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopart.placement import Shard
+from autopart.strategy.matrix import _matmul_rule
+from autopart.strategy.registry import NodeInfo, Option1D, R, register, replicate_only
+
+aten = torch.ops.aten
+
+
+@register(aten.einsum.default)
+def _einsum(info: NodeInfo, n: int) -> list[Option1D]:
+    """Any explicit equation whose operands name each dimension once (``"gsec,gsd->egcd"``); ellipses, implicit
+    outputs and repeated letters in one operand (diagonals) run replicated."""
+    equation = info.args[0].replace(" ", "")
+    operands = list(info.args[1])
+    lhs, arrow, out = equation.partition("->")
+    terms = lhs.split(",")
+    if not arrow or "." in equation or len(terms) != len(operands) or len(set(out)) != len(out) or \
+            any(len(set(t)) != len(t) for t in terms):
+        return replicate_only(info, n)
+    return _matmul_rule(equation, info, operands)
+
+
+@register(aten.topk.default)
+def _topk(info: NodeInfo, n: int) -> list[Option1D]:
+    """Values and indices along ``dim``: any other dim may be split; no Partial (top-k is not linear)."""
+    shape = info.shape(0)
+    dim = (info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", -1)) % len(shape)
+    opts = [Option1D((R,), (R, R))]
+    for d in range(len(shape)):
+        if d != dim and shape[d] > 1:
+            opts.append(Option1D((Shard(d),), (Shard(d), Shard(d))))
+    return opts
+
+
+@register(aten.one_hot.default)
+def _one_hot(info: NodeInfo, n: int) -> list[Option1D]:
+    """Integer class ids [...] -> [..., num_classes]: every input dim keeps its split; the class dim is whole."""
+    shape = info.shape(0)
+    return [Option1D((R,), R)] + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
