@@ -86,5 +86,10 @@ def test_mamba_parity(name: str, config: str) -> None:
                         ("dt_proj.weight", "S(0)"), ("D", "S(0)"), ("A_log", "S(0)")):
             got = plan.params[f"{m}.mixer.{w}"]
             assert str(parse_spec(got)[tp]) == spec, f"{m}.mixer.{w}: {got} on tp, want {spec}"
+    if name == "hybrid":  # the attention block is Megatron too: q/k/v split by heads, o row-parallel
+        for w, spec in (("attn.q.weight", "S(0)"), ("attn.k.weight", "S(0)"), ("attn.v.weight", "S(0)"),
+                        ("attn.o.weight", "S(1)")):
+            got = plan.params[f"blocks.1.{w}"]
+            assert str(parse_spec(got)[tp]) == spec, f"blocks.1.{w}: {got} on tp, want {spec}"
     if "dp" in names:
         assert plan.reduced, "a data-parallel plan reduces gradients"
