@@ -189,7 +189,9 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                 link = cluster.link(st.axis)
                 if bucketed and st.fwd == "none":
                     link = Link(0.0, link.beta)
-                total += collective_time(_COMM_KIND[kind], nbytes, mesh[st.axis], link)
+                # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
+                sent = nbytes / mesh[st.axis] if kind == "all_to_all" else nbytes
+                total += collective_time(_COMM_KIND[kind], sent, mesh[st.axis], link)
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
         cur[st.axis] = st.dst
