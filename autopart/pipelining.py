@@ -61,6 +61,7 @@ class Unit:
     ckpt_act_bytes: float = 0.0  # kept under full recompute (the block's input/output)
     state_bytes: float = 0.0  # parameters + optimizer states (+ gathered copies)
     grad_bytes: float = 0.0
+    transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
@@ -72,6 +73,7 @@ class Unit:
     block_ckpt_bytes: float = 0.0
     block_state_bytes: float = 0.0
     block_grad_bytes: float = 0.0
+    block_transient_bytes: float = 0.0
     block_reduce_s: float = 0.0
 
     def cost(self, m: int) -> LayerCost:
@@ -79,7 +81,8 @@ class Unit:
         t = self.time_s / m + self.fixed_s
         fwd = min(self.fwd_s / m, t)
         return LayerCost(fwd_s=fwd, bwd_s=t - fwd, act_bytes=self.act_bytes / m,
-                         state_bytes=self.state_bytes + self.grad_bytes, recompute_act_bytes=rec)
+                         state_bytes=self.state_bytes + self.grad_bytes, recompute_act_bytes=rec,
+                         grad_bytes=self.grad_bytes, transient_bytes=self.transient_bytes / m)
 
 
 def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -> tuple[list[Unit], dict[str, int]]:
@@ -134,17 +137,21 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
             continue
         u = units[unit_of[n.name]]
         own = rec["layer"] == u.name
+        tr = rec.get("transient_bytes", 0.0)
+        kept = rec["memory_bytes"] - tr
         u.time_s += rec["time_s"]
-        u.act_bytes += rec["memory_bytes"]
+        u.act_bytes += kept
+        u.transient_bytes += tr
         u.block_time_s += rec["time_s"] * own
-        u.block_act_bytes += rec["memory_bytes"] * own
+        u.block_act_bytes += kept * own
+        u.block_transient_bytes += tr * own
         if rec["region"] in ("layer", "attention"):
             u.fwd_s += rec["fwd_s"]
             u.block_fwd_s += rec["fwd_s"] * own
             u.checkpointable = True
         else:
-            u.ckpt_act_bytes += rec["memory_bytes"]
-            u.block_ckpt_bytes += rec["memory_bytes"] * own
+            u.ckpt_act_bytes += kept
+            u.block_ckpt_bytes += kept * own
     for c in plan.collectives:
         if c["user"] not in unit_of:
             continue
@@ -250,7 +257,7 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
                                 fwd_s=second.block_fwd_s, act_bytes=second.block_act_bytes,
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
                                 state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,
-                                reduce_s=second.block_reduce_s)
+                                transient_bytes=second.block_transient_bytes, reduce_s=second.block_reduce_s)
     out = [first]
     for i in range(1, n_blocks - 1):
         out.append(dataclasses.replace(inner, name=f"{first.name.rsplit('.', 1)[0]}.{i}"))
@@ -502,12 +509,16 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         us = units[i:j]
         n_fl = o.in_flight(c)
         act = sum((u.ckpt_act_bytes if pl.checkpointed[i + k] else u.act_bytes) / m for k, u in enumerate(us))
+        states, grads = sum(u.state_bytes for u in us), sum(u.grad_bytes for u in us)
+        tr = sum(u.transient_bytes for u in us) / m
+        # GPipe peaks as backward starts, every micro-batch's activations held and gradients not yet allocated
+        # (solver/pipeline.py); the other schedules hold their in-flight count with gradients allocated
+        total = states + grads + (max(n_fl * act + tr - grads, (n_fl - 1) * act) if o.schedule == "gpipe"
+                                  else n_fl * act + tr)
         stage_recs.append({
             "index": c, "rank": c % o.stages, "layers": [u.name for u in us],
             "time_s": pl.stage_time_s[c], "in_flight": n_fl,
-            "memory_bytes": {"states": sum(u.state_bytes for u in us), "gradients": sum(u.grad_bytes for u in us),
-                             "activations": n_fl * act, "total": sum(u.state_bytes + u.grad_bytes for u in us)
-                             + n_fl * act},
+            "memory_bytes": {"states": states, "gradients": grads, "activations": n_fl * act + tr, "total": total},
             "send_bytes": us[-1].out_bytes / m if j < len(units) else 0.0,
             "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k]],
         })

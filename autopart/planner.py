@@ -244,7 +244,16 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
         out.append(OpOption((), tuple(combo)))
         if kind == "param" and dims:  # ZeRO-3 / FSDP: gathered for each use, freed, gathered again for backward
             out.append(OpOption((), tuple(combo), tag="zero3"))
+    if kind == "param":  # ZeRO-1 (distributed optimizer): replicated, optimizer states flat-sharded where replicated
+        out += [OpOption((), o.output, tag="zero1") for o in list(out)
+                if not o.tag and zero1_ways(o.output, mesh_shape) > 1]
     return out
+
+
+def zero1_ways(spec, mesh) -> int:
+    """Over how many ranks a ZeRO-1 parameter's optimizer states are split: every mesh axis it is replicated on
+    (their gradients are equal there after reduction, so each rank can update its slice of the flat parameter)."""
+    return math.prod(n for p, n in zip(spec, mesh) if isinstance(p, Replicate) and n > 1)
 
 
 def analyze(traced: Traced, mesh_shape: tuple[int, ...]) -> Graphinfo:
@@ -392,10 +401,18 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
         for v, sp in zip(val if isinstance(val, (tuple, list)) else [val], outs):
             total += _local_bytes(v, sp, mesh)
     if node.target == aten.cross_entropy_loss.default:
-        total = 3 * _local_bytes(value_of(node.args[0]), option.inputs[0], mesh)
+        total = _local_bytes(value_of(node.args[0]), option.inputs[0], mesh) + transient_bytes(node, option, mesh)
     if node.target == aten.dropout.default and len(node.args) > 1 and node.args[1] > 0:
         total = _local_bytes(value_of(node), option.output, mesh) / value_of(node).dtype.itemsize  # bool mask
     return total
+
+
+def transient_bytes(node: fx.Node, option: OpOption, mesh) -> float:
+    """The part of ``saved_bytes`` that is not kept from forward but allocated as this node's backward starts
+    (cross-entropy's two logits-sized temporaries): held once, however many micro-batches are in flight."""
+    if node.target == aten.cross_entropy_loss.default:
+        return 2 * _local_bytes(value_of(node.args[0]), option.inputs[0], mesh)
+    return 0.0
 
 
 def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> float:
@@ -456,9 +473,11 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
 
 
 def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[OpOption]:
-    """Force a ZeRO level on the data-parallel axes: 0 keeps parameters replicated there; 1 and 2 shard
-    parameters, gradients and optimizer states (the gathered copy lives through the step; ZeRO-1 takes the ZeRO-2
-    layout, which moves the same bytes and holds less); 3 also frees the gathered copy after each use."""
+    """Force a ZeRO level on the data-parallel axes: 0 keeps parameters replicated there with whole optimizer
+    states; 1 keeps them replicated with the optimizer states flat-sharded (the distributed optimizer: gradients
+    all-reduced, each rank updates its slice, the parameter all-gathered after the step; any size, no dimension
+    needs to divide); 2 shards parameters, gradients and optimizer states along a dimension (the gathered copy
+    lives from forward to backward); 3 also frees the gathered copy after each use."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero}: ZeRO levels are 0, 1, 2, 3")
     if not dp_axes:
@@ -466,9 +485,9 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
 
     def ok(o: OpOption) -> bool:
         sharded = all(isinstance(o.output[i], Shard) for i in dp_axes)
-        if zero == 0:
-            return not any(isinstance(o.output[i], Shard) for i in dp_axes) and not o.tag
-        return sharded and (o.tag == "zero3") == (zero == 3)
+        if zero in (0, 1):
+            return not any(isinstance(o.output[i], Shard) for i in dp_axes) and o.tag == ("zero1" if zero else "")
+        return sharded and o.tag == ("zero3" if zero == 3 else "")
 
     keep = [o for o in opts if ok(o)]
     return keep or [o for o in opts if not o.tag and not any(isinstance(o.output[i], Shard) for i in dp_axes)]
@@ -518,11 +537,28 @@ def _region(node: fx.Node, info: Graphinfo, last_of_layer: set[str]) -> str:
     return "attention" if _ATTN_RE.search(inner) else "layer"
 
 
-def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions) -> tuple[float, float]:
+def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions, tag: str = "") -> tuple[float, float]:
     """(parameter, optimizer-state) bytes of one parameter's local shard under ``spec``; its gradient is the
-    parameter's size."""
+    parameter's size. ZeRO-1 (``tag="zero1"``) keeps a ``1/zero1_ways`` slice of the flat states (rounded up)."""
     local = _local_bytes(val, spec, mesh)
-    return local, local * opts.optimizer_bytes_per_param / val.dtype.itemsize
+    optim = local * opts.optimizer_bytes_per_param / val.dtype.itemsize
+    if tag == "zero1":
+        ways = zero1_ways(spec, mesh)
+        numel = local / val.dtype.itemsize
+        optim = math.ceil(numel / ways) * opts.optimizer_bytes_per_param
+    return local, optim
+
+
+def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster) -> float:
+    """ZeRO-1's all-gather of the updated parameter after the optimizer step, axis by axis (innermost first)."""
+    mesh = cluster.mesh_shape
+    axes = [i for i, p in enumerate(spec) if isinstance(p, Replicate) and mesh[i] > 1]
+    size = _local_bytes(val, spec, mesh) / max(1, math.prod(mesh[i] for i in axes))
+    t = 0.0
+    for i in reversed(axes):
+        size *= mesh[i]
+        t += collective_time("all_gather", size, mesh[i], cluster.link(i))
+    return t
 
 
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
@@ -546,10 +582,13 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
         kind = prob.info.kind[members[0]]
         if kind == "param" and "optimizer" in offload:
             val = value_of(node_of[members[0]])
-            pairs = [param_state_bytes(val, o.output, mesh, opts) for o in prob.info.options[members[0]]]
+            popts = prob.info.options[members[0]]
+            pairs = [param_state_bytes(val, o.output, mesh, opts, o.tag) for o in popts]
             local = np.array([p for p, _ in pairs]) * len(members)
             states = np.array([s for _, s in pairs]) * len(members)
-            cost[gid] = cost[gid] + 2 * local / bw
+            # the runtime's host-offload optimizer steps whole local parameters: no ZeRO-1 slices with it
+            zero1 = np.array([o.tag == "zero1" for o in popts])
+            cost[gid] = np.where(zero1, np.inf, cost[gid] + 2 * local / bw)
             if not on_cpu:
                 mem[gid] = mem[gid] - states
         elif kind == "op" and "activations" in offload:
@@ -711,8 +750,10 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
         elif info.kind[rep.name] == "param":
             for a, o in enumerate(opts_r):
-                local, optim = param_state_bytes(val, o.output, mesh, opts)
+                local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag)
                 mem[a] = local + optim
+                if o.tag == "zero1" and info.needs_grad[rep.name]:
+                    icomm[a] = zero1_gather_time(val, o.output, cluster)
                 grad[a] = local if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = grad[a]  # replicated on a data axis: summed after backward in a flat bucket
@@ -1098,6 +1139,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                # compute (what recomputing it costs), bytes it holds (states of a parameter; saved activations)
                "time_s": float(prob.node_cost[gid][a]) / k, "fwd_s": float(prob.fwd_compute[gid][a]) / k,
                "memory_bytes": float(prob.node_memory[gid][a]) / k, "region": prob.region[gid]}
+        if info.kind[n.name] == "op" and info.needs_grad[n.name]:
+            rec["transient_bytes"] = transient_bytes(n, o, mesh)
         if info.kind[n.name] == "param":
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
         nodes[n.name] = rec
@@ -1110,6 +1153,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 isinstance(chosen[u.name].inputs[tensor_inputs(u).index(n)][i], Replicate) for u in n.users)]
             if gathered:
                 zero[fqn] = 3 if o.tag == "zero3" else 2
+            elif o.tag == "zero1":
+                zero[fqn] = 1
             axes = param_reduced_axes(n, chosen, info, mesh)
             if any(axes):
                 reduced[fqn] = [i for i, x in enumerate(axes) if x]

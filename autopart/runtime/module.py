@@ -307,10 +307,19 @@ class ParallelModule(nn.Module):
 
     def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
         """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``
-        (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound), or, when
-        the plan offloads optimizer states, the same optimizer stepping on host copies of the shards."""
+        (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound); when the
+        plan shards optimizer states ZeRO-1 style, ``cls`` over this rank's slices of those parameters
+        (``runtime/zero1.py``); when it offloads optimizer states, the same optimizer stepping on host copies."""
+        zero1 = any(level == 1 for level in self.plan.zero.values())
         if "optimizer" in self.plan.offload:
+            if zero1:
+                raise NotImplementedError("a plan with both optimizer offload and ZeRO-1 parameters: the host-offload "
+                                          "optimizer steps whole local parameters; plan with zero=2 or offload='none'")
             return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+        if zero1:  # optimizer states of ZeRO-1 parameters: this rank's flat slice only (runtime/zero1.py)
+            from autopart.runtime.zero1 import sharded_state_optimizer
+
+            return sharded_state_optimizer(self, cls, **kwargs)
         if "foreach" in inspect.signature(cls).parameters:
             kwargs.setdefault("foreach", True)  # one kernel per group instead of a DTensor dispatch per parameter
         return cls(self.parameters(), **kwargs)

@@ -19,10 +19,15 @@ gradient), and the recomputed forward :math:`f_l` for checkpointed layers. Bottl
   :math:`T = (m v + p - 1)\,\tau`, which for balanced chunks (:math:`\tau = t/v`) is
   :math:`(m + (p-1)/v)\,t`: bubble :math:`(p-1)/(v m)` of the ideal time, :math:`(p-1)/(v m + p - 1)` of the step.
 
-Memory of a stage: :math:`\sum_l s_l + n_k \sum_l a'_l` with :math:`s` the states, :math:`a'_l` the activation bytes
-(``recompute_act_bytes`` if the layer is checkpointed, else ``act_bytes``) and :math:`n_k` micro-batches in flight:
+Memory of a stage: :math:`S + n_k A'` with :math:`S = \sum_l s_l` the states (gradients included), :math:`A' =
+\sum_l a'_l` the activation bytes (``recompute_act_bytes`` if the layer is checkpointed, else ``act_bytes``) and
+:math:`n_k` micro-batches in flight:
 
-* GPipe: :math:`n_k = m`.
+* GPipe: :math:`n_k = m`, but its peak comes as backward starts, when all :math:`m` micro-batches' activations are
+  held and the gradients :math:`G` (``grad_bytes``) are not yet allocated; after the first micro-batch's backward
+  the gradients exist and :math:`m - 1` micro-batches remain: :math:`S + \max(m A' + R - G, (m-1) A')`. (1F1B and
+  interleaved reach their in-flight count again after the first backward, gradients allocated: :math:`S + n_k A'
+  + R`.) :math:`R` (``transient_bytes``, the loss's temporaries as its backward starts) is held once.
 * 1F1B: :math:`n_k = \min(p - k, m)` (stage 0 holds :math:`p`; N21 §2.2.1).
 * Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)p + 1)` chunk-micro-batches
   in flight on rank :math:`r`, spread evenly over its chunks: :math:`n_c = \min(m, \lceil W_r / v \rceil)`; rank 0
@@ -77,13 +82,17 @@ class LayerCost:
     fwd_s: float
     bwd_s: float
     act_bytes: float
-    state_bytes: float
+    state_bytes: float  # parameters, optimizer states and gradients
     recompute_act_bytes: float | None = None
+    grad_bytes: float = 0.0  # the gradients' part of state_bytes (GPipe's peak comes before most of them exist)
+    transient_bytes: float = 0.0  # allocated once as backward starts (the loss's temporaries), not per in flight
 
     def __post_init__(self) -> None:
-        vals = (self.fwd_s, self.bwd_s, self.act_bytes, self.state_bytes)
+        vals = (self.fwd_s, self.bwd_s, self.act_bytes, self.state_bytes, self.grad_bytes, self.transient_bytes)
         if any(not math.isfinite(x) or x < 0 for x in vals):
             raise ValueError(f"LayerCost fields must be finite and >= 0, got {self}")
+        if self.grad_bytes > self.state_bytes:
+            raise ValueError(f"grad_bytes is part of state_bytes and cannot exceed it, got {self}")
         if self.recompute_act_bytes is not None and not (self.recompute_act_bytes >= 0):
             raise ValueError(f"recompute_act_bytes must be >= 0 or None, got {self.recompute_act_bytes}")
 
@@ -195,16 +204,33 @@ class _Arrays:
         self.time = np.array([x.fwd_s + x.bwd_s for x in layers], float)
         self.act = np.array([x.act_bytes for x in layers], float)
         self.state = np.array([x.state_bytes for x in layers], float)
+        self.grad = np.array([x.grad_bytes for x in layers], float)
+        self.transient = np.array([x.transient_bytes for x in layers], float)
         rec = np.array([x.act_bytes if x.recompute_act_bytes is None else x.recompute_act_bytes for x in layers])
         self.save = np.maximum(self.act - rec, 0.0)
         self.ckpt_fwd = np.where(self.save > 0, self.fwd, 0.0)
         n = len(layers)
         pre = {k: np.concatenate([[0.0], np.cumsum(a)]) for k, a in
                (("time", self.time), ("act", self.act), ("state", self.state), ("save", self.save),
-                ("ckpt_fwd", self.ckpt_fwd))}
+                ("ckpt_fwd", self.ckpt_fwd), ("grad", self.grad), ("transient", self.transient))}
         seg = {k: v[None, :] - v[:, None] for k, v in pre.items()}
         self.valid = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
-        self.T, self.A, self.S, self.SAVE, self.CF = (seg[k] for k in ("time", "act", "state", "save", "ckpt_fwd"))
+        self.T, self.A, self.S, self.SAVE, self.CF, self.G, self.TR = (
+            seg[k] for k in ("time", "act", "state", "save", "ckpt_fwd", "grad", "transient"))
+
+    def allowed_act(self, f: int, lim: float, gpipe: bool) -> np.ndarray:
+        """Per segment, the most activation bytes per micro-batch that fit ``lim`` with ``f`` in flight."""
+        free = lim - self.S
+        if not gpipe:
+            return (free - self.TR) / f
+        after_first = np.where(free >= 0, free / (f - 1) if f > 1 else np.inf, -np.inf)
+        return np.minimum((free + self.G - self.TR) / f, after_first)
+
+    def memory(self, f: int, act: np.ndarray | float, gpipe: bool, i=slice(None), j=slice(None)):
+        """Peak bytes of segments with ``f`` in flight and ``act`` activation bytes per micro-batch."""
+        if not gpipe:
+            return self.S[i, j] + f * act + self.TR[i, j]
+        return self.S[i, j] + np.maximum(f * act + self.TR[i, j] - self.G[i, j], (f - 1) * act)
 
 
 def _bottleneck_dp(costs: list[np.ndarray]) -> tuple[float, list[int]]:
@@ -237,7 +263,8 @@ def partition(layers: Sequence[LayerCost], opts: PipelineOptions, memory_limit: 
     share = opts.virtual
     flights = [opts.in_flight(k) for k in range(K)]
     lim = memory_limit / share * (1 + _RTOL)
-    need = {f: (ar.S + f * ar.A - lim) / f for f in set(flights)}  # saving needed, per in-flight count
+    gpipe = opts.schedule == "gpipe"
+    need = {f: ar.A - ar.allowed_act(f, lim, gpipe) for f in set(flights)}  # saving needed, per in-flight count
     fits_plain = {f: ar.valid & (nd <= 0) for f, nd in need.items()}
     fits_full = {f: ar.valid & (ar.SAVE >= nd) for f, nd in need.items()}
 
@@ -282,14 +309,15 @@ def partition(layers: Sequence[LayerCost], opts: PipelineOptions, memory_limit: 
             ckpt[i + c] = True
         times.append(float(ar.T[i, j] + extra + p2p))
         saved = float(sum(ar.save[i + c] for c in chosen))
-        mems[k % opts.stages] += float(ar.S[i, j] + f * (ar.A[i, j] - saved))
+        mems[k % opts.stages] += float(ar.memory(f, ar.A[i, j] - saved, gpipe, i, j))
     return PipelinePlan(tuple(bounds), tuple(ckpt), schedule_step_time(times, opts), bubble_fraction(opts),
                         tuple(times), tuple(mems), opts)
 
 
 def _raise_infeasible(ar: _Arrays, opts: PipelineOptions, flights: list[int], limit: float, n: int) -> None:
     """Find the partition of least peak memory (full checkpointing) and report its binding stage."""
-    mem = {f: np.where(ar.valid, (ar.S + f * (ar.A - ar.SAVE)) * opts.virtual, np.inf) for f in set(flights)}
+    gpipe = opts.schedule == "gpipe"
+    mem = {f: np.where(ar.valid, ar.memory(f, ar.A - ar.SAVE, gpipe) * opts.virtual, np.inf) for f in set(flights)}
     need, bounds = _bottleneck_dp([mem[f] for f in flights])
     ends = bounds[1:] + [n]
     per = [mem[flights[k]][i, j] for k, (i, j) in enumerate(zip(bounds, ends))]

@@ -21,7 +21,7 @@ def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
     mesh = autopart.mesh(shape, names)
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, zero=zero)
-    opt = torch.optim.AdamW(pm.parameters(), **OPT)
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
     losses = []
     C.REGATHER_STATS["packed"] = 0
     for ids in batches():
@@ -29,7 +29,8 @@ def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
         opt.step()
         opt.zero_grad()
     # optimizer states live only for this rank's shard
-    state_numel = sum(v.to_local().numel() for s in opt.state.values() for k, v in s.items() if k == "exp_avg")
+    state_numel = sum((v.to_local() if hasattr(v, "to_local") else v).numel()
+                      for s in opt.state.values() for k, v in s.items() if k == "exp_avg")
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
     return (losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), state_numel,
             C.REGATHER_STATS["packed"])
@@ -37,7 +38,8 @@ def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
 
 CASES = [("gpt", (2,), ("dp",), {"dp": "dp"}, 2), ("gpt", (2,), ("dp",), {"dp": "dp"}, 3),
          ("llama", (2,), ("dp",), {"dp": "dp"}, 1), ("gpt", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 3),
-         ("llama", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 2)]
+         ("llama", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 2),
+         ("gpt", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 1)]
 
 
 @pytest.mark.parametrize("name,shape,names,roles,zero", CASES, ids=[f"{c[0]}-{'x'.join(c[2])}-zero{c[4]}"
@@ -48,11 +50,12 @@ def test_zero_parity(name, shape, names, roles, zero):
     results = run_ranks(math.prod(shape), _zero_run, name, shape, names, roles, zero)
     check(name, [r[:5] for r in results], reference(name))
     plan = Plan.from_json(results[0][3])
-    level = 2 if zero == 1 else zero
-    assert plan.zero and set(plan.zero.values()) == {level}, plan.zero
-    from autopart.placement import Shard, parse_spec
+    assert plan.zero and set(plan.zero.values()) == {zero}, plan.zero
+    from autopart.placement import Replicate, Shard, parse_spec
 
-    assert all(isinstance(parse_spec(plan.params[k])[names.index("dp")], Shard) for k in plan.zero)
+    # ZeRO-1 keeps parameters replicated on dp (only optimizer states are sliced); 2 and 3 shard them along a dim
+    kind = Replicate if zero == 1 else Shard
+    assert all(isinstance(parse_spec(plan.params[k])[names.index("dp")], kind) for k in plan.zero)
     n_params = sum(p.numel() for p in make_model(name).parameters())
     dp = shape[names.index("dp")]
     tp = shape[names.index("tp")] if "tp" in names else 1

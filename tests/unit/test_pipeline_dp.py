@@ -32,8 +32,11 @@ def _brute(layers, opts, limit):
                 if any(c and (x.recompute_act_bytes is None or x.recompute_act_bytes >= x.act_bytes)
                        for c, x in zip(mask, seg)):
                     continue
-                mem = sum(x.state_bytes for x in seg) + f * sum(
-                    x.recompute_act_bytes if c else x.act_bytes for c, x in zip(mask, seg))
+                act = sum(x.recompute_act_bytes if c else x.act_bytes for c, x in zip(mask, seg))
+                grads = sum(x.grad_bytes for x in seg)
+                # GPipe: all m held as backward starts, before gradients; after the first backward, m - 1 and them
+                held = max(f * act - grads, (f - 1) * act) if opts.schedule == "gpipe" else f * act
+                mem = sum(x.state_bytes for x in seg) + held
                 if mem <= limit / opts.virtual * (1 + 1e-9):
                     stage = min(stage, sum(x.fwd_s + x.bwd_s + (x.fwd_s if c else 0) for c, x in zip(mask, seg)) + p2p)
             worst = max(worst, stage)
@@ -42,9 +45,13 @@ def _brute(layers, opts, limit):
 
 
 def _random_layers(rng, n, ckpt):
-    return [LayerCost(float(rng.uniform(0.1, 2)), float(rng.uniform(0.2, 4)), float(rng.uniform(1, 10)),
-                      float(rng.uniform(0, 5)),
-                      float(rng.uniform(0, 2)) if ckpt and rng.random() < 0.8 else None) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        state = float(rng.uniform(0, 5))
+        out.append(LayerCost(float(rng.uniform(0.1, 2)), float(rng.uniform(0.2, 4)), float(rng.uniform(1, 10)),
+                             state, float(rng.uniform(0, 2)) if ckpt and rng.random() < 0.8 else None,
+                             grad_bytes=state * float(rng.uniform(0, 0.5))))
+    return out
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -98,6 +105,23 @@ def test_1f1b_first_stage_holds_p_micro_batches():
     gp = partition(layers, PipelineOptions(p, m, "gpipe"), math.inf)
     assert gp.stage_memory == (2 * 3 + m * 20,) * p
     assert gp.step_s == plan.step_s
+
+
+def test_gpipe_peak_comes_before_gradients():
+    # states 3 of which gradients 1 per layer, activations 10: GPipe holds all m = 4 micro-batches as backward starts
+    # (gradients not yet allocated: 2*2 + 4*20 = 84), then gradients and 3 micro-batches (2*3 + 3*20 = 66)
+    layers = [LayerCost(1, 2, 10, 3, grad_bytes=1) for _ in range(4)]
+    gp = partition(layers, PipelineOptions(2, 4, "gpipe"), math.inf)
+    assert gp.stage_memory == (2 * 3 - 2 * 1 + 4 * 20,) * 2
+    # large gradients: the peak is after the first backward
+    layers = [LayerCost(1, 2, 10, 30, grad_bytes=25) for _ in range(4)]
+    gp = partition(layers, PipelineOptions(2, 4, "gpipe"), math.inf)
+    assert gp.stage_memory == (2 * 30 + 3 * 20,) * 2
+    # and the limit is checked against that peak: 84 fits exactly where the gradient-blind model (86) would not
+    layers = [LayerCost(1, 2, 10, 3, grad_bytes=1) for _ in range(4)]
+    assert partition(layers, PipelineOptions(2, 4, "gpipe"), 84).stage_memory == (84, 84)
+    with pytest.raises(ValueError):
+        LayerCost(1, 2, 10, 3, grad_bytes=4)
 
 
 def test_unequal_costs_give_unequal_counts():

@@ -89,7 +89,8 @@ def test_memory_limit_no_plan_can_meet():
         autopart.plan(_gpt(), autopart.mesh((2, 2), ("dp", "tp")), (IDS,), {"labels": IDS},
                       memory_budget="10KiB")
     msg = str(err.value)
-    assert "smallest per-device peak any plan reaches" in msg and "largest terms: model states" in msg
+    assert "smallest per-device peak any plan reaches" in msg and "largest terms there: model states" in msg
+    assert "Memory binds at the end of" in msg
     assert "Raise memory_budget to at least" in msg and "KiB" in msg
 
 
