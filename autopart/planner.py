@@ -1112,8 +1112,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         kind = info.kind[members[0]]
         m = float(prob.node_memory[gid][a])
         if kind == "param":  # split the model states the way the memory row summed them
-            local, opt_states = param_state_bytes(value_of(node_by_name[members[0]]),
-                                                  info.options[members[0]][a].output, mesh, opts)
+            chosen_opt = info.options[members[0]][a]
+            local, opt_states = param_state_bytes(value_of(node_by_name[members[0]]), chosen_opt.output, mesh, opts,
+                                                  chosen_opt.tag)
             local, opt_states = local * len(members), opt_states * len(members)
             if "optimizer" in offload and cluster.device.name != "cpu":
                 opt_states = 0.0
