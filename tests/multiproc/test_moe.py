@@ -1,5 +1,5 @@
-"""Expert parallelism on real gloo processes: the MoE reference model under ep=2, ep=4 and ep x dp gives the loss
-of every step and the gathered parameters after 3 AdamW steps of one process within 1e-5.
+"""Expert parallelism on real gloo processes: the MoE reference model under ep=2, ep=4, ep x dp and ep x tp gives
+the loss of every step and the gathered parameters after 3 AdamW steps of one process within 1e-5.
 
 On a model this small the solver keeps every axis data parallel (a few hundred KiB of weights: an all-to-all costs
 more than replicating the experts), so the expert-parallel layout is pinned, through the public ``pins=`` option,
@@ -10,7 +10,10 @@ on the graph nodes ``autopart.models.moe.expert_nodes`` names:
   again: the planner must convert S(1) -> S(0) before the experts and back after them, the two all-to-alls;
 * ep x dp (mesh ``("dp", "ep")``, ``roles={"dp": "dp"}``): the batch split over ``dp``; the expert einsums
   ``S(1)S(0)`` (groups over dp, experts over ep). Two axes cannot split the one batch dim in autopart's placements
-  (no nested ``Shard(0)`` on two axes), so on ``ep`` the solver routes tokens however it prices cheapest.
+  (no nested ``Shard(0)`` on two axes), so on ``ep`` the solver routes tokens however it prices cheapest;
+* ep x tp (mesh ``("ep", "tp")``, ``roles={"tp": "tp"}``): the ep pins above, replicated on ``tp``, and the gate
+  and up products split on ``f`` there: the all-to-alls on ``ep``, Megatron's column/row split inside every expert
+  on ``tp``.
 
 The stored expert weights are not pinned: the plan stores them ``Shard(0)`` on the expert axis because their
 only users compute with that shard, which the tests check.
@@ -51,6 +54,12 @@ def ep_pins(model, ids, names: tuple[str, ...]) -> dict[str, str]:
         return pins
     if names == ("dp", "ep"):
         return {n: "S(1)S(0)" for n in nodes["experts"]}
+    if names == ("ep", "tp"):
+        pins = {"ids": "S(0)R"}
+        pins.update({n: "S(1)R" for n in nodes["dispatch"]})
+        pins.update({n: "S(0)R" for n in nodes["combine"]})
+        pins.update({n: "S(0)S(3)" for n in nodes["experts"][0::3] + nodes["experts"][1::3]})  # gate, up
+        return pins
     raise ValueError(f"no expert-parallel pins for mesh axes {names}")
 
 
@@ -90,6 +99,7 @@ CONFIGS = {
     "ep2": ((2,), ("ep",), {}),
     "ep4": ((4,), ("ep",), {}),
     "dp2xep2": ((2, 2), ("dp", "ep"), {"dp": "dp"}),
+    "ep2xtp2": ((2, 2), ("ep", "tp"), {"tp": "tp"}),
 }
 
 
@@ -113,5 +123,12 @@ def test_expert_parallel_parity(config: str) -> None:
         fwd, bwd = plan.collective_counts(layer, "fwd"), plan.collective_counts(layer, "bwd")
         if names == ("ep",):  # dispatch and combine: one all-to-all each way, nothing else in the layer
             assert fwd == {("all_to_all", "ep"): 2} and bwd == {("all_to_all", "ep"): 2}, (layer, fwd, bwd)
+        elif names == ("ep", "tp"):  # the all-to-alls on ep; Megatron inside the experts on tp
+            assert fwd[("all_to_all", "ep")] == bwd[("all_to_all", "ep")] == 2, (layer, fwd, bwd)
+            assert not any(axis == "ep" and kind != "all_to_all" for kind, axis in fwd + bwd), (layer, fwd, bwd)
         else:  # nothing crosses dp inside a layer (data parallel: gradients are reduced after backward)
             assert not any(axis == "dp" for _, axis in fwd + bwd), (layer, fwd, bwd)
+    if "tp" in names:  # expert weights split on tp too: gate/up by column (d_ff), down by row
+        tp = names.index("tp")
+        for fqn in experts:
+            assert parse_spec(plan.params[fqn])[tp] == Shard(1 if fqn.endswith("w_down") else 2), plan.params[fqn]
