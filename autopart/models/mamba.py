@@ -283,6 +283,7 @@ class Hybrid(_LM):
         cos, sin = rope_tables(ids.shape[1], self.cfg.mamba.d_model // self.cfg.n_head, self.cfg.rope_theta,
                                ids.device)
         x = self.embed(ids)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # a bf16 model keeps q, k, v in bf16
         for block in self.blocks:
             x = block(x, cos, sin) if isinstance(block, AttentionBlock) else block(x)
         return self._head(x, labels)

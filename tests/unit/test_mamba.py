@@ -95,6 +95,16 @@ def test_loss_and_tied_head() -> None:
     torch.testing.assert_close(tied(ids, labels=ids), F.cross_entropy(logits.view(-1, 64), ids.view(-1)))
 
 
+@pytest.mark.parametrize("model_cls", ["mamba", "hybrid"])
+def test_bf16_model_runs_in_bf16(model_cls: str) -> None:
+    torch.manual_seed(0)
+    cfg = MambaConfig(vocab_size=64, d_model=32, n_layer=3, chunk_size=4)
+    model = Mamba(cfg) if model_cls == "mamba" else Hybrid(HybridConfig(mamba=cfg, attn_layers=(1,), d_ff=64))
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model.to(torch.bfloat16)(ids, labels=ids)
+    assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
+
+
 def test_bad_configs_raise() -> None:
     with pytest.raises(ValueError, match="headdim"):
         MambaConfig(d_model=32, expand=2, headdim=24)
