@@ -48,6 +48,10 @@ def _topk(info: NodeInfo, n: int) -> list[Option1D]:
 
 @register(aten.one_hot.default)
 def _one_hot(info: NodeInfo, n: int) -> list[Option1D]:
-    """Integer class ids [...] -> [..., num_classes]: every input dim keeps its split; the class dim is whole."""
+    """Integer class ids [...] -> [..., num_classes]: every input dim keeps its split; the class dim is whole. Without
+    an explicit ``num_classes`` each shard would infer its own from its largest id: replicated only."""
+    num_classes = info.args[1] if len(info.args) > 1 else info.kwargs.get("num_classes", -1)
+    if num_classes < 0:
+        return replicate_only(info, n)
     shape = info.shape(0)
     return [Option1D((R,), R)] + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape)) if shape[d] > 1]

@@ -162,3 +162,17 @@ def test_expert_parallel_plan_structure(ep: int):
         (d, e) for d, e in zip(expert_nodes(t.graph)["dispatch"], expert_nodes(t.graph)["experts"][::3])
     } | {(e, c) for e, c in zip(expert_nodes(t.graph)["experts"][2::3], expert_nodes(t.graph)["combine"])}
     assert not plan.unsupported_ops or set(plan.unsupported_ops) <= {"aten.arange.default", "aten.arange.start_step"}
+
+
+def test_all_to_all_is_priced_at_the_ranks_shard():
+    """Shard(1) -> Shard(0) of the expert input: each rank sends (n-1)/n of its own 1/n of the array, forward and
+    (the gradient) backward: ``all_to_all_time`` of the local bytes, not of the whole array."""
+    from autopart.cost import all_to_all_time, preset
+    from autopart.planner import transition_time
+
+    val = torch.empty(8, 4, 5, 32, device="meta")  # [E, G, C, d]
+    for n in (2, 4):
+        cluster = preset("h100-80gb", (n,))
+        t = transition_time(val, (Shard(1),), (Shard(0),), (True,), True, cluster)
+        local = val.numel() * 4 / n
+        assert t == pytest.approx(2 * all_to_all_time(local, n, cluster.link(0)))
