@@ -2,7 +2,8 @@
 
 Block: RMSNorm, then the mixer, added to the residual. Mixer (Gu & Dao 2023, "Mamba"):
 
-    x, z  = in_proj(u)                       d_model -> 2 * d_inner (stored interleaved: one (x, z) pair per channel)
+    x, z  = in_proj(u)                       d_model -> 2 * d_inner, rows interleaved (x_0, z_0, x_1, z_1, ...)
+                                             so that a column split keeps each channel's x and z on one rank
     x     = silu(causal depthwise conv1d(x)) kernel d_conv over the sequence, one filter per channel
     dt, B, C = x_proj(x)                     d_inner -> dt_rank + 2 * d_state
     dt    = softplus(dt_proj(dt))            dt_rank -> n_heads
@@ -17,8 +18,10 @@ So this model uses Mamba-2's scalar decay per head (Dao & Gu 2024): the d_inner 
 ``headdim`` channels sharing ``dt`` and ``A``; B and C are shared by all heads (one group). Then the scan is
 Mamba-2's state-space duality (``ssd_minimal_discrete``): inside a chunk of ``chunk_size`` tokens a masked
 segment-sum of log-decays (cumulative sums of non-positive numbers, so ``exp`` only ever sees numbers <= 0) gives
-the decay matrix and the output is a few einsums; across chunks the same segment-sum over the chunks' final states.
-The traced graph has the same nodes at any sequence length (4K or 128K tokens plan on the ``meta`` device).
+the decay matrix and the output is a few batched matmuls; across chunks the same segment-sum over the chunks' final
+states. The traced graph has the same nodes at any sequence length (4K or 128K tokens plan on the ``meta`` device).
+Its largest tensors are the in-chunk decays, (batch, heads, seq, chunk_size) -- chunk_size / headdim times x --
+and the chunk-to-chunk decays, (batch, heads, chunks + 1, chunks + 1): at 128K tokens use chunks of 256.
 Everything else is Mamba-1's block (x_proj producing dt, B, C from the convolved x; per-channel D; no inner norm),
 so tensor parallelism over d_inner needs Mamba-1's two all-reduces per block forward: after x_proj (dt, B, C are
 sums over channels) and after out_proj.
