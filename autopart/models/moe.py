@@ -76,9 +76,11 @@ class MoEConfig:
     def preset(name: str) -> MoEConfig:
         presets = {
             "tiny": MoEConfig(),
-            # Mixtral-8x7B-like (8 experts, top-2) and a many-expert fine-grained model (64 experts, top-2)
-            "moe-8x7b": MoEConfig(32000, 4096, 32, 32, 8, 4096, 14336, 8, 2),
-            "moe-64e": MoEConfig(32000, 4096, 16, 16, 4, 2048, 1408 * 4, 64, 2),
+            # Mixtral-8x7B-like (8 experts, top-2) and a many-expert model (64 experts, top-2)
+            "moe-8x7b": MoEConfig(vocab_size=32000, max_seq_len=4096, n_layer=32, n_head=32, n_kv_head=8,
+                                  d_model=4096, d_ff=14336, n_expert=8, top_k=2),
+            "moe-64e": MoEConfig(vocab_size=32000, max_seq_len=4096, n_layer=16, n_head=16, n_kv_head=4,
+                                 d_model=2048, d_ff=5632, n_expert=64, top_k=2),
         }
         if name not in presets:
             raise ValueError(f"unknown MoE preset {name!r}; choose one of {sorted(presets)}")
