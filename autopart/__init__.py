@@ -1,5 +1,6 @@
 """autopart: plan and run data-, tensor- and pipeline-parallel PyTorch from an unmodified model."""
 
+from autopart.advise import advise
 from autopart.api import evaluate, parallelize, parse_bytes, plan
 from autopart.cost import Cluster, preset
 from autopart.extend import register_op
@@ -7,6 +8,6 @@ from autopart.placement import Partial, Replicate, Shard
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh, mesh
 
-__all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "evaluate", "mesh", "parallelize", "parse_bytes",
-           "plan", "preset", "register_op"]
+__all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "advise", "evaluate", "mesh", "parallelize",
+           "parse_bytes", "plan", "preset", "register_op"]
 __version__ = "0.1.0"

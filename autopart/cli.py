@@ -1,4 +1,4 @@
-"""``autopart plan | explain | demo`` — the command line."""
+"""``autopart plan | explain | advise | demo`` — the command line."""
 
 from __future__ import annotations
 
@@ -125,6 +125,108 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rich_advice(adv, console) -> None:
+    from rich.table import Table
+
+    from autopart.advise import KINDS
+
+    console.print(f"[bold]{adv.model}[/bold] ({adv.params / 1e9:.2f}B parameters) on {adv.gpus} x {adv.cluster} "
+                  f"(mesh {'x'.join(map(str, adv.mesh))}), global batch {adv.batch} x {adv.seq} tokens")
+    if not adv.fits:
+        console.print(f"[red]does not fit[/red]: {adv.binding}")
+        return
+    s = adv.strategy
+    t = Table(title="plan", show_header=False)
+    t.add_row("strategy", s["name"])
+    t.add_row("layout", s["layout"])
+    t.add_row("dp / tp / pp / cp", f"{s['dp']} / {s['tp']} / {s['pp']} / {s['cp']}")
+    t.add_row("ZeRO", str(s["zero"]))
+    t.add_row("checkpointing", f"{s['checkpointed_layers']} layers {'/'.join(s['checkpoint'])}".strip())
+    t.add_row("micro-batches", f"{s['micro_batches']} {s['schedule']}".strip())
+    t.add_row("step time", f"{adv.step_time_s:.4g} s")
+    t.add_row("tokens/s", f"{adv.tokens_per_s:,.0f}")
+    t.add_row("TFLOP/s per GPU", f"{adv.tflops_per_gpu:.1f} (model FLOPs {adv.model_flops_per_step:.3g} per step)")
+    t.add_row("MFU", f"{adv.mfu:.1%} of {adv.peak_tflops_per_gpu:.0f} TFLOP/s peak")
+    t.add_row("planning", f"{adv.plan_s:.1f} s after a {adv.trace_s:.1f} s trace")
+    console.print(t)
+    m = Table(title=f"memory per GPU (peak at {adv.memory['binds_at']})")
+    m.add_column("kind")
+    m.add_column("GiB", justify="right")
+    for k, v in adv.memory["by_kind"].items():
+        m.add_row(k, f"{v / 2**30:.2f}")
+    m.add_row("[bold]peak[/bold]", f"{adv.memory['peak'] / 2**30:.2f} of {adv.memory_budget / 2**30:.2f}")
+    console.print(m)
+    c = Table(title="communication per GPU per step")
+    c.add_column("kind")
+    c.add_column("GiB sent", justify="right")
+    c.add_column("time (ms)", justify="right")
+    for k in (*KINDS, "gradient_all_reduce"):
+        v = adv.communication[k]
+        c.add_row(k if k != "gradient_all_reduce" else "  of which gradient all-reduce", f"{v['bytes'] / 2**30:.3f}",
+                  f"{v['time_s'] * 1e3:.2f}")
+    console.print(c)
+    terms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in adv.terms.items() if abs(v) > 1e-7)
+    console.print(f"step = {terms}")
+
+
+def _sizes_arg(text: str) -> tuple:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    import importlib
+    import json
+
+    import torch
+    from rich.console import Console
+
+    adv_mod = importlib.import_module("autopart.advise")  # the module; autopart.advise is the function
+
+    console = Console()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    cluster = adv_mod.resolve_cluster(args.cluster)
+    if args.sweep:
+        sizes = _sizes_arg(args.sizes) if args.sizes else adv_mod.SWEEP_SIZES
+        gpus = tuple(int(x) for x in _sizes_arg(args.gpus)) if args.gpus else adv_mod.SWEEP_GPUS
+        rows = adv_mod.sweep(sizes, gpus, cluster=cluster, gpus_per_node=args.gpus_per_node, seq=args.seq or 4096,
+                             batch_per_gpu=args.batch_per_gpu, time_limit_s=args.time_limit,
+                             max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
+                             log=None if args.json else lambda line: console.print(line, highlight=False))
+        md = adv_mod.sweep_markdown(rows)
+        if args.json:
+            print(json.dumps(adv_mod.sweep_json(rows), indent=1))
+        else:
+            console.print(md, highlight=False, soft_wrap=True)
+        if args.out:
+            import os
+
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "design_guide.md"), "w") as f:
+                f.write(md + "\n")
+            with open(os.path.join(args.out, "design_guide.json"), "w") as f:
+                json.dump(adv_mod.sweep_json(rows), f, indent=1)
+            name = cluster if isinstance(cluster, str) else cluster.name
+            png = adv_mod.sweep_chart(rows, os.path.join(args.out, "design_guide.png"),
+                                      f"autopart design guide on {name}")
+            if not args.json:
+                console.print(f"wrote {args.out}/design_guide.md, .json and {png}")
+        return 0
+    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    a = adv_mod.advise(args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
+                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, batch=args.batch, seq=args.seq or 2048,
+                       dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
+                       max_plan_s=args.max_plan_s, **overrides)
+    if args.json:
+        print(json.dumps(a.to_json(), indent=1))
+    else:
+        _rich_advice(a, console)
+    if args.out and a.plan is not None:
+        a.plan.save(args.out)
+        if not args.json:
+            console.print(f"plan saved to {args.out}")
+    return 0 if a.fits else 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="autopart", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -151,8 +253,47 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("plan")
     e.add_argument("node")
     e.set_defaults(fn=cmd_explain)
+    a = sub.add_parser("advise", help="what-if planning: a model by family and size (or a factory) on a cluster "
+                                      "preset or file x node count; --sweep for the design guide",
+                       description="Plan on the meta device, without a process group, and report step time, "
+                                   "tokens/s, TFLOP/s per GPU, MFU, memory per GPU by kind and communication by "
+                                   "kind. Exit status 2 when nothing fits.")
+    a.add_argument("--model", default="llama", help="family (gpt, llama, moe, mamba), or family:size, e.g. llama:70b")
+    a.add_argument("--size", default=None, help="named size, e.g. 7b, 13b, 70b (llama); 1.3b, 175b, 1t (gpt)")
+    a.add_argument("--factory", default=None, help="'module:function' returning an nn.Module (or (module, "
+                                                   "example_inputs, example_kwargs)); replaces --model")
+    for flag, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads"), ("vocab", "vocabulary"), ("ffn", "MLP hidden size"),
+                       ("experts", "experts (moe)"), ("top-k", "experts per token (moe)")):
+        a.add_argument(f"--{flag}", type=int, default=None, help=f"override the {what}")
+    a.add_argument("--cluster", default="h100-80gb", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb) or the "
+                                                           "path of a .json/.toml cluster file")
+    a.add_argument("--nodes", type=int, default=1)
+    a.add_argument("--gpus-per-node", type=int, default=8)
+    a.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per GPU)")
+    a.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; 4096 for --sweep)")
+    a.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    a.add_argument("--optimizer-bytes", type=float, default=12.0, help="optimizer bytes per parameter (12: Adam "
+                                                                        "with an fp32 master copy)")
+    a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
+    a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
+    a.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    a.add_argument("--out", default=None, help="advise: save the plan here; --sweep: a folder for design_guide.md, "
+                                               ".json and .png")
+    a.add_argument("--sweep", action="store_true", help="the design guide: model sizes x GPU counts")
+    a.add_argument("--sizes", default=None, help="--sweep: comma-separated family:size list (default "
+                                                 "llama:1b,llama:8b,llama:70b,llama:405b,gpt:1t)")
+    a.add_argument("--gpus", default=None, help="--sweep: comma-separated GPU counts (default 8,64,512,4096)")
+    a.add_argument("--batch-per-gpu", type=int, default=1, help="--sweep: sequences per GPU in the global batch")
+    a.set_defaults(fn=cmd_advise)
     args = ap.parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except ValueError as e:
+        if args.cmd != "advise":
+            raise
+        print(f"autopart advise: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

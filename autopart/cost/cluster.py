@@ -13,6 +13,7 @@ sizes of all axes to its right is at most the number of devices per node. Such a
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -215,6 +216,138 @@ _H200 = Preset(
 )
 
 PRESETS: dict[str, Preset] = {"cpu": _CPU, "a100-80gb": _A100, "h100-80gb": _H100, "h200-141gb": _H200}
+_BUILTIN = frozenset(PRESETS)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+_PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
+_DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu"}
+_LINK_KEYS = {"alpha", "beta", "bandwidth"}
+
+
+def _size(value: Any, where: str) -> float:
+    """A byte count or rate: a number, or a string such as ``"80GiB"`` / ``"450GB"`` (``autopart.parse_bytes``)."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*?)(?:/s)?\s*", value)
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _UNITS:
+            raise ValueError(f"{where}: cannot read {value!r}; write a number or a size such as '80GiB', '450GB'")
+        return float(m.group(1)) * _UNITS[unit]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{where}: expected a number or a size such as '80GiB', got {value!r}")
+    return float(value)
+
+
+def load_preset(path: str) -> str:
+    """Read a machine description from a JSON or TOML file, register it as a preset, and return its name.
+
+    The file describes one node type the way the built-in presets do (all keys but ``name`` optional when
+    ``base`` names a preset to start from; sizes are numbers or strings such as ``"80GiB"``, rates in bytes/s)::
+
+        name = "my-h100"               # what plans call the cluster
+        base = "h100-80gb"             # optional: start from this preset, override what follows
+        devices_per_node = 8           # omit (or 0) for one host holding every rank
+        reserve_bytes = "4GiB"         # device memory a plan may not use
+        [device]                       # peak_flops (dense FLOP/s of the training dtype), mem_bandwidth,
+        peak_flops = 989e12            # memory_bytes, host_bandwidth (device<->host), mfu (fraction of
+        memory_bytes = "80GiB"         # peak large matmuls reach), name
+        [intra_node]                   # the link inside a node: alpha (s per message) and
+        alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte)
+        bandwidth = 450e9
+        [inter_node]                   # the link between nodes
+        alpha = 10e-6
+        bandwidth = 50e9
+
+    JSON takes the same keys as nested objects. After loading, ``preset(name, mesh_shape)``,
+    ``autopart.plan(..., cluster=name)`` and ``Cluster.with_mesh`` work as for a built-in preset; passing the
+    path itself wherever a preset name is accepted loads it.
+    """
+    import json
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"cluster file {path!r} does not exist; give a preset name {sorted(PRESETS)} or the path "
+                         "of a JSON/TOML cluster description (see autopart.cost.cluster.load_preset)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        if path.endswith(".toml"):
+            import tomllib
+
+            data = tomllib.loads(raw.decode())
+        else:
+            data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"cluster file {path!r} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: "
+                         f"{e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"cluster file {path!r}: expected a table of keys {sorted(_PRESET_KEYS)}")
+    bad = set(data) - _PRESET_KEYS
+    if bad:
+        raise ValueError(f"cluster file {path!r}: unknown keys {sorted(bad)}; allowed: {sorted(_PRESET_KEYS)}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"cluster file {path!r}: give the cluster a name (name = \"my-cluster\")")
+    base = data.get("base")
+    if base is not None and base not in PRESETS:
+        raise ValueError(f"cluster file {path!r}: base {base!r} is not a preset; presets are {sorted(PRESETS)}")
+    start = PRESETS[base] if base is not None else None
+    for section in ("device", "intra_node", "inter_node"):
+        if start is None and section not in data:
+            raise ValueError(f"cluster file {path!r}: missing [{section}] (or name a preset to start from with "
+                             f"base = \"h100-80gb\")")
+        if not isinstance(data.get(section, {}), dict):
+            raise ValueError(f"cluster file {path!r}: [{section}] must be a table")
+    dev_in = dict(data.get("device", {}))
+    bad = set(dev_in) - _DEVICE_KEYS
+    if bad:
+        raise ValueError(f"cluster file {path!r}: unknown [device] keys {sorted(bad)}; allowed: "
+                         f"{sorted(_DEVICE_KEYS)}")
+    dev = asdict(start.device) if start is not None else {"mfu": 1.0}
+    dev["name"] = name
+    dev.update(dev_in)
+    missing = _DEVICE_KEYS - set(dev)
+    if missing:
+        raise ValueError(f"cluster file {path!r}: [device] needs {sorted(missing)}")
+    for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
+        dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
+    dev["memory_bytes"] = int(dev["memory_bytes"])
+    device = Device(**dev)
+
+    def link(section: str) -> Link:
+        given = data.get(section, {})
+        bad = set(given) - _LINK_KEYS
+        if bad:
+            raise ValueError(f"cluster file {path!r}: unknown [{section}] keys {sorted(bad)}; allowed: "
+                             f"alpha and bandwidth (bytes/s) or beta (s/byte)")
+        if "bandwidth" in given and "beta" in given:
+            raise ValueError(f"cluster file {path!r}: [{section}] gives both bandwidth and beta; give one")
+        old = getattr(start, section) if start is not None else None
+        alpha = given.get("alpha", old.alpha if old else None)
+        if "bandwidth" in given:
+            beta = 1.0 / _size(given["bandwidth"], f"cluster file {path!r} [{section}] bandwidth")
+        else:
+            beta = given.get("beta", old.beta if old else None)
+        if alpha is None or beta is None:
+            raise ValueError(f"cluster file {path!r}: [{section}] needs alpha and bandwidth (or beta)")
+        return Link(alpha=float(alpha), beta=float(beta))
+
+    per_node = data.get("devices_per_node", start.devices_per_node if start is not None else None)
+    if per_node is not None and (not isinstance(per_node, int) or per_node < 0):
+        raise ValueError(f"cluster file {path!r}: devices_per_node must be a whole number >= 1 (or 0 / absent for "
+                         f"one host), got {per_node!r}")
+    reserve = data.get("reserve_bytes", start.reserve_bytes if start is not None else 0)
+    reserve = int(_size(reserve, f"cluster file {path!r} reserve_bytes"))
+    if not 0 <= reserve < device.memory_bytes:
+        raise ValueError(f"cluster file {path!r}: reserve_bytes ({reserve}) must be >= 0 and below the device memory "
+                         f"({device.memory_bytes})")
+    spec = Preset(device=device, intra_node=link("intra_node"), inter_node=link("inter_node"),
+                  devices_per_node=per_node or None, reserve_bytes=reserve)
+    if name in _BUILTIN and PRESETS.get(name) != spec:
+        raise ValueError(f"cluster file {path!r}: name {name!r} is a built-in preset; choose another name")
+    PRESETS[name] = spec
+    return name
 
 
 def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
@@ -241,9 +374,13 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
       (H200 datasheet).
 
     GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation.
+    ``name`` may also be the path of a ``.json``/``.toml`` file describing another machine (``load_preset``).
     """
+    if name not in PRESETS and name.endswith((".json", ".toml")):
+        name = load_preset(name)
     if name not in PRESETS:
-        raise ValueError(f"unknown cluster preset {name!r}; presets are {sorted(PRESETS)}")
+        raise ValueError(f"unknown cluster preset {name!r}; presets are {sorted(PRESETS)}, or give the path of a "
+                         ".json/.toml cluster file (autopart.cost.cluster.load_preset)")
     spec = PRESETS[name]
     mesh_shape = tuple(mesh_shape)
     return Cluster(

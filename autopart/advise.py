@@ -1,0 +1,943 @@
+"""What-if planning: plan a model described by family and size (or built by a factory) for a cluster you may not
+have, and read the plan as the numbers practitioners compare -- step time, tokens/s, TFLOP/s per GPU and MFU,
+memory per GPU by kind, communication by kind -- plus the design-guide sweep (model size x GPU count -> which
+strategy wins, checked against published practice).
+
+Everything runs on the ``meta`` device in one process: no weights are allocated and no process group is needed
+(planning reads shapes only; ``autopart.plan`` never communicates).
+
+Definitions (shared/REFERENCE.md):
+
+* model FLOPs per step = 6 N T + attention, N the parameters that multiply activations (every parameter but
+  embedding tables used only as lookups; a tied embedding/LM head counts once, as the head; MoE expert weights
+  scaled by top_k / n_expert), T = batch x sequence tokens, attention 3 x 4 B H S_q S_k D per attention call
+  (forward + backward of QK^T and AV, the whole S x S square as Megatron counts it: 72 B s L h^2 (1 + s/(6h) +
+  V/(12 L h)) for a GPT). Recomputation is not model FLOPs.
+* TFLOP/s per GPU = model FLOPs / step time / GPUs; MFU = that / the device's peak dense FLOP/s.
+* memory per GPU by kind: at the peak the plan's memory row binds (the larger of end of forward and end of backward;
+  for a pipeline, the fullest stage). Kinds sum to the peak.
+* communication by kind, per GPU and step: the plan's recorded conversions (``plan.collectives``, one record per
+  edge with its per-axis forward and backward collectives) re-priced step by step with ``autopart.cost``, plus the
+  gradient reduction after backward (``plan.reduced``) and, for a pipeline, the stage-to-stage send/recv. Volume is
+  the bytes each GPU puts on the wire (nccl-tests bus bytes: all-reduce 2(n-1)/n S, all-gather, reduce-scatter,
+  all-to-all (n-1)/n S, send/recv S). Without a pipeline the times sum to ``plan.predicted["comm_s"]``; with one
+  they are a stage's average (the stage plan's records over the degree; parameter gathers once per micro-batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import re
+import signal
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopart.cost import Cluster, collective_time
+from autopart.cost.cluster import PRESETS, load_preset
+from autopart.cost.cluster import preset as make_preset
+from autopart.placement import Replicate, Shard, parse_spec
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations", "other")
+
+# family -> (module, model class, config class). moe and mamba are imported when asked for: their modules may not
+# exist in every checkout
+FAMILIES = {
+    "gpt": ("autopart.models.gpt", "GPT", "GPTConfig"),
+    "llama": ("autopart.models.llama", "Llama", "LlamaConfig"),
+    "moe": ("autopart.models.moe", "MoE", "MoEConfig"),
+    "mamba": ("autopart.models.mamba", "Mamba", "MambaConfig"),
+}
+
+# named sizes from published configurations. gpt: GPT-3 (Brown et al. 2020, Table 2.1; vocabulary padded to 50304,
+# 128-channel heads) and the 1T model of Narayanan et al. 2021 (Table 1); llama: Llama 2 (7b, 13b, 70b) and Llama 3
+# / 3.1 / 3.2 (1b, 8b, 405b) as published in their model cards / config.json
+SIZES: dict[str, dict[str, dict[str, int]]] = {
+    "gpt": {
+        "125m": dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768),
+        "350m": dict(vocab_size=50304, n_layer=24, n_head=16, d_model=1024),
+        "1.3b": dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048),
+        "2.7b": dict(vocab_size=50304, n_layer=32, n_head=32, d_model=2560),
+        "6.7b": dict(vocab_size=50304, n_layer=32, n_head=32, d_model=4096),
+        "13b": dict(vocab_size=50304, n_layer=40, n_head=40, d_model=5120),
+        "175b": dict(vocab_size=50304, n_layer=96, n_head=96, d_model=12288),
+        "1t": dict(vocab_size=50304, n_layer=128, n_head=160, d_model=25600),
+    },
+    "llama": {
+        "1b": dict(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192),
+        "7b": dict(vocab_size=32000, n_layer=32, n_head=32, n_kv_head=32, d_model=4096, d_ff=11008),
+        "8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336),
+        "13b": dict(vocab_size=32000, n_layer=40, n_head=40, n_kv_head=40, d_model=5120, d_ff=13824),
+        "70b": dict(vocab_size=32000, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672),
+        "405b": dict(vocab_size=128256, n_layer=126, n_head=128, n_kv_head=8, d_model=16384, d_ff=53248),
+    },
+}
+
+# user-facing override -> config field
+OVERRIDES = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "kv_heads": "n_kv_head",
+             "vocab": "vocab_size", "ffn": "d_ff", "experts": "n_expert", "top_k": "top_k"}
+
+SWEEP_SIZES = ("llama:1b", "llama:8b", "llama:70b", "llama:405b", "gpt:1t")
+SWEEP_GPUS = (8, 64, 512, 4096)
+
+
+class PlanTimeout(Exception):
+    """Planning ran past the per-plan cap."""
+
+
+# ---- model -----------------------------------------------------------------------------------------------------
+def _family_module(family: str):
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; families are {sorted(FAMILIES)}, or pass a factory "
+                         "'module:function' that returns an nn.Module")
+    mod_name, cls_name, cfg_name = FAMILIES[family]
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name == mod_name:
+            raise ValueError(f"model family {family!r} needs {mod_name.replace('.', '/')}.py, which this autopart "
+                             f"does not have yet; use gpt or llama, or pass a factory 'module:function'") from e
+        raise
+    return getattr(mod, cls_name), getattr(mod, cfg_name)
+
+
+def _split_model(model: str, size: str | None) -> tuple[str, str | None]:
+    """``"llama:70b"`` / ``"llama-70b"`` / (``"llama"``, ``"70b"``) -> (family, size)."""
+    if ":" in model:
+        family, _, s = model.partition(":")
+        return family, s or size
+    m = re.fullmatch(r"([a-z]+)-(.+)", model)
+    if m and m.group(1) in FAMILIES:
+        return m.group(1), m.group(2)
+    return model, size
+
+
+def model_config(model: str = "llama", size: str | None = None, seq: int | None = None, **overrides: int | None):
+    """The config dataclass of ``family`` at a named size, with overrides (``layers``, ``hidden``, ``heads``,
+    ``kv_heads``, ``vocab``, ``ffn``, ``experts``, ``top_k``) applied. Returns (family, model class, config)."""
+    family, size = _split_model(model, size)
+    cls, cfg_cls = _family_module(family)
+    cfg = cfg_cls()
+    if size:
+        key = size.lower()
+        if key in SIZES.get(family, {}):
+            cfg = dataclasses.replace(cfg, **SIZES[family][key])
+        else:
+            names = [key, f"{family}-{key}"]
+            found = None
+            for n in names:
+                try:
+                    found = cfg_cls.preset(n)
+                    break
+                except (ValueError, AttributeError):
+                    continue
+            if found is None:
+                known = sorted(SIZES.get(family, {}))
+                raise ValueError(f"unknown {family} size {size!r}; named sizes are {known}"
+                                 + (" and the presets of its config class" if hasattr(cfg_cls, "preset") else "")
+                                 + "; or give --layers/--hidden/--heads ... to describe the model")
+            cfg = found
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    changes: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in OVERRIDES:
+            raise ValueError(f"unknown model override {key!r}; overrides are {sorted(OVERRIDES)}")
+        target = OVERRIDES[key]
+        if target not in fields:
+            raise ValueError(f"model family {family!r} has no {key!r} ({target}); its config fields are "
+                             f"{sorted(fields)}")
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a whole number >= 1, got {value!r}")
+        changes[target] = value
+    if "n_head" in changes and "n_kv_head" in fields and "n_kv_head" not in changes and \
+            changes["n_head"] % cfg.n_kv_head != 0:
+        changes["n_kv_head"] = changes["n_head"]
+    if seq is not None and "max_seq_len" in fields:
+        changes["max_seq_len"] = max(seq, cfg.max_seq_len)
+    if "bias" in fields:
+        changes.setdefault("bias", False)
+    try:
+        cfg = dataclasses.replace(cfg, **changes)
+    except ValueError as e:
+        raise ValueError(f"{family} with {changes}: {e}") from e
+    return family, cls, cfg
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function (it returns an ``nn.Module``, or ``(module, example_inputs,
+    example_kwargs)``)."""
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise ValueError(f"factory {spec!r}: write 'package.module:function'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"factory {spec!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH?") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"factory {spec!r}: {mod_name} has no function {fn_name!r}")
+    return fn
+
+
+def _vocab_of(model: nn.Module) -> int:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    v = getattr(cfg, "vocab_size", None)
+    if v:
+        return int(v)
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return m.num_embeddings
+    raise ValueError("cannot tell the model's vocabulary (no cfg.vocab_size, no nn.Embedding): return "
+                     "(model, example_inputs, example_kwargs) from the factory")
+
+
+def build(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
+          batch: int = 8, seq: int = 2048, dtype: torch.dtype = torch.bfloat16, **overrides) -> tuple:
+    """(description, module on ``meta``, example_inputs, example_kwargs, config or None)."""
+    cfg = None
+    with torch.device("meta"):
+        if factory is not None:
+            fn = load_factory(factory) if isinstance(factory, str) else factory
+            out = fn()
+            if isinstance(out, tuple):
+                module, inputs, kwargs = (list(out) + [None, None])[:3]
+                inputs, kwargs = tuple(inputs or ()), dict(kwargs or {})
+            else:
+                module, inputs, kwargs = out, None, None
+            if not isinstance(module, nn.Module):
+                raise ValueError(f"factory {factory!r} returned {type(module).__name__}, not an nn.Module")
+            module = module.to(device="meta", dtype=dtype)
+            if inputs is None:
+                ids = torch.randint(0, _vocab_of(module), (batch, seq))
+                inputs, kwargs = (ids,), {"labels": ids}
+            name = factory if isinstance(factory, str) else getattr(factory, "__name__", "factory")
+            cfg = getattr(module, "cfg", None)
+        else:
+            family, size = _split_model(model or "llama", size)
+            family, cls, cfg = model_config(family, size, seq=seq, **overrides)
+            module = cls(cfg).to(dtype)
+            ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+            inputs, kwargs = (ids,), {"labels": ids}
+            name = f"{family}:{size}" if size else family
+            if any(v is not None for v in overrides.values()):
+                name += " (" + ", ".join(f"{k}={v}" for k, v in overrides.items() if v is not None) + ")"
+    return name, module, inputs, kwargs, cfg
+
+
+def model_flops(model: nn.Module, traced, tokens: int) -> tuple[float, int, int]:
+    """(model FLOPs per step, parameters, parameters that multiply activations): 6 N T + attention (module doc)."""
+    seen: set[int] = set()
+    linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookup_only = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_ids
+    cfg = getattr(model, "cfg", None)
+    n_expert, top_k = getattr(cfg, "n_expert", 0) or 0, getattr(cfg, "top_k", 0) or 0
+    total = matmul = 0.0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if id(p) in lookup_only:
+            continue
+        scale = top_k / n_expert if n_expert and "expert" in name else 1.0
+        matmul += p.numel() * scale
+    attention = 0.0
+    for n in traced.graph.nodes:
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target):
+            q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+            *batch, s_q, d = q.shape
+            attention += 3 * 4 * math.prod(batch) * s_q * k.shape[-2] * d
+    return 6 * matmul * tokens + attention, int(total), int(matmul)
+
+
+# ---- reading a plan --------------------------------------------------------------------------------------------
+def _local_bytes(val: torch.Tensor, spec, mesh) -> float:
+    f = math.prod(n for p, n in zip(spec, mesh) if isinstance(p, Shard))
+    return math.prod(val.shape) * val.dtype.itemsize / f
+
+
+def _bus_bytes(kind: str, nbytes: float, n: int) -> float:
+    if n == 1:
+        return 0.0
+    return nbytes * {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n)
+
+
+def _producer(node):
+    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem":
+        return node.args[0], node.args[1]
+    return node, None
+
+
+def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
+    """Re-price ``plan.collectives`` step by step with the planner's own ``transition_time`` (one mesh axis at a
+    time). Returns ({"activations": ({kind: s}, {kind: bus bytes}), "parameters": (...)}, seconds per record):
+    conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
+    ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
+    alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways)."""
+    from autopart.planner import transition_time
+    from autopart.strategy.registry import tensor_inputs
+
+    nodes = {n.name: n for n in traced.graph.nodes}
+    mesh = cluster.mesh_shape
+    t: dict[str, float] = defaultdict(float)
+    b: dict[str, float] = defaultdict(float)
+    param_t: dict[str, float] = defaultdict(float)
+    param_b: dict[str, float] = defaultdict(float)
+    per_record = []
+    for rec in plan.collectives:
+        user, value = nodes[rec["user"]], nodes[rec["value"]]
+        u, idx = _producer(value)
+        out = plan.nodes[u.name]["output"]
+        src = parse_spec(out[idx] if isinstance(out, list) else out)
+        dst = parse_spec(plan.nodes[user.name]["inputs"][tensor_inputs(user).index(value)])
+        is_param = plan.nodes[u.name]["op"] == "param"
+        regather = is_param and plan.zero.get(traced.params.get(u.name, ""), 0) == 3
+        val = value.meta["val"]
+        cur = list(src)
+        rec_t = 0.0
+        for axis, fwd, bwd in rec["steps"]:
+            nxt = list(cur)
+            nxt[axis] = dst[axis]
+            split = tuple(i == axis and bwd in ("all_reduce", "reduce_scatter") for i in range(len(mesh)))
+            dt = transition_time(val, tuple(cur), tuple(nxt), split, bwd != "none", cluster, regather=regather)
+            kinds = [k for k in (fwd, bwd) if k in KINDS] + (["all_gather"] if regather and fwd == "all_gather" else [])
+            full = list(cur)
+            full[axis] = Replicate()
+            nbytes = _local_bytes(val, full, mesh)
+            for kind in kinds:
+                sent = nbytes / mesh[axis] if kind == "all_to_all" else nbytes  # a rank's buffer is its shard
+                (param_t if is_param else t)[kind] += dt / len(kinds)
+                (param_b if is_param else b)[kind] += _bus_bytes(kind, sent, mesh[axis])
+            rec_t += dt
+            cur = nxt
+        per_record.append(rec_t)
+    return {"activations": (t, b), "parameters": (param_t, param_b)}, per_record
+
+
+def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bus bytes) of the gradient all-reduce after backward, bucketed per set of reduced axes."""
+    mesh = cluster.mesh_shape
+    node_of = {}
+    for name, fqn in traced.params.items():
+        node_of.setdefault(fqn, name)
+    nodes = {n.name: n for n in traced.graph.nodes}
+    buckets: dict[tuple[int, ...], float] = defaultdict(float)
+    for fqn, axes in plan.reduced.items():
+        val = nodes[node_of[fqn]].meta["val"]
+        buckets[tuple(axes)] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh)
+    secs = nbytes = 0.0
+    for axes, size in buckets.items():
+        for i in axes:
+            secs += collective_time("all_reduce", size, mesh[i], cluster.link(i))
+            nbytes += _bus_bytes("all_reduce", size, mesh[i])
+    return secs, nbytes
+
+
+def communication(plan, traced) -> dict[str, dict[str, float]]:
+    """Per GPU and step, by collective kind: {"time_s", "bytes"} (module doc), plus "gradient_all_reduce" (part of
+    all_reduce, reported apart)."""
+    stage = Cluster.from_json(plan.cluster)
+    parts, _ = edge_comm(plan, traced, stage)
+    (at, ab), (pt, pb) = parts["activations"], parts["parameters"]
+    gt, gb = gradient_comm(plan, traced, stage)
+    pp = plan.pipeline
+    out = {k: {"time_s": 0.0, "bytes": 0.0} for k in KINDS}
+    if not pp:
+        for k in KINDS:
+            out[k]["time_s"] = at[k] + pt[k]
+            out[k]["bytes"] = ab[k] + pb[k]
+        out["all_reduce"]["time_s"] += gt
+        out["all_reduce"]["bytes"] += gb
+        out["gradient_all_reduce"] = {"time_s": gt, "bytes": gb}
+        return out
+    p, m = int(pp["degree"]), int(pp["micro_batches"])
+    for k in KINDS:  # the stage plan holds the whole model at the whole batch: a stage's share is 1/p of it
+        out[k]["time_s"] = (at[k] + m * pt[k]) / p
+        out[k]["bytes"] = (ab[k] + m * pb[k]) / p
+    out["all_reduce"]["time_s"] += pp["gradient_reduction_s"]
+    out["all_reduce"]["bytes"] += gb / p
+    out["gradient_all_reduce"] = {"time_s": pp["gradient_reduction_s"], "bytes": gb / p}
+    v = int(pp.get("virtual") or 1) if pp["schedule"] == "interleaved" else 1
+    send = max(st.get("send_bytes", 0.0) for st in pp["stages"])
+    out["send_recv"] = {"time_s": m * v * pp["p2p_s"], "bytes": 2 * m * v * send}
+    return out
+
+
+def memory(plan) -> dict[str, Any]:
+    """Memory per GPU at the binding peak, by kind (``MEMORY_KINDS`` sum to ``peak``), and which moment binds."""
+    pred = plan.predicted["memory_bytes"]
+    if plan.pipeline:
+        st = max(plan.pipeline["stages"], key=lambda s: s["memory_bytes"]["total"])
+        # stages under interleaving: a rank holds all its chunks
+        per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for s in plan.pipeline["stages"]:
+            for k, v in s["memory_bytes"].items():
+                per_rank[s["rank"]][k] += v
+        rank = max(per_rank, key=lambda r: per_rank[r]["total"])
+        mb = per_rank[rank]
+        sharding = plan.predicted.get("sharding_only", {}).get("memory_bytes", {})
+        params = sharding.get("parameters", 0.0) + sharding.get("gathered_parameters", 0.0)
+        opt = sharding.get("optimizer_states", 0.0)
+        frac = params / (params + opt) if params + opt > 0 else 1.0
+        kinds = {"parameters": mb["states"] * frac, "gradients": mb["gradients"],
+                 "optimizer_states": mb["states"] * (1 - frac), "activations": mb["activations"], "other": 0.0}
+        return {"by_kind": kinds, "peak": mb["total"], "binds_at": f"pipeline rank {rank} (stage {st['index']} "
+                "the fullest chunk)", "note": "states split into parameters and optimizer states in the ratio of "
+                                              "the stage plan's"}
+    states = pred["parameters"] + pred["optimizer_states"] + pred.get("buffers", 0.0)
+    fwd, bwd = pred["peak_forward"], pred["peak_backward"]
+    if fwd >= bwd:
+        kinds = {"parameters": pred["parameters"] + pred["gathered_parameters"], "gradients": 0.0,
+                 "optimizer_states": pred["optimizer_states"],
+                 "activations": fwd - states - pred["gathered_parameters"], "other": pred.get("buffers", 0.0)}
+        at = "end of forward (saved activations, no gradients yet)"
+    else:
+        kinds = {"parameters": pred["parameters"], "gradients": bwd - states,
+                 "optimizer_states": pred["optimizer_states"], "activations": 0.0, "other": pred.get("buffers", 0.0)}
+        at = "end of backward (gradients and one reduction bucket, activations freed)"
+    return {"by_kind": kinds, "peak": pred["total"], "binds_at": at}
+
+
+def _block_param(fqn: str) -> bool:
+    return re.search(r"\.\d+\.", fqn) is not None
+
+
+def strategy(plan, traced=None) -> dict[str, Any]:
+    """What the plan does, in the usual words: degrees of data (dp), tensor (tp), pipeline (pp), context (cp)
+    parallelism, ZeRO level, checkpointing, micro-batches; a short name (``DP``, ``ZeRO-3``, ``TP``, ``TP+PP+DP``)."""
+    mesh = plan.mesh_shape
+    gathered: set[tuple[str, int]] = set()
+    for rec in plan.collectives:
+        if plan.nodes.get(rec["value"], {}).get("op") == "param":
+            for axis, fwd, _ in rec["steps"]:
+                if fwd == "all_gather":
+                    gathered.add((rec["value"], axis))
+    node_of = {fqn: name for name, fqn in (traced.params.items() if traced is not None else ())}
+    if not node_of:
+        node_of = {fqn: "p_" + fqn.replace(".", "_") for fqn in plan.params}
+    roles: list[set[str]] = [set() for _ in mesh]
+    for fqn, spec in plan.params.items():
+        if not _block_param(fqn):
+            continue
+        for i, p in enumerate(parse_spec(spec)):
+            if isinstance(p, Shard) and mesh[i] > 1:
+                roles[i].add("zero" if (node_of.get(fqn), i) in gathered else "tp")
+    attn = [r for r in plan.nodes.values() if "scaled_dot_product" in r["op"] and r["layer"]]
+    acts = attn or [r for r in plan.nodes.values() if r["layer"] and ("linear" in r["op"] or "mm" in r["op"])]
+    for rec in acts:
+        for i, p in enumerate(parse_spec(rec["inputs"][0])):
+            if not isinstance(p, Shard) or mesh[i] == 1:
+                continue
+            if p.dim == 0:
+                roles[i].add("dp")
+            elif (attn and p.dim == 2) or (not attn and p.dim == 1):
+                roles[i].add("cp")
+            elif attn and p.dim == 1:
+                roles[i].add("tp")
+    deg = {r: math.prod(n for n, rs in zip(mesh, roles) if r in rs) for r in ("dp", "tp", "cp")}
+    links = [(x["alpha"], x["beta"]) for x in plan.cluster["links"]]
+    fastest = min(b for _, b in links)
+    pp = plan.pipeline or {}
+    zero = max((v for k, v in plan.zero.items() if _block_param(k)), default=0)
+    out = {"dp": deg["dp"], "tp": deg["tp"], "cp": deg["cp"], "pp": int(pp.get("degree", 1)), "zero": zero,
+           "axes": {f"{name}={n}": "+".join(sorted(rs)) or "idle" for name, n, rs in
+                    zip(plan.axis_names, mesh, roles)},
+           "tp_intra_node": all(links[i][1] == fastest for i, rs in enumerate(roles) if "tp" in rs),
+           "mixed_axes": [plan.axis_names[i] for i, rs in enumerate(roles) if len(rs & {"dp", "tp", "cp"}) > 1],
+           "checkpointed_layers": len(plan.checkpoint), "checkpoint": sorted(set(plan.checkpoint.values())),
+           "micro_batches": int(pp.get("micro_batches", 1)), "schedule": pp.get("schedule", ""),
+           "offload": list(plan.offload)}
+    parts = [x.upper() for x in ("tp", "pp", "cp") if out[x] > 1]
+    if out["dp"] > 1:
+        parts.append("DP")
+    name = "+".join(parts) or "single GPU"
+    if name == "DP" and zero:
+        name = f"ZeRO-{zero}"
+    elif zero:
+        name += f" (ZeRO-{zero})"
+    if out["mixed_axes"]:
+        name += " mixed per layer"
+    out["name"] = name
+    layout = [f"{k}: {v}" for k, v in out["axes"].items() if not k.endswith("=1")]
+    if pp:
+        sched = pp["schedule"] + (f"v{pp.get('virtual')}" if pp["schedule"] == "interleaved" else "")
+        layout.append(f"pp{pp['degree']} on {pp['axis_name']} m={pp['micro_batches']} {sched}")
+    if zero:
+        layout.append(f"zero{zero}")
+    if plan.checkpoint:
+        layout.append(f"ckpt {len(plan.checkpoint)}")
+    if plan.offload:
+        layout.append("offload " + "+".join(plan.offload))
+    out["layout"] = ", ".join(layout) or "replicated"
+    return out
+
+
+def terms(plan, traced, comm: dict | None = None) -> dict[str, float]:
+    """Step time per GPU split into compute (recomputation included), each collective kind, and what is left: the
+    pipeline bubble and stage imbalance (zero without a pipeline). Sums to the predicted step."""
+    comm = comm or communication(plan, traced)
+    step = plan.predicted["step_time_s"]
+    pp = plan.pipeline
+    if pp:
+        ckpt = {lay for st in pp["stages"] for lay in st["checkpointed"]}
+        rec = sum(r.get("fwd_s", 0.0) for r in plan.nodes.values() if r["layer"] in ckpt
+                  and r.get("region") not in ("", "layer_output", None))
+        compute = (sum(r.get("compute_s", 0.0) for r in plan.nodes.values()) + rec) / int(pp["degree"])
+    else:
+        compute = plan.predicted["compute_s"]
+    out = {"compute": compute}
+    out.update({k: comm[k]["time_s"] for k in KINDS})
+    out["bubble_and_imbalance"] = step - sum(out.values())
+    return out
+
+
+# ---- the advice ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Advice:
+    """One what-if plan read as practitioners' numbers (``to_json()`` for the fields)."""
+
+    model: str
+    params: int
+    cluster: str
+    gpus: int
+    mesh: tuple[int, ...]
+    batch: int
+    seq: int
+    fits: bool
+    binding: str = ""  # why nothing fits
+    strategy: dict = field(default_factory=dict)
+    step_time_s: float = math.nan
+    tokens_per_s: float = math.nan
+    model_flops_per_step: float = math.nan
+    tflops_per_gpu: float = math.nan
+    peak_tflops_per_gpu: float = math.nan
+    mfu: float = math.nan
+    memory: dict = field(default_factory=dict)
+    memory_budget: float = math.nan
+    communication: dict = field(default_factory=dict)
+    terms: dict = field(default_factory=dict)
+    trace_s: float = 0.0
+    plan_s: float = 0.0
+    plan: Any = None  # the Plan (not in to_json; save it with plan.save)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        d["mesh"] = list(self.mesh)
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+    def __str__(self) -> str:
+        head = (f"{self.model} ({self.params / 1e9:.2f}B parameters) on {self.gpus} x {self.cluster} "
+                f"(mesh {'x'.join(map(str, self.mesh))}), batch {self.batch} x {self.seq} tokens")
+        if not self.fits:
+            return f"{head}\ndoes not fit: {self.binding}"
+        s = self.strategy
+        lines = [head, f"strategy {s['name']}: {s['layout']}",
+                 f"step {self.step_time_s:.4g} s, {self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_gpu:.1f} "
+                 f"TFLOP/s per GPU, MFU {self.mfu:.1%}",
+                 "memory/GPU: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.memory["by_kind"].items())
+                 + f"; peak {self.memory['peak'] / 2**30:.2f} of {self.memory_budget / 2**30:.2f} GiB",
+                 "communication/GPU/step: " + ", ".join(
+                     f"{k} {v['bytes'] / 2**30:.2f} GiB {v['time_s'] * 1e3:.1f} ms"
+                     for k, v in self.communication.items() if k in KINDS and v["bytes"] > 0),
+                 f"planned in {self.plan_s:.1f} s after a {self.trace_s:.1f} s trace"]
+        return "\n".join(lines)
+
+
+def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
+    """A preset name, a path to a JSON/TOML cluster file (registered as a preset), or a ``Cluster``."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if cluster in PRESETS:
+        return cluster
+    if cluster.endswith((".json", ".toml")):
+        return load_preset(cluster)
+    raise ValueError(f"unknown cluster {cluster!r}: give a preset {sorted(PRESETS)} or the path of a .json/.toml "
+                     "cluster file (format: autopart.cost.cluster.load_preset)")
+
+
+def _mesh_cluster(cluster: str | Cluster, nodes: int, gpus_per_node: int) -> Cluster:
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes} and {gpus_per_node}")
+    shape = (nodes, gpus_per_node)
+    c = resolve_cluster(cluster)
+    return c.with_mesh(shape) if isinstance(c, Cluster) else make_preset(c, shape)
+
+
+def state_floor(params: int, gpus: int, state_bytes: float, offload_bytes: float) -> float:
+    """Bytes per GPU of model states with every state sharded over every GPU (ZeRO-3 over all of them) and the
+    optimizer offloaded: a plan needs at least this (``offload_bytes``: the optimizer's share)."""
+    return params * (state_bytes - offload_bytes) / gpus
+
+
+def _binding(err: Exception, params: int, gpus: int, cl: Cluster, state_bytes: float) -> str:
+    budget = cl.memory_budget
+    full = params * state_bytes / gpus
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if full > budget:
+        return (f"model states {params * state_bytes / 2**30:,.0f} GiB ({state_bytes:g} B/parameter) are "
+                f"{full / 2**30:.1f} GiB per GPU even sharded over all {gpus} GPUs, over the "
+                f"{budget / 2**30:.1f} GiB budget ({first})")
+    return (f"activations and working memory: model states fully sharded take {full / 2**30:.1f} GiB per GPU of "
+            f"{budget / 2**30:.1f}, the rest does not fit the batch ({first})")
+
+
+class _Cap:
+    """``with _Cap(seconds):`` raises ``PlanTimeout`` in the main thread after ``seconds`` (no-op if 0/None)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def __enter__(self):
+        if self.seconds:
+            def fire(signum, frame):
+                raise PlanTimeout(f"planning took more than {self.seconds:g} s")
+
+            self.old = signal.signal(signal.SIGALRM, fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+
+
+def advise(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
+           cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int = 8, batch: int | None = None,
+           seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
+           time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
+           traced=None, **overrides: int | None) -> Advice:
+    """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
+    ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
+    ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
+    ``heads``, ``kv_heads``, ``vocab``, ``ffn``, ``experts``, ``top_k``; or ``factory`` ("module:function" or a
+    callable returning an ``nn.Module`` or ``(module, inputs, kwargs)``). ``batch`` is the global batch in
+    sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param`` optimizer bytes (12:
+    Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO). ``max_plan_s`` caps the
+    planning time (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
+    returns ``fits=False`` with the reason in ``binding``.
+
+    >>> print(autopart.advise("llama", "70b", cluster="h100-80gb", nodes=8, seq=4096))
+    """
+    import autopart
+    from autopart.trace import trace
+
+    cl = _mesh_cluster(cluster, nodes, gpus_per_node)
+    gpus = cl.world_size
+    batch = batch or gpus
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    if built is None:
+        built = build(model, size, factory=factory, batch=batch, seq=seq, dtype=dtype, **overrides)
+    name, module, inputs, kwargs, _ = built
+    n_params = sum(p.numel() for p in module.parameters())
+    itemsize = next(module.parameters()).dtype.itemsize
+    state_bytes = 2 * itemsize + optimizer_bytes_per_param
+    base = dict(model=name, params=n_params, cluster=cl.name, gpus=gpus, mesh=tuple(cl.mesh_shape),
+                batch=int(inputs[0].shape[0]) if inputs else batch, seq=int(inputs[0].shape[1]) if inputs and
+                inputs[0].dim() > 1 else seq, memory_budget=float(cl.memory_budget),
+                peak_tflops_per_gpu=cl.device.peak_flops / 1e12)
+    floor = state_floor(n_params, gpus, state_bytes, optimizer_bytes_per_param)
+    if floor > cl.memory_budget:  # no trace needed: nothing can fit
+        return Advice(fits=False, binding=(
+            f"model states: {floor / 2**30:.1f} GiB per GPU even with every state sharded over all {gpus} GPUs "
+            f"and the optimizer offloaded, over the {cl.memory_budget / 2**30:.1f} GiB budget; use more GPUs"),
+            **base)
+    t0 = time.perf_counter()
+    traced = traced or trace(module, inputs, kwargs)
+    base["trace_s"] = time.perf_counter() - t0 if traced.export_seconds == 0 else traced.export_seconds
+    tokens = base["batch"] * base["seq"]
+    base["model_flops_per_step"], _, _ = model_flops(module, traced, tokens)
+    t0 = time.perf_counter()
+    try:
+        with _Cap(max_plan_s):
+            plan = autopart.plan(module, autopart.mesh(cl.mesh_shape, ("node", "gpu")), inputs, kwargs,
+                                 cluster=cl, traced=traced, time_limit_s=time_limit_s,
+                                 optimizer_bytes_per_param=optimizer_bytes_per_param)
+    except PlanTimeout as e:
+        return Advice(fits=False, binding=f"not planned: {e} (raise max_plan_s)", plan_s=time.perf_counter() - t0,
+                      **base)
+    except ValueError as e:
+        return Advice(fits=False, binding=_binding(e, n_params, gpus, cl, state_bytes),
+                      plan_s=time.perf_counter() - t0, **base)
+    plan_s = time.perf_counter() - t0
+    return read_plan(plan, traced, base, plan_s)
+
+
+def read_plan(plan, traced, base: dict, plan_s: float = 0.0) -> Advice:
+    """An ``Advice`` from a plan of the traced model (``base``: the fields that describe the run)."""
+    step = plan.predicted["step_time_s"]
+    comm = communication(plan, traced)
+    tflops = base["model_flops_per_step"] / step / base["gpus"] / 1e12
+    return Advice(fits=True, strategy=strategy(plan, traced), step_time_s=step,
+                  tokens_per_s=base["batch"] * base["seq"] / step, tflops_per_gpu=tflops,
+                  mfu=tflops / base["peak_tflops_per_gpu"], memory=memory(plan), communication=comm,
+                  terms=terms(plan, traced, comm), plan_s=plan_s, plan=plan, **base)
+
+
+# ---- published practice and the sweep --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recipe:
+    """What published practice would run (Megatron-LM / N21): ``kind`` is DP, TP or TP+PP."""
+
+    kind: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batches: int | None = None
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} (tp={self.tp} pp={self.pp} dp={self.dp})"
+
+
+def practice(params: int, layers: int, hidden: int, gpus: int, gpus_per_node: int, budget: float, batch: int,
+             seq: int, state_bytes: float = 16.0, act_bytes_per_token_layer: float | None = None) -> Recipe | None:
+    """Published practice (N21 section 3.3, K22): data parallel while the model states and activations fit one
+    GPU (ZeRO-1's sharded optimizer allowed); else tensor parallel inside a node, the smallest degree that fits;
+    else tensor parallel over the whole node and pipeline stages across nodes, the fewest that fit. Memory per GPU
+    as K22: states (state_bytes per parameter, the optimizer's 12 sharded over data-parallel ranks) plus
+    activations 34 s b h / t bytes per layer (selective recompute), L layers in flight under 1F1B. None: nothing
+    fits."""
+    act = act_bytes_per_token_layer or 34 * hidden
+    opt = state_bytes - 4
+
+    def mem(t: int, p: int, d: int, tokens_in_flight: float) -> float:
+        return params * (4 + opt / d) / (t * p) + act * tokens_in_flight * layers / (t * p) * (p if p > 1 else 1)
+
+    if batch % gpus == 0 and mem(1, 1, gpus, batch // gpus * seq) <= budget:
+        return Recipe("DP", 1, 1, gpus, why="model states and activations fit one GPU")
+    for t in (2, 4, 8):
+        if t > gpus_per_node or gpus % t or batch % (gpus // t):
+            continue
+        if mem(t, 1, gpus // t, batch // (gpus // t) * seq) <= budget:
+            return Recipe("TP", t, 1, gpus // t, why=f"states do not fit one GPU; tensor parallel {t} inside a node "
+                                                       "does")
+    t = min(8, gpus_per_node, gpus)
+    for p in range(2, min(layers, gpus // t) + 1):
+        if (gpus // t) % p or batch % (gpus // (t * p)):
+            continue
+        d = gpus // (t * p)
+        if mem(t, p, d, seq) <= budget:  # 1F1B, micro-batch of one sequence: L layers' activations in flight
+            return Recipe("TP+PP", t, p, d, micro_batches=batch // d,
+                          why=f"tensor parallel {t} in a node is not enough; {p} pipeline stages across nodes")
+    return None
+
+
+def agrees(rec: Recipe, s: dict) -> bool:
+    """Does a plan's strategy ``s`` (``strategy()``) fall in the recipe's family?"""
+    if rec.kind == "DP":
+        return s["tp"] == 1 and s["pp"] == 1 and s["cp"] == 1
+    if rec.kind == "TP":
+        return s["tp"] > 1 and s["tp_intra_node"] and s["pp"] == 1
+    return s["tp"] > 1 and s["tp_intra_node"] and s["pp"] > 1
+
+
+def compare(plan_advice: Advice, recipe_advice: Advice) -> dict[str, Any]:
+    """Term-by-term difference recipe - plan (seconds per step; positive: the recipe pays more there) and the term
+    that decided."""
+    if not recipe_advice.fits:
+        return {"decided_by": "memory", "detail": f"the recipe does not fit: {recipe_advice.binding}", "diff": {}}
+    keys = list(dict.fromkeys([*plan_advice.terms, *recipe_advice.terms]))
+    diff = {k: recipe_advice.terms.get(k, 0.0) - plan_advice.terms.get(k, 0.0) for k in keys}
+    gain = recipe_advice.step_time_s - plan_advice.step_time_s
+    if gain >= 0:
+        key = max(diff, key=lambda k: diff[k])
+        detail = (f"the recipe is {gain * 1e3:.1f} ms/step slower; most of it in {key} "
+                  f"(+{diff[key] * 1e3:.1f} ms)")
+    else:
+        key = min(diff, key=lambda k: diff[k])
+        detail = (f"the recipe is {-gain * 1e3:.1f} ms/step FASTER than autopart's plan (the search missed it); "
+                  f"it saves most in {key} ({diff[key] * 1e3:.1f} ms)")
+    return {"decided_by": key, "detail": detail, "diff": diff, "recipe_step_s": recipe_advice.step_time_s,
+            "recipe_mfu": recipe_advice.mfu}
+
+
+def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: dict, time_limit_s: float,
+                    optimizer_bytes_per_param: float, max_plan_s: float | None) -> Advice:
+    import autopart
+
+    _, module, inputs, kwargs, _ = built
+    t0 = time.perf_counter()
+    try:
+        with _Cap(max_plan_s):
+            plan = autopart.evaluate(module, base["gpus"], inputs, kwargs, cluster=cluster, tp=rec.tp, pp=rec.pp,
+                                     micro_batches=rec.micro_batches, zero=None, offload=None, traced=traced,
+                                     time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param)
+    except (ValueError, PlanTimeout) as e:
+        return Advice(fits=False, binding=str(e).strip().splitlines()[0], plan_s=time.perf_counter() - t0, **base)
+    return read_plan(plan, traced, base, time.perf_counter() - t0)
+
+
+def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ...] = SWEEP_GPUS,
+          cluster: str | Cluster = "h100-80gb", gpus_per_node: int = 8, seq: int = 4096, batch_per_gpu: int = 1,
+          time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
+          log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
+    GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
+    strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
+    Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
+    deciding cost term reported."""
+    from autopart.trace import trace
+
+    rows = []
+    for spec in sizes:
+        for gpus in gpu_counts:
+            if gpus % gpus_per_node and gpus > gpus_per_node:
+                raise ValueError(f"{gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes")
+            nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
+            cl = _mesh_cluster(cluster, nodes, per_node)
+            batch = batch_per_gpu * gpus
+            kw = dict(spec) if isinstance(spec, dict) else {"model": spec}
+            label = kw.pop("label", None)
+            built = build(batch=batch, seq=seq, **kw)
+            label = label or built[0]
+            _, module, inputs, kwargs, cfg = built
+            n_params = sum(p.numel() for p in module.parameters())
+            floor = state_floor(n_params, gpus, 2 * 2 + optimizer_bytes_per_param, optimizer_bytes_per_param)
+            if floor > cl.memory_budget:  # skip the trace: no plan can fit
+                adv = Advice(model=built[0], params=n_params, cluster=cl.name, gpus=gpus, mesh=cl.mesh_shape,
+                             batch=batch, seq=seq, fits=False, memory_budget=float(cl.memory_budget),
+                             binding=f"model states: {floor / 2**30:.0f} GiB per GPU even fully sharded with the "
+                                     f"optimizer offloaded > {cl.memory_budget / 2**30:.0f} GiB")
+                traced = None
+            else:
+                t0 = time.perf_counter()
+                traced = trace(module, inputs, kwargs)
+                traced.export_seconds = time.perf_counter() - t0
+                adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
+                             built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
+                             optimizer_bytes_per_param=optimizer_bytes_per_param)
+            row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
+            rec = practice(n_params, cfg.n_layer, cfg.d_model, gpus, per_node, cl.memory_budget, batch, seq,
+                           2 * 2 + optimizer_bytes_per_param)
+            row["practice"] = rec
+            if rec is None:
+                row["agrees"] = not adv.fits
+                row["comparison"] = {"decided_by": "memory", "detail": (
+                    f"no in-GPU recipe of practice fits; autopart fits with {adv.strategy['layout']}" if adv.fits
+                    else "practice has no recipe that fits either")}
+            elif not adv.fits:
+                row["agrees"] = False
+                row["comparison"] = {"decided_by": "memory", "detail": f"practice suggests {rec}; autopart found "
+                                                                       f"no plan: {adv.binding}"}
+            else:
+                row["agrees"] = agrees(rec, adv.strategy)
+                if not row["agrees"]:
+                    rec_adv = evaluate_recipe(rec, built, traced, cl, {k: getattr(adv, k) for k in (
+                        "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
+                        "memory_budget", "peak_tflops_per_gpu", "trace_s")}, time_limit_s,
+                        optimizer_bytes_per_param, max_plan_s)
+                    row["comparison"] = compare(adv, rec_adv)
+            rows.append(row)
+            if log:
+                log(sweep_line(row))
+    return rows
+
+
+def sweep_line(row: dict) -> str:
+    adv: Advice = row["advice"]
+    rec = row.get("practice")
+    what = (f"{adv.strategy['name']} [{adv.strategy['layout']}] step {adv.step_time_s:.3g} s MFU {adv.mfu:.1%}"
+            if adv.fits else f"does not fit: {adv.binding}")
+    out = f"{row['model']} ({row['params'] / 1e9:.1f}B) on {row['gpus']} GPUs: {what}; planned in {adv.plan_s:.1f} s"
+    out += f"; practice {rec if rec else 'none fits'}: {'agrees' if row['agrees'] else 'differs'}"
+    if "comparison" in row:
+        out += f" ({row['comparison']['detail']})"
+    return out
+
+
+def sweep_json(rows: list[dict]) -> list[dict]:
+    out = []
+    for r in rows:
+        d = {"model": r["model"], "params": r["params"], "gpus": r["gpus"], "advice": r["advice"].to_json(),
+             "practice": dataclasses.asdict(r["practice"]) if r["practice"] else None, "agrees": r["agrees"]}
+        if "comparison" in r:
+            d["comparison"] = r["comparison"]
+        out.append(d)
+    return out
+
+
+def sweep_markdown(rows: list[dict]) -> str:
+    lines = ["| model | params | GPUs | autopart's winner | layout | step (s) | MFU | TFLOP/s/GPU | planning (s) | "
+             "published practice | agrees | deciding term (recipe - plan) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a: Advice = r["advice"]
+        rec = r["practice"]
+        cmp_ = r.get("comparison", {})
+        if a.fits:
+            cells = [a.strategy["name"], a.strategy["layout"], f"{a.step_time_s:.3g}", f"{a.mfu:.1%}",
+                     f"{a.tflops_per_gpu:.0f}"]
+        else:
+            cells = ["does not fit", a.binding.split(" (")[0], "-", "-", "-"]
+        lines.append(f"| {r['model']} | {r['params'] / 1e9:.1f}B | {r['gpus']} | " + " | ".join(cells) +
+                     f" | {a.plan_s:.1f} | {rec if rec else 'none fits'} | {'yes' if r['agrees'] else 'no'} | "
+                     f"{cmp_.get('detail', '')} |")
+    return "\n".join(lines)
+
+
+def sweep_chart(rows: list[dict], path: str, title: str = "") -> str:
+    """A PNG: model size (rows) x GPU count (columns), each cell colored by the winning strategy family and
+    labelled with its layout and MFU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    gpus = sorted({r["gpus"] for r in rows})
+    families = ["DP", "ZeRO", "TP", "TP+DP", "PP", "TP+PP", "CP", "does not fit"]
+    colors = dict(zip(families, ["#4c9be8", "#8fc4f5", "#f2a541", "#f7c873", "#b07cc6", "#e0675a", "#5cb85c",
+                                 "#d9d9d9"]))
+
+    def family(a: Advice) -> str:
+        if not a.fits:
+            return "does not fit"
+        s = a.strategy
+        if s["cp"] > 1:
+            return "CP"
+        if s["tp"] > 1 and s["pp"] > 1:
+            return "TP+PP"
+        if s["pp"] > 1:
+            return "PP"
+        if s["tp"] > 1:
+            return "TP+DP" if s["dp"] > 1 else "TP"
+        return "ZeRO" if s["zero"] else "DP"
+
+    fig, ax = plt.subplots(figsize=(2.6 * len(gpus) + 1.5, 1.1 * len(models) + 1.5))
+    for r in rows:
+        i, j = models.index(r["model"]), gpus.index(r["gpus"])
+        a: Advice = r["advice"]
+        fam = family(a)
+        ax.add_patch(plt.Rectangle((j, i), 1, 1, color=colors[fam], ec="white"))
+        text = f"{a.strategy['name']}\n{a.strategy['layout']}\nMFU {a.mfu:.0%}" if a.fits else "does not fit"
+        if not r["agrees"] and a.fits:
+            text += "\n(differs from practice)"
+        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7, wrap=True)
+    ax.set_xlim(0, len(gpus))
+    ax.set_ylim(0, len(models))
+    ax.set_xticks([j + 0.5 for j in range(len(gpus))], [str(g) for g in gpus])
+    ax.set_yticks([i + 0.5 for i in range(len(models))],
+                  [f"{m}\n{next(r['params'] for r in rows if r['model'] == m) / 1e9:.1f}B" for m in models])
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("model")
+    ax.invert_yaxis()
+    used = [f for f in families if any(family(r["advice"]) == f for r in rows)]
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[f]) for f in used], labels=used,
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(used), fontsize=8)
+    ax.set_title(title or "autopart design guide: winning strategy per model size and GPU count")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

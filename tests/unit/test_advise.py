@@ -1,0 +1,265 @@
+"""``autopart advise``: what-if planning of models described by size on clusters we do not have (meta device, no
+process group). Small models only: every plan here takes about a second."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopart
+from autopart.cli import main
+from autopart.cost.cluster import PRESETS, load_preset, preset
+
+adv = importlib.import_module("autopart.advise")  # the module (``autopart.advise`` is the function)
+
+
+def tiny_factory() -> nn.Module:
+    """A factory for ``--factory tests.unit.test_advise:tiny_factory`` (built under the meta device)."""
+    from autopart.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=512, max_seq_len=256, n_layer=2, n_head=4, d_model=128))
+
+
+def tiny_factory_with_inputs():
+    from autopart.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128))
+    ids = torch.randint(0, 300, (16, 128))
+    return model, (ids,), {"labels": ids}
+
+
+def _check_consistent(d: dict) -> None:
+    """The identities the JSON promises (module doc of autopart.advise)."""
+    mem = d["memory"]
+    assert set(mem["by_kind"]) == set(adv.MEMORY_KINDS)
+    assert sum(mem["by_kind"].values()) == pytest.approx(mem["peak"], rel=1e-9)
+    assert all(v >= -1e-6 * mem["peak"] for v in mem["by_kind"].values()), mem
+    assert 0 < mem["peak"] <= d["memory_budget"] * (1 + 1e-9)
+    tflops = d["model_flops_per_step"] / d["step_time_s"] / d["gpus"] / 1e12
+    assert d["tflops_per_gpu"] == pytest.approx(tflops, rel=1e-9)
+    assert d["mfu"] == pytest.approx(d["tflops_per_gpu"] / d["peak_tflops_per_gpu"], rel=1e-9)
+    assert 0 < d["mfu"] < 1
+    assert d["tokens_per_s"] == pytest.approx(d["batch"] * d["seq"] / d["step_time_s"], rel=1e-9)
+    assert sum(d["terms"].values()) == pytest.approx(d["step_time_s"], rel=1e-9)
+    assert d["terms"]["bubble_and_imbalance"] >= -1e-9 * d["step_time_s"]
+    assert set(adv.KINDS) <= set(d["communication"])
+    for k in adv.KINDS:
+        c = d["communication"][k]
+        assert c["time_s"] >= 0 and c["bytes"] >= 0
+        assert (c["time_s"] > 0) == (c["bytes"] > 0), (k, c)
+    assert d["communication"]["gradient_all_reduce"]["time_s"] <= d["communication"]["all_reduce"]["time_s"] + 1e-12
+    s = d["strategy"]
+    assert d["gpus"] % s["pp"] == 0
+    if not s["mixed_axes"]:  # each mesh axis does one thing: the degrees multiply to at most the GPUs
+        assert s["dp"] * s["tp"] * s["cp"] * s["pp"] <= d["gpus"]
+
+
+def test_cli_advise_json_small_model(capsys) -> None:
+    rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "256", "--gpus-per-node", "8", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["gpus"] == 8 and d["mesh"] == [1, 8] and d["batch"] == 8 and d["seq"] == 256
+    assert d["model"].startswith("gpt:125m")
+    _check_consistent(d)
+    # 6 N T + attention: N counts the tied embedding once (as the head); the position table is a lookup
+    cfg = adv.model_config("gpt", "125m", seq=256, layers=2)[2]
+    h, L, V = cfg.d_model, cfg.n_layer, cfg.vocab_size
+    matmul_params = L * (12 * h * h + 2 * h) + V * h + h  # no biases (bias=False); 2L + 1 LayerNorm weights
+    attention = 3 * 4 * 8 * 256 * 256 * h * L
+    assert d["model_flops_per_step"] == pytest.approx(6 * matmul_params * 8 * 256 + attention, rel=1e-6)
+
+
+def test_cli_advise_table_and_plan_file(capsys, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(["advise", "--model", "llama", "--size", "1b", "--layers", "2", "--seq", "128", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("strategy", "MFU", "memory per GPU", "communication per GPU per step", "optimizer_states"):
+        assert word in text
+    assert autopart.Plan.load(str(out)).mesh_shape == (1, 8)
+
+
+def test_communication_reprices_the_recorded_collectives() -> None:
+    from autopart.trace import trace
+
+    built = adv.build("gpt", "125m", batch=8, seq=256, layers=2, hidden=256, heads=4)
+    traced = trace(built[1], built[2], built[3])
+    a = adv.advise(nodes=2, gpus_per_node=4, built=built, traced=traced)  # two links: NVLink and InfiniBand
+    plan = a.plan
+    assert not plan.pipeline and plan.collectives
+    _check_consistent(a.to_json())
+    _, per_record = adv.edge_comm(plan, traced, autopart.Cluster.from_json(plan.cluster))
+    assert per_record == pytest.approx([r["time_s"] for r in plan.collectives], rel=1e-9, abs=1e-15)
+    comm = adv.communication(plan, traced)
+    assert sum(comm[k]["time_s"] for k in adv.KINDS) == pytest.approx(plan.predicted["comm_s"], rel=1e-9)
+    assert comm["send_recv"]["bytes"] == 0
+    assert a.terms["bubble_and_imbalance"] == pytest.approx(0, abs=1e-9 * a.step_time_s)
+
+
+def test_pipelined_plan_reads_consistently() -> None:
+    from autopart.trace import trace
+
+    built = adv.build("llama", "1b", batch=16, seq=128, layers=4, hidden=256, heads=4, kv_heads=2, ffn=512)
+    _, model, inputs, kwargs, _ = built
+    traced = trace(model, inputs, kwargs)
+    cl = preset("h100-80gb", (2, 4))
+    plan = autopart.plan(model, autopart.mesh((2, 4), ("node", "gpu")), inputs, kwargs, cluster=cl, traced=traced,
+                         pipeline={"stages": 2, "micro_batches": 4, "schedule": "1f1b", "axis": "node"},
+                         roles={"gpu": "dp"}, optimizer_bytes_per_param=12.0)
+    assert plan.pipeline["degree"] == 2
+    base = dict(model="x", params=sum(p.numel() for p in model.parameters()), cluster=cl.name, gpus=8,
+                mesh=(2, 4), batch=16, seq=128, memory_budget=float(cl.memory_budget),
+                peak_tflops_per_gpu=cl.device.peak_flops / 1e12,
+                model_flops_per_step=adv.model_flops(model, traced, 16 * 128)[0])
+    a = adv.read_plan(plan, traced, base)
+    _check_consistent(a.to_json())
+    assert a.strategy["pp"] == 2 and a.strategy["micro_batches"] == 4 and a.strategy["schedule"] == "1f1b"
+    assert a.communication["send_recv"]["bytes"] > 0 and a.communication["send_recv"]["time_s"] > 0
+    assert a.terms["bubble_and_imbalance"] > 0  # 1F1B with 2 stages and 4 micro-batches idles
+
+
+def test_factory_path(capsys) -> None:
+    rc = main(["advise", "--factory", "tests.unit.test_advise:tiny_factory", "--seq", "64", "--json",
+               "--cluster", "a100-80gb"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["model"] == "tests.unit.test_advise:tiny_factory" and d["cluster"] == "a100-80gb"
+    assert d["params"] == sum(p.numel() for p in tiny_factory().parameters())
+    _check_consistent(d)
+    a = adv.advise(factory=tiny_factory_with_inputs, cluster="h100-80gb", gpus_per_node=4)
+    assert a.fits and (a.batch, a.seq) == (16, 128)  # the factory's own inputs
+    with pytest.raises(ValueError, match="package.module:function"):
+        adv.advise(factory="no_colon")
+    with pytest.raises(ValueError, match="cannot import"):
+        adv.advise(factory="no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no function"):
+        adv.advise(factory="tests.unit.test_advise:nope")
+
+
+TOML = """
+name = "test-b200"
+base = "h100-80gb"
+reserve_bytes = "6GiB"
+[device]
+peak_flops = 2.25e15
+memory_bytes = "180GiB"
+[inter_node]
+bandwidth = "100GB"
+"""
+
+
+def test_user_cluster_file_toml_and_json(tmp_path, capsys) -> None:
+    path = tmp_path / "b200.toml"
+    path.write_text(TOML)
+    try:
+        assert load_preset(str(path)) == "test-b200"
+        c = preset("test-b200", (4, 8))
+        assert c.device.peak_flops == 2.25e15 and c.device.memory_bytes == 180 * 2**30
+        assert c.memory_budget == 174 * 2**30
+        h100 = preset("h100-80gb", (4, 8))
+        assert c.links[1] == h100.links[1]  # intra-node kept from the base
+        assert c.links[0].bandwidth == pytest.approx(100e9)
+        assert c.device.host_bandwidth == h100.device.host_bandwidth
+        assert c.with_mesh((2, 16)).links[1] == c.links[0]  # a 16-wide axis leaves the node: the file's IB link
+        js = tmp_path / "box.json"
+        js.write_text(json.dumps({"name": "test-box", "devices_per_node": 4, "reserve_bytes": 2**30,
+                                  "device": {"peak_flops": 1e14, "mem_bandwidth": 1e12, "memory_bytes": "16GiB",
+                                             "host_bandwidth": 2e10, "mfu": 0.5},
+                                  "intra_node": {"alpha": 1e-5, "bandwidth": 1e11},
+                                  "inter_node": {"alpha": 2e-5, "beta": 1e-10}}))
+        rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "128", "--cluster", str(js),
+                   "--gpus-per-node", "4", "--json"])
+        assert rc == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["cluster"] == "test-box" and d["peak_tflops_per_gpu"] == pytest.approx(100)
+        assert d["memory_budget"] == 15 * 2**30
+        _check_consistent(d)
+        # the same cell on the slower file cluster is slower than on an H100
+        h = adv.advise("gpt", "125m", layers=2, seq=128, gpus_per_node=4, cluster="h100-80gb")
+        assert d["step_time_s"] > h.step_time_s
+    finally:
+        PRESETS.pop("test-b200", None)
+        PRESETS.pop("test-box", None)
+
+
+@pytest.mark.parametrize("text, match", [
+    ('name = "x"\n[device]\npeak_flops = 1e12\n', "missing \\[intra_node\\]"),
+    ('name = "x"\nbase = "h100-80gb"\ncolour = 1\n', "unknown keys \\['colour'\\]"),
+    ('name = "x"\nbase = "h100-80gb"\n[device]\nmemory_bytes = "lots"\n', "cannot read 'lots'"),
+    ('name = "x"\nbase = "nope"\n', "base 'nope' is not a preset"),
+    ('base = "h100-80gb"\n', "give the cluster a name"),
+    ('name = "h100-80gb"\nbase = "a100-80gb"\n', "built-in preset"),
+    ('name = "x"\nbase = "h100-80gb"\n[intra_node]\nbandwidth = 1e9\nbeta = 1e-9\n', "both bandwidth and beta"),
+    ('name = "x" [', "not valid TOML"),
+])
+def test_bad_cluster_files_say_what_and_how(tmp_path, text, match) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_preset(str(path))
+    assert "x" not in PRESETS
+    with pytest.raises(ValueError, match="does not exist"):
+        load_preset(str(tmp_path / "missing.toml"))
+
+
+def test_bad_model_descriptions(capsys) -> None:
+    with pytest.raises(ValueError, match="unknown model family 'bert'"):
+        adv.model_config("bert")
+    with pytest.raises(ValueError, match="has no 'ffn'"):
+        adv.model_config("gpt", "125m", ffn=1024)
+    with pytest.raises(ValueError, match="unknown llama size '3b'"):
+        adv.model_config("llama", "3b")
+    with pytest.raises(ValueError, match="whole number"):
+        adv.model_config("llama", "7b", layers=0)
+    with pytest.raises(ValueError, match="unknown cluster"):
+        adv.resolve_cluster("tpu-v9")
+    assert main(["advise", "--model", "bert"]) == 1
+    assert "unknown model family" in capsys.readouterr().err
+
+
+def test_family_module_missing_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.setitem(adv.FAMILIES, "mamba", ("autopart.models.no_such_mamba", "Mamba", "MambaConfig"))
+    with pytest.raises(ValueError, match="needs autopart/models/no_such_mamba.py"):
+        adv.model_config("mamba", layers=2)
+
+
+def test_named_sizes_match_published_parameter_counts() -> None:
+    def count(model: str) -> float:
+        _, cls, cfg = adv.model_config(model)
+        with torch.device("meta"):
+            return sum(p.numel() for p in cls(cfg).parameters()) / 1e9
+
+    assert count("llama:7b") == pytest.approx(6.74, abs=0.01)  # Llama 2 7B
+    assert count("llama:70b") == pytest.approx(68.98, abs=0.05)  # Llama 2 70B
+    assert count("llama:8b") == pytest.approx(8.03, abs=0.01)  # Llama 3 8B
+    assert count("gpt:175b") == pytest.approx(174.6, abs=0.5)  # GPT-3 175B
+    assert count("gpt:1t") == pytest.approx(1008, rel=0.01)  # N21's 1T (1008B)
+
+
+def test_does_not_fit_names_the_binding_constraint(capsys) -> None:
+    rc = main(["advise", "--model", "llama:70b", "--nodes", "1", "--gpus-per-node", "2", "--json"])
+    assert rc == 2
+    d = json.loads(capsys.readouterr().out)
+    assert not d["fits"] and "model states" in d["binding"] and "per GPU" in d["binding"]
+    assert d["step_time_s"] is None
+
+
+def test_practice_recipes() -> None:
+    budget = preset("h100-80gb", (1, 8)).memory_budget
+    small = adv.practice(1.3e9, 24, 2048, 8, 8, budget, 8, 4096)
+    assert small.kind == "DP" and small.dp == 8
+    mid = adv.practice(69e9, 80, 8192, 64, 8, budget, 64, 4096)
+    assert mid.kind in ("TP", "TP+PP") and mid.tp <= 8 and mid.tp * mid.pp * mid.dp == 64
+    big = adv.practice(175e9, 96, 12288, 512, 8, budget, 512, 4096)
+    assert big.kind == "TP+PP" and big.tp == 8 and big.pp > 1 and big.tp * big.pp * big.dp == 512
+    assert adv.practice(1e12, 128, 25600, 8, 8, budget, 8, 4096) is None
+
+
+def test_plan_cap_reports_instead_of_hanging() -> None:
+    a = adv.advise("gpt", "125m", layers=2, seq=128, max_plan_s=1e-3)
+    assert not a.fits and "not planned" in a.binding and math.isnan(a.step_time_s)
