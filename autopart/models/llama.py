@@ -123,6 +123,7 @@ class Llama(nn.Module):
         s = ids.shape[1]
         cos, sin = rope_tables(s, self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, ids.device)
         x = self.embed(ids)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # a bf16 model keeps q, k, v in bf16
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.lm_head(self.norm(x))
