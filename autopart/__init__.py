@@ -2,12 +2,13 @@
 
 from autopart.advise import advise
 from autopart.api import evaluate, parallelize, parse_bytes, plan
+from autopart.calibrate import calibrate, load_calibration
 from autopart.cost import Cluster, preset
 from autopart.extend import register_op
 from autopart.placement import Partial, Replicate, Shard
 from autopart.plan import Plan
 from autopart.runtime.mesh import Mesh, mesh
 
-__all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "advise", "evaluate", "mesh", "parallelize",
-           "parse_bytes", "plan", "preset", "register_op"]
+__all__ = ["Cluster", "Mesh", "Partial", "Plan", "Replicate", "Shard", "advise", "calibrate", "evaluate",
+           "load_calibration", "mesh", "parallelize", "parse_bytes", "plan", "preset", "register_op"]
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ from typing import Any
 
 GiB = 2**30
 MiB = 2**20
+_COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,28 @@ class Link:
 
     alpha: float  # seconds per message
     beta: float  # seconds per byte
+    # measured (kind, alpha, beta) of single collectives (``autopart.calibrate``), in the ring parametrization of
+    # ``autopart.cost.comm``; a collective not listed uses ``alpha`` and ``beta``
+    per_collective: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.alpha >= 0:
             raise ValueError(f"Link alpha must be >= 0 seconds, got {self.alpha}")
         if not self.beta > 0:
             raise ValueError(f"Link beta must be > 0 seconds per byte, got {self.beta}")
+        object.__setattr__(self, "per_collective", tuple((str(k), float(a), float(b)) for k, a, b in
+                                                         self.per_collective))
+        for kind, a, b in self.per_collective:
+            if kind not in _COLLECTIVE_KINDS or not a >= 0 or not b > 0:
+                raise ValueError(f"Link per_collective entry ({kind!r}, {a}, {b}): need a collective of "
+                                 f"{_COLLECTIVE_KINDS}, alpha >= 0 and beta > 0")
+
+    def for_collective(self, kind: str) -> Link:
+        """The link as collective ``kind`` sees it: its measured alpha and beta if calibrated, else this one."""
+        for k, a, b in self.per_collective:
+            if k == kind:
+                return Link(alpha=a, beta=b)
+        return self
 
     @property
     def bandwidth(self) -> float:
@@ -122,6 +139,10 @@ class Cluster:
         otherwise a cluster whose axes all share one link keeps that link on every new axis.
         """
         mesh_shape = tuple(mesh_shape)
+        if self.name == CALIBRATED:
+            from autopart.calibrate import load_calibration
+
+            return load_calibration(mesh_shape)
         if self.name in PRESETS:
             return replace(self, mesh_shape=mesh_shape, links=PRESETS[self.name].links_for(mesh_shape))
         if len(set(self.links)) == 1:
@@ -215,6 +236,7 @@ _H200 = Preset(
     reserve_bytes=4 * GiB,
 )
 
+CALIBRATED = "calibrated"  # the name of clusters measured by ``autopart.calibrate`` (not a preset)
 PRESETS: dict[str, Preset] = {"cpu": _CPU, "a100-80gb": _A100, "h100-80gb": _H100, "h200-141gb": _H200}
 _BUILTIN = frozenset(PRESETS)
 
@@ -374,8 +396,13 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
       (H200 datasheet).
 
     GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation.
-    ``name`` may also be the path of a ``.json``/``.toml`` file describing another machine (``load_preset``).
+    ``name`` may also be the path of a ``.json``/``.toml`` file describing another machine (``load_preset``), or
+    ``"calibrated"``: this machine as ``autopart.calibrate`` measured it for ``mesh_shape`` (``load_calibration``).
     """
+    if name == CALIBRATED:  # measured on this machine by ``autopart.calibrate``, read from its cache
+        from autopart.calibrate import load_calibration
+
+        return load_calibration(tuple(mesh_shape))
     if name not in PRESETS and name.endswith((".json", ".toml")):
         name = load_preset(name)
     if name not in PRESETS:

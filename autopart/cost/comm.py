@@ -7,6 +7,9 @@ the array being all-reduced, the full send buffer of an all-to-all. ``n`` is the
     all-gather, reduce-scatter, all-to-all   (n-1) α + (n-1)/n · S β
     all-reduce                               2(n-1) α + 2(n-1)/n · S β
     send/recv                                α + S β
+
+A calibrated link (``autopart.calibrate``) carries α and β measured per collective (``Link.for_collective``):
+gloo and NCCL implement each collective with its own algorithm, so one pair does not fit them all.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ def _check(nbytes: float, n: int) -> None:
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather of an S-byte result: (n-1) α + (n-1)/n · S β."""
+    return _ring(nbytes, n, link.for_collective("all_gather"))
+
+
+def _ring(nbytes: float, n: int, link: Link) -> float:
     _check(nbytes, n)
     if n == 1:
         return 0.0
@@ -33,22 +40,23 @@ def all_gather_time(nbytes: float, n: int, link: Link) -> float:
 
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
     """Ring reduce-scatter of an S-byte input: (n-1) α + (n-1)/n · S β."""
-    return all_gather_time(nbytes, n, link)
+    return _ring(nbytes, n, link.for_collective("reduce_scatter"))
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce (reduce-scatter then all-gather): 2(n-1) α + 2(n-1)/n · S β."""
-    return 2 * all_gather_time(nbytes, n, link)
+    return 2 * _ring(nbytes, n, link.for_collective("all_reduce"))
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
     """All-to-all of an S-byte buffer per rank, each rank keeping 1/n: (n-1) α + (n-1)/n · S β."""
-    return all_gather_time(nbytes, n, link)
+    return _ring(nbytes, n, link.for_collective("all_to_all"))
 
 
 def send_recv_time(nbytes: float, link: Link) -> float:
     """Point-to-point transfer of S bytes: α + S β."""
     _check(nbytes, 1)
+    link = link.for_collective("send_recv")
     return link.alpha + nbytes * link.beta
 
 

@@ -1,0 +1,457 @@
+"""Measure this machine and describe it as a ``Cluster``: the numbers plans are priced with, from the real backend.
+
+``calibrate()`` runs on every rank of an initialised process group (``torchrun``, or spawned ranks:
+``calibrate_spawn`` / ``autopart calibrate --nproc 4``) and measures, all ranks at once, so that ranks sharing a
+host share its cores and memory as they will in training:
+
+* every collective (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on every mesh axis, all the
+  axis's groups at once, at a few message sizes S (the whole array, as ``autopart.cost.comm`` counts it); the time
+  of one call at each size is the median of a few blocks of back-to-back calls, the slowest rank's; a weighted least
+  squares fit ``T(S) = a + b·S`` (weights 1/T: every size counts by its relative error) gives the collective's
+  latency a and cost per byte b, converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
+  b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
+* the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
+  forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
+  elementwise add: 3 arrays' bytes moved).
+
+The result is a ``Cluster`` named ``"calibrated"`` (``Device.peak_flops`` the measured matmul rate with ``mfu`` 1,
+``mem_bandwidth`` the measured one; each axis's ``Link`` carries the all-reduce's α and β and every collective's
+own in ``Link.per_collective``), cached as JSON under ``$AUTOPART_CACHE`` (default ``~/.cache/autopart``), one file
+per fingerprint: device model, device count, torch version, backend, world size and mesh shape.
+``autopart.plan(..., cluster="calibrated")`` and ``load_calibration(mesh_shape)`` read it back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
+from autopart.cost.comm import COLLECTIVES
+
+VERSION = 1
+# message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
+SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
+QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
+GEMMS = ((512, 512, 512), (2048, 256, 1024), (2048, 1024, 256), (1024, 1024, 1024))
+# ring parametrization: T = steps·(n-1)·α + steps·(n-1)/n·S·β (send/recv: T = α + S·β)
+_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Least squares ``T = a + b·S`` weighted by 1/T (relative error), with ``a >= 0`` and ``b > 0``.
+
+    Returns ``(a, b)``: seconds per call and seconds per byte. If the free fit gives a negative intercept the
+    fit through the origin is returned; if the slope is not positive (noise on tiny messages), the slope through the
+    largest message's time."""
+    s, t = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
+    if s.shape != t.shape or len(s) < 2 or len(set(s.tolist())) < 2:
+        raise ValueError(f"fit_alpha_beta needs times at >= 2 distinct sizes, got sizes {list(s)}, times {list(t)}")
+    if not np.all(t > 0):
+        raise ValueError(f"fit_alpha_beta: times must be > 0 seconds, got {list(t)}")
+    w = 1.0 / t
+    design = np.stack([np.ones_like(s), s], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, t * w, rcond=None)
+    if a < 0:
+        a, b = 0.0, float(np.sum(w * w * s * t) / np.sum(w * w * s * s))
+    if b <= 0:
+        i = int(np.argmax(s))
+        a = float(max(0.0, min(a, t[i] * 0.5)))
+        b = max((t[i] - a) / s[i], 1e-18)
+    return float(a), float(b)
+
+
+def link_params(kind: str, a: float, b: float, n: int) -> tuple[float, float]:
+    """Fitted per-call latency ``a`` and per-byte cost ``b`` of collective ``kind`` over ``n`` ranks -> the ring
+    model's link ``(alpha, beta)`` (``autopart.cost.comm``)."""
+    if kind == "send_recv":
+        return a, b
+    if n < 2:
+        raise ValueError(f"a {kind} over {n} rank measures no link")
+    k = _STEPS[kind]
+    return a / (k * (n - 1)), b * n / (k * (n - 1))
+
+
+def fingerprint(backend: str, world_size: int, mesh_shape: Sequence[int]) -> dict[str, Any]:
+    """What a calibration is valid for: device model and count, torch version, backend, world size, mesh."""
+    if backend == "nccl" and torch.cuda.is_available():
+        model, count = torch.cuda.get_device_name(), torch.cuda.device_count()
+    else:
+        model, count = _cpu_model(), os.cpu_count() or 1
+    return {"device": model, "device_count": count, "torch": torch.__version__, "backend": backend,
+            "world_size": int(world_size), "mesh_shape": [int(x) for x in mesh_shape]}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _key(fp: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_dir(path: str | None = None) -> str:
+    """``path``, else ``$AUTOPART_CACHE``, else ``~/.cache/autopart``."""
+    return path or os.environ.get("AUTOPART_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "autopart")
+
+
+def cache_path(fp: dict[str, Any], directory: str | None = None) -> str:
+    return os.path.join(cache_dir(directory), f"calibration-{_key(fp)}.json")
+
+
+def save_calibration(cluster: Cluster, fp: dict[str, Any], measurements: dict[str, Any],
+                     directory: str | None = None) -> str:
+    """Write ``cluster`` with its fingerprint and raw measurements as JSON; returns the path."""
+    path = cache_path(fp, directory)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    doc = {"version": VERSION, "fingerprint": fp, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "cluster": cluster.to_json(), "measurements": measurements}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(mesh_shape: Sequence[int] | None = None, *, backend: str | None = None,
+                     directory: str | None = None, path: str | None = None) -> Cluster:
+    """The calibrated ``Cluster`` of this machine for ``mesh_shape`` (default: the most recent calibration).
+
+    Looks up the cache for this hardware (device model and count, torch version, ``backend``: default gloo
+    without CUDA, NCCL with it), world size ``prod(mesh_shape)`` and the mesh itself. Without an exact match, a
+    calibration of the same hardware and world size on another mesh serves if it measured an axis of every size
+    ``mesh_shape`` needs (one host: a group's link depends on its size, not its name). ``path`` reads one file.
+    Raises ``ValueError`` naming the command to run when nothing fits."""
+    if path is not None:
+        with open(path) as f:
+            return Cluster.from_json(json.load(f)["cluster"])
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    directory = cache_dir(directory)
+    docs = []
+    if os.path.isdir(directory):
+        for name in sorted(os.listdir(directory)):
+            if name.startswith("calibration-") and name.endswith(".json"):
+                try:
+                    with open(os.path.join(directory, name)) as f:
+                        docs.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+    docs = [d for d in docs if d.get("version") == VERSION]
+    docs.sort(key=lambda d: d.get("created", ""), reverse=True)
+    if mesh_shape is None:
+        mine = [d for d in docs if _same_hardware(d["fingerprint"], fingerprint(backend, 1, ()))]
+        if mine:
+            return Cluster.from_json(mine[0]["cluster"])
+    else:
+        mesh_shape = tuple(int(x) for x in mesh_shape)
+        want = fingerprint(backend, math.prod(mesh_shape), mesh_shape)
+        for d in docs:
+            if d["fingerprint"] == want:
+                return Cluster.from_json(d["cluster"])
+        for d in docs:
+            fp = d["fingerprint"]
+            if not _same_hardware(fp, want) or fp["world_size"] != want["world_size"]:
+                continue
+            c = Cluster.from_json(d["cluster"])
+            by_size = {n: link for n, link in zip(c.mesh_shape, c.links) if n > 1}
+            if all(n == 1 or n in by_size for n in mesh_shape):
+                any_link = next(iter(by_size.values()), c.links[0])
+                links = tuple(by_size.get(n, any_link) for n in mesh_shape)
+                return Cluster(CALIBRATED, c.device, mesh_shape, links, c.reserve_bytes)
+    where = f"mesh {tuple(mesh_shape)}" if mesh_shape is not None else "any mesh"
+    nproc = math.prod(mesh_shape) if mesh_shape is not None else 4
+    mesh_arg = f" --mesh {'x'.join(str(x) for x in mesh_shape)}" if mesh_shape is not None else ""
+    raise ValueError(f"no calibration of this machine ({backend}, {where}) in {directory}: run "
+                     f"`autopart calibrate --nproc {nproc}{mesh_arg}` (or autopart.calibrate() under torchrun), "
+                     f"or plan with a preset cluster")
+
+
+def _same_hardware(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("device", "device_count", "torch", "backend"))
+
+
+def _median_blocks(fn: Callable[[], Any], blocks: int, inner: int, sync: Callable[[], None],
+                   group: Any = None) -> float:
+    """Seconds per call: the median over ``blocks`` of (``inner`` back-to-back calls after a barrier) / inner."""
+    out = []
+    for _ in range(blocks):
+        dist.barrier(group=group)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / inner)
+    return statistics.median(out)
+
+
+def _collective(kind: str, nbytes: int, group: Any, n: int, local: int, ranks: list[int], device: str,
+                dtype: torch.dtype) -> Callable[[], Any]:
+    """A closure running one ``kind`` of ``nbytes`` (the whole array) on ``group``."""
+    numel = max(n, nbytes // dtype.itemsize // n * n)
+    full = torch.ones(numel, dtype=dtype, device=device)
+    part = torch.ones(numel // n, dtype=dtype, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    # send/recv: ping-pong between the group's first two ranks, half a round trip per call; the others wait
+    if local > 1:
+        return lambda: None
+    peer = ranks[1 - local]
+    buf = torch.ones(max(1, nbytes // dtype.itemsize), dtype=dtype, device=device)
+
+    def pingpong() -> None:
+        if local == 0:
+            dist.send(buf, peer, group=group)
+            dist.recv(buf, peer, group=group)
+        else:
+            dist.recv(buf, peer, group=group)
+            dist.send(buf, peer, group=group)
+    return pingpong
+
+
+def _axis_groups(mesh_shape: tuple[int, ...], rank: int) -> list[tuple[Any, list[int]]]:
+    """Per mesh axis: this rank's process group along it and the global ranks in it (every group created on every
+    rank, in the same order, as ``new_group`` requires)."""
+    grid = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
+    mine = []
+    for axis in range(len(mesh_shape)):
+        moved = np.moveaxis(grid, axis, -1).reshape(-1, mesh_shape[axis])
+        found = None
+        for row in moved:
+            ranks = [int(r) for r in row]
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                found = (g, ranks)
+        mine.append(found)
+    return mine
+
+
+def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: int, device: str, dtype: torch.dtype,
+                   sync: Callable[[], None]) -> dict[str, Any]:
+    rank = dist.get_rank()
+    groups = _axis_groups(mesh_shape, rank)
+    raw: dict[str, Any] = {}
+    for axis, n in enumerate(mesh_shape):
+        if n < 2:
+            continue
+        group, ranks = groups[axis]
+        local = ranks.index(rank)
+        for kind in COLLECTIVES:
+            times = []
+            for nbytes in sizes:
+                fn = _collective(kind, nbytes, group, n, local, ranks, device, dtype)
+                fn()  # warm-up: connection set-up, buffers
+                inner = max(1, min(20, int(4 * MiB // max(nbytes, 1))))
+                t = _median_blocks(fn, blocks, inner, sync)
+                times.append(t / 2 if kind == "send_recv" else t)
+            raw[f"{axis}/{kind}"] = times
+    keys = sorted(raw)
+    local_t = torch.tensor([raw[k] for k in keys], dtype=torch.float64).reshape(len(keys), len(sizes))
+    slowest = local_t
+    if keys:
+        gathered = [torch.zeros_like(local_t) for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, local_t)  # object: gloo and NCCL alike, tiny
+        stack = torch.stack(gathered)
+        slowest = stack.max(dim=0).values  # send/recv: idle ranks report ~0, the measuring pair's time wins
+    return {k: [float(x) for x in slowest[i]] for i, k in enumerate(keys)}
+
+
+def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], quick: bool) -> dict[str, Any]:
+    """Per-rank achieved rates with every rank computing at once. Returns FLOP/s and bytes/s."""
+    blocks = 3 if quick else 5
+    gemms = []
+    for m, k, n in (GEMMS[:2] if quick else GEMMS):
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        torch.mm(a, b, out=out)
+        t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, 2, sync)
+        gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
+    bh, s, d = (8, 256, 64) if device == "cpu" else (64, 2048, 128)
+    q, kk, v = (torch.randn(1, bh, s, d, dtype=dtype, device=device) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa(q, kk, v, is_causal=True)
+    t = _median_blocks(lambda: sdpa(q, kk, v, is_causal=True), blocks, 2, sync)
+    attn = {"batch_heads": bh, "seq": s, "head_dim": d, "seconds": t, "flops": 4 * bh * s * s * d // 2 / t}
+    numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
+    x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
+    z = torch.empty_like(x)
+    torch.add(x, y, out=z)
+    t = _median_blocks(lambda: torch.add(x, y, out=z), blocks, 2, sync)
+    bw = {"bytes": 3 * numel * dtype.itemsize, "seconds": t, "bandwidth": 3 * numel * dtype.itemsize / t}
+    host = bw["bandwidth"]
+    if device == "cuda":
+        pinned = torch.empty(numel, dtype=dtype).pin_memory()
+        t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, 2, sync)
+        host = numel * dtype.itemsize / t
+    return {"gemm": gemms, "attention": attn, "elementwise": bw, "host_bandwidth": host}
+
+
+def _memory_per_rank(device: str, world: int) -> tuple[int, int]:
+    """(memory_bytes, reserve_bytes) per rank: the GPU's memory, or the host's RAM shared by its ranks."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, 4 * GiB
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    per = total // max(1, local)
+    return per, min(512 * MiB, per // 4)
+
+
+def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], sizes: Sequence[int],
+                  dev: dict[str, Any], memory_bytes: int, reserve_bytes: int, name: str = "cpu") -> Cluster:
+    """A ``Cluster`` from raw measurements (``links_raw[f"{axis}/{kind}"]``: seconds at each of ``sizes``;
+    ``dev`` as ``_measure_device`` returns it)."""
+    mesh_shape = tuple(int(x) for x in mesh_shape)
+    links = []
+    fallback = None
+    for axis, n in enumerate(mesh_shape):
+        per = []
+        for kind in COLLECTIVES:
+            key = f"{axis}/{kind}"
+            if key in links_raw:
+                a, b = fit_alpha_beta(sizes, links_raw[key])
+                alpha, beta = link_params(kind, a, b, n)
+                per.append((kind, alpha, beta))
+        if per:
+            ar = next(p for p in per if p[0] == "all_reduce")
+            links.append(Link(alpha=ar[1], beta=ar[2], per_collective=tuple(per)))
+            fallback = fallback or links[-1]
+        else:
+            links.append(None)
+    fallback = fallback or Link(alpha=50e-6, beta=1 / 1.5e9)  # no axis of 2+ ranks: the link is never used
+    links = [x if x is not None else fallback for x in links]
+    matmul = statistics.median(g["flops"] for g in dev["gemm"])
+    device = Device(name=f"{name} (calibrated)", peak_flops=matmul, mem_bandwidth=dev["elementwise"]["bandwidth"],
+                    memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0)
+    return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
+
+
+def calibrate(mesh_shape: Sequence[int] | None = None, *, quick: bool = False, directory: str | None = None,
+              save: bool = True, dtype: torch.dtype | None = None) -> Cluster:
+    """Measure this machine on every rank of the current process group (call it on all of them) and return the
+    calibrated ``Cluster`` for ``mesh_shape`` (default: one axis of all ranks), the same on every rank.
+
+    Rank 0 caches it (``save``) under ``directory`` (``$AUTOPART_CACHE``, ``~/.cache/autopart``), keyed by
+    ``fingerprint``. ``quick`` measures fewer sizes and shapes (a few seconds; tests). ``dtype``: float32 on CPU,
+    bfloat16 on GPU by default. Under ``torchrun`` without a process group, one is initialised from the
+    environment; with no process group and no ``torchrun``, only the device is measured (one rank)."""
+    if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from autopart.runtime.mesh import init_from_env
+
+        init_from_env()
+    single = not dist.is_initialized()
+    if single:  # one rank, no links to measure: a store-less group of one for the barriers
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            dist.init_process_group("gloo", init_method=f"file://{f.name}", rank=0, world_size=1)
+    try:
+        return _calibrate(mesh_shape, quick, directory, save, dtype)
+    finally:
+        if single:
+            dist.destroy_process_group()
+
+
+def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
+    t0 = time.perf_counter()
+    world = dist.get_world_size()
+    mesh_shape = tuple(int(x) for x in (mesh_shape or (world,)))
+    if math.prod(mesh_shape) != world:
+        raise ValueError(f"mesh {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world size is {world}")
+    backend = dist.get_backend()
+    device = "cuda" if backend == "nccl" else "cpu"
+    dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sizes = QUICK_SIZES if quick else SIZES
+    links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, device, dtype, sync)
+    dev = _measure_device(device, dtype, sync, quick)
+    # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
+    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
+                         dev["elementwise"]["bandwidth"], dev["host_bandwidth"]], dtype=torch.float64)
+    everyone = [torch.zeros_like(rates) for _ in range(world)]
+    dist.all_gather_object(everyone, rates)
+    med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
+    for g, f in zip(dev["gemm"], med):
+        g["flops"] = f
+    dev["attention"]["flops"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"] = med[-3:]
+    memory, reserve = _memory_per_rank(device, world)
+    fp = fingerprint(backend, world, mesh_shape)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
+    measurements = {"sizes": list(sizes), "collective_seconds": links_raw, "device": dev,
+                    "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
+    if save and dist.get_rank() == 0:
+        save_calibration(cluster, fp, measurements, directory)
+    return cluster
+
+
+def describe(cluster: Cluster) -> str:
+    """A few lines: the device's rates and every axis's measured collectives."""
+    d = cluster.device
+    lines = [f"device {d.name}: matmul {d.peak_flops / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
+             f"GB/s, {d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
+    for axis, (n, link) in enumerate(zip(cluster.mesh_shape, cluster.links)):
+        if n < 2:
+            continue
+        per = ", ".join(f"{k} {a * 1e6:.3g}us {1 / b / 1e9:.3g}GB/s" for k, a, b in link.per_collective)
+        lines.append(f"axis {axis} ({n} ranks): {per or link}")
+    return "\n".join(lines)
+
+
+def _spawn_worker(rank: int, world: int, port: int, mesh_shape, quick: bool, directory, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cluster = calibrate(mesh_shape, quick=quick, directory=directory)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(cluster.to_json(), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate_spawn(nproc: int, mesh_shape: Sequence[int] | None = None, *, quick: bool = False,
+                    directory: str | None = None) -> Cluster:
+    """``calibrate`` on ``nproc`` freshly spawned gloo ranks on this host (one thread each, as
+    ``autopart``'s multi-process runs use); returns the calibrated ``Cluster`` (and caches it)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "cluster.json")
+        mp.start_processes(_spawn_worker, args=(nproc, port, tuple(mesh_shape) if mesh_shape else None, quick,
+                                                directory, out), nprocs=nproc, start_method="spawn")
+        with open(out) as f:
+            return Cluster.from_json(json.load(f))

@@ -1,0 +1,173 @@
+"""autopart.calibrate without a process group: the fit, the ring conversion, the cache, planning with the result."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import autopart
+from autopart.calibrate import (
+    build_cluster,
+    cache_path,
+    calibrate,
+    fingerprint,
+    fit_alpha_beta,
+    link_params,
+    load_calibration,
+    save_calibration,
+)
+from autopart.cost import Cluster, Link, collective_time
+from autopart.cost.comm import COLLECTIVES
+
+SIZES = [4096, 65536, 524288, 2**21, 2**23]
+
+
+def test_fit_recovers_alpha_beta_exactly():
+    a, b = 120e-6, 1 / 0.8e9
+    times = [a + b * s for s in SIZES]
+    fa, fb = fit_alpha_beta(SIZES, times)
+    assert fa == pytest.approx(a, rel=1e-9)
+    assert fb == pytest.approx(b, rel=1e-9)
+
+
+def test_fit_with_noise_and_clamps():
+    rng = np.random.default_rng(0)
+    a, b = 300e-6, 1 / 2e9
+    times = [(a + b * s) * (1 + 0.03 * rng.standard_normal()) for s in SIZES]
+    fa, fb = fit_alpha_beta(SIZES, times)
+    assert fa == pytest.approx(a, rel=0.15)
+    assert fb == pytest.approx(b, rel=0.1)
+    # pure bandwidth (the free fit's intercept would go negative): alpha clamps to 0, beta through the origin
+    fa, fb = fit_alpha_beta([1e6, 2e6, 4e6], [0.9e-3, 2.1e-3, 4.0e-3])
+    assert fa == 0.0 and fb == pytest.approx(1e-9, rel=0.1)
+    # flat (latency only, noise makes the slope negative): beta stays positive, alpha about the flat time
+    fa, fb = fit_alpha_beta([1e3, 1e4, 1e5], [1.0e-3, 0.99e-3, 0.98e-3])
+    assert fb > 0 and 0 < fa <= 1e-3
+    with pytest.raises(ValueError, match="2 distinct sizes"):
+        fit_alpha_beta([1e3], [1e-3])
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_conversion_reproduces_measured_times(kind, n):
+    """Fit a collective's measured T(S), convert to the ring model's link: the cost model gives T(S) back."""
+    a, b = 200e-6, 1 / 1e9
+    fa, fb = fit_alpha_beta(SIZES, [a + b * s for s in SIZES])
+    alpha, beta = link_params(kind, fa, fb, n)
+    link = Link(alpha=1.0, beta=1.0, per_collective=((kind, alpha, beta),))
+    for s in SIZES:
+        assert collective_time(kind, s, n, link) == pytest.approx(a + b * s, rel=1e-9)
+    # the collectives not measured keep the link's own alpha and beta
+    other = next(k for k in COLLECTIVES if k != kind and k != "send_recv")
+    assert collective_time(other, 1e6, n, link) == collective_time(other, 1e6, n, Link(1.0, 1.0))
+
+
+def test_link_per_collective_validates_and_round_trips():
+    link = Link(alpha=1e-4, beta=1e-9, per_collective=[["all_gather", 2e-4, 2e-9]])
+    assert link.per_collective == (("all_gather", 2e-4, 2e-9),)
+    hash(link)
+    assert link.for_collective("all_gather") == Link(2e-4, 2e-9)
+    assert link.for_collective("all_reduce") is link
+    with pytest.raises(ValueError, match="per_collective"):
+        Link(alpha=1e-4, beta=1e-9, per_collective=(("broadcast", 1e-4, 1e-9),))
+
+
+def _fake_calibration(mesh_shape=(2, 2), slow_all_reduce=False) -> Cluster:
+    """A calibrated cluster built from synthetic raw measurements, as ``calibrate`` builds it."""
+    raw = {}
+    for axis in range(len(mesh_shape)):
+        for kind in COLLECTIVES:
+            a, b = (5e-3, 1 / 0.05e9) if slow_all_reduce and kind == "all_reduce" else (100e-6, 1 / 1e9)
+            raw[f"{axis}/{kind}"] = [a + b * s for s in SIZES]
+    dev = {"gemm": [{"flops": 40e9}, {"flops": 60e9}], "attention": {"flops": 20e9},
+           "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9}
+    return build_cluster(mesh_shape, raw, SIZES, dev, 4 * 2**30, 2**29)
+
+
+def test_build_cluster_carries_measurements():
+    c = _fake_calibration()
+    assert c.name == "calibrated" and c.mesh_shape == (2, 2)
+    assert c.device.achievable_flops == pytest.approx(50e9)
+    assert c.device.mem_bandwidth == pytest.approx(5e9)
+    for link in c.links:
+        assert {k for k, _, _ in link.per_collective} == set(COLLECTIVES)
+        assert collective_time("all_gather", 2**20, 2, link) == pytest.approx(100e-6 + 2**20 / 1e9, rel=1e-6)
+    assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+def test_cache_round_trip_keyed_by_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPART_CACHE", str(tmp_path))
+    c = _fake_calibration((2, 2))
+    fp = fingerprint("gloo", 4, (2, 2))
+    assert fp["world_size"] == 4 and fp["mesh_shape"] == [2, 2] and fp["torch"] == torch.__version__
+    path = save_calibration(c, fp, {"note": "synthetic"})
+    assert path.startswith(str(tmp_path)) and path == cache_path(fp)
+    assert load_calibration((2, 2), backend="gloo") == c
+    assert load_calibration(path=path) == c
+    with pytest.raises(ValueError, match="autopart calibrate --nproc 4 --mesh 4"):
+        load_calibration((4,), backend="gloo")  # no 4-rank group was measured
+    with pytest.raises(ValueError, match="--nproc 2"):
+        load_calibration((2,), backend="gloo")  # another world size: other contention, not reused
+    # another torch version (or device, backend) is another fingerprint
+    other = dict(fp, torch="0.0.0")
+    save_calibration(_fake_calibration((2, 2), slow_all_reduce=True), other, {}, str(tmp_path))
+    assert load_calibration((2, 2), backend="gloo") == c
+    assert cache_path(other) != cache_path(fp)
+
+
+def test_same_hardware_other_mesh_by_group_size(tmp_path):
+    c = _fake_calibration((2, 2))
+    save_calibration(c, fingerprint("gloo", 4, (2, 2)), {}, str(tmp_path))
+    flipped = load_calibration((2, 2), backend="gloo", directory=str(tmp_path))
+    assert flipped == c
+    c4 = _fake_calibration((4,))
+    save_calibration(c4, fingerprint("gloo", 4, (4,)), {}, str(tmp_path))
+    got = load_calibration((4, 1), backend="gloo", directory=str(tmp_path))
+    assert got.mesh_shape == (4, 1) and got.links[0] == c4.links[0] and got.device == c4.device
+
+
+def _tiny_gpt():
+    from autopart.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=2, d_model=32))
+    ids = torch.randint(0, 64, (4, 16))
+    return model, ids
+
+
+def test_calibrated_cluster_plans(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPART_CACHE", str(tmp_path))
+    fast = _fake_calibration((2,))
+    save_calibration(fast, fingerprint("nccl" if torch.cuda.is_available() else "gloo", 2, (2,)), {})
+    model, ids = _tiny_gpt()
+    kw = dict(example_kwargs={"labels": ids}, roles={"dp": "dp"}, zero=0, pipeline="off")
+    by_name = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), cluster="calibrated", **kw)
+    by_object = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), cluster=autopart.load_calibration((2,)),
+                              **kw)
+    assert by_name.cluster == fast.to_json() == by_object.cluster
+    assert by_name.predicted["step_time_s"] == pytest.approx(by_object.predicted["step_time_s"])
+    assert by_name.predicted["comm_s"] > 0
+    # the data-parallel gradient all-reduce is priced with the measured all-reduce: a slower one costs more
+    slow = _fake_calibration((2,), slow_all_reduce=True)
+    p_slow = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), cluster=slow, **kw)
+    assert p_slow.predicted["comm_s"] > 5 * by_name.predicted["comm_s"]
+    assert p_slow.predicted["compute_s"] == pytest.approx(by_name.predicted["compute_s"])
+
+
+def test_no_calibration_says_what_to_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOPART_CACHE", str(tmp_path / "empty"))
+    model, ids = _tiny_gpt()
+    with pytest.raises(ValueError, match="autopart calibrate --nproc 2"):
+        autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster="calibrated")
+
+
+def test_calibrate_one_process_measures_the_device(tmp_path):
+    """Without a process group: one rank, no link measured, the device's rates positive and cached."""
+    c = calibrate(quick=True, directory=str(tmp_path))
+    assert c.mesh_shape == (1,)
+    d = c.device
+    assert 1e8 < d.peak_flops < 1e15 and 1e8 < d.mem_bandwidth < 1e14 and d.mfu == 1.0
+    assert load_calibration((1,), directory=str(tmp_path)) == c
