@@ -88,7 +88,8 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
              cluster: str | Cluster = "cpu", tp: int = 1, pp: int = 1, micro_batches: int | None = None,
              schedule: str = "1f1b", virtual: int = 2, zero: int | None = 0, checkpoint: str | None = None,
              offload: str | None = "none", memory_budget: str | float | None = None, traced: Traced | None = None,
-             time_limit_s: float = 30.0, optimizer_bytes_per_param: float = 8.0) -> Plan:
+             time_limit_s: float = 30.0, optimizer_bytes_per_param: float = 8.0, recipe: str | None = None,
+             gpus_per_node: int = 8) -> Plan:
     """Score a user-given configuration under autopart's cost model: ``gpus = dp x pp x tp``, Megatron-style
     (``tp`` the inner axis, weights sharded there; ``dp`` data parallel; ``pp`` stages over the data axis, the
     micro-batch count and schedule as given). Only the per-node shardings inside those roles and, unless given,
@@ -96,7 +97,26 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
     ``pipeline``); raises ``ValueError`` if the configuration does not fit ``memory_budget``.
 
     >>> autopart.evaluate(model, 768, (ids,), {"labels": ids}, cluster="h100-80gb", tp=8, pp=2, micro_batches=384)
+
+    ``recipe`` scores one of the standard recipes instead (``autopart.recipes.RECIPES``: "ddp", "zero1", "fsdp",
+    "megatron", "megatron-fsdp", "megatron-1f1b") on a mesh of (nodes, ``gpus_per_node``):
+
+    >>> autopart.evaluate(model, 64, (ids,), {"labels": ids}, cluster="h100-80gb", recipe="megatron-fsdp")
     """
+    if recipe is not None:
+        from autopart.recipes import recipe_options
+
+        g = min(gpus, gpus_per_node)
+        if gpus % g:
+            raise ValueError(f"{gpus} GPUs are not whole nodes of {g}")
+        shape, names = ((gpus // g, g), ("dp", "tp")) if gpus > g else ((gpus,), ("dp",))
+        kw = recipe_options(recipe, names, shape)
+        if kw is None:
+            raise ValueError(f"recipe {recipe!r} does not apply to mesh {shape}")
+        return globals()["plan"](model, Mesh(shape, names), example_inputs, example_kwargs, cluster=cluster,
+                                 checkpoint=checkpoint, offload=offload, memory_budget=memory_budget, traced=traced,
+                                 time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                                 **kw)
     if gpus % (tp * pp):
         raise ValueError(f"{gpus} GPUs are not a multiple of tp x pp = {tp} x {pp}")
     dp = gpus // (tp * pp)

@@ -162,6 +162,10 @@ class Plan:
             lines.append("ops without a sharding rule (replicated): " + ", ".join(self.unsupported_ops))
         if self.pipeline:
             lines += ["", *self.pipeline_text().splitlines()]
+        if self.solver.get("recipes"):
+            from autopart.recipes import table
+
+            lines += ["", *table(self.solver["recipes"]).splitlines()]
         return "\n".join(lines)
 
     def pipeline_text(self) -> str:

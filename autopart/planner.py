@@ -77,6 +77,7 @@ class PlanOptions:
     # priced as if they had this many members
     virtual_layers: int = 0
     objective_cutoff: float | None = None  # internal: raise ``Pruned`` if no plan can be cheaper than this
+    recipes: bool = True  # also score the standard recipes (``autopart.recipes``) and never return a slower plan
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -857,8 +858,39 @@ def _outs(o: OpOption) -> tuple:
 
 def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     """The fastest plan that fits: per-node shardings (the ILP), and, where a mesh axis allows it and it pays,
-    pipeline stages, micro-batches and schedule around them (``autopart.pipelining``). Raises ``ValueError`` if
-    nothing fits."""
+    pipeline stages, micro-batches and schedule around them (``autopart.pipelining``). When nothing is forced
+    (no roles, ZeRO level, checkpointing, offload or pipeline given), the standard recipes (``autopart.recipes``:
+    DDP, ZeRO-1, FSDP, Megatron TP x DP / FSDP / 1F1B) are scored under the same cost model, the plan is never
+    slower than the best of them, and ``plan.solver["recipes"]`` reports the gain over each. Raises
+    ``ValueError`` if nothing fits."""
+    forced = (opts.roles or opts.zero is not None or opts.checkpoint is not None or opts.offload is not None
+              or opts.pipeline is not None or opts.virtual_layers or opts.objective_cutoff is not None)
+    if not opts.recipes or forced or math.prod(cluster.mesh_shape) == 1:
+        return _make_plan(traced, cluster, axis_names, opts)
+    from autopart import recipes
+
+    t0 = time.perf_counter()
+    plan, err = None, None
+    try:
+        plan = _make_plan(traced, cluster, axis_names, opts)
+    except ValueError as e:
+        err = e
+    t1 = time.perf_counter()
+    rows = recipes.score(traced, cluster, axis_names, opts, _make_plan)
+    fits = [r for r in rows if r.get("fits")]
+    best = min(fits, key=lambda r: r["step_time_s"], default=None)
+    chosen = "search"
+    if best is not None and (plan is None or best["step_time_s"] < plan.predicted["step_time_s"] * (1 - 1e-9)):
+        plan, chosen = best["plan"], best["recipe"]
+    if plan is None:
+        raise err
+    plan.solver["recipes"] = recipes.report(rows, plan.predicted["step_time_s"], chosen)
+    plan.solver["recipes_s"] = time.perf_counter() - t1
+    plan.solver["search_s"] = t1 - t0
+    return plan
+
+
+def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     from autopart import pipelining
 
     for name in opts.roles:
@@ -1182,6 +1214,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
                                     "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t})
+    # collectives inside nodes' own lowerings and on graph outputs (vocab-parallel cross-entropy's all-reduces,
+    # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
+    internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
+    comm_total += internal_comm
     # gradient reduction of parameters after backward (priced as all-reduce per reduced axis)
     from autopart.cost import collective_time
 
@@ -1235,6 +1271,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
                                 "graph_nodes": len(info.nodes)} | timings,
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
+                   "internal_comm_s": internal_comm,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

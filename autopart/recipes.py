@@ -1,0 +1,105 @@
+"""The standard recipes every plan is checked against (issue 6: never worse than what practitioners run).
+
+Each recipe is a configuration practitioners reach for first, expressed as planner options (roles per mesh axis, a
+ZeRO level, a pipeline) with everything else (per-node shardings inside those roles, checkpointing, offload) left to
+the same solver, so a recipe is scored under exactly the cost model the free plan is:
+
+========================  ===========================================================================
+``ddp``                   every axis data parallel, whole model states (PyTorch DDP)
+``zero1``                 every axis data parallel, optimizer states sliced (distributed optimizer)
+``fsdp``                  every axis data parallel, ZeRO-3 (FSDP ``fully_shard``)
+``megatron``              the last (intra-node) axis tensor parallel, the others data parallel
+``megatron-fsdp``         the same with ZeRO-3 on the data axes
+``megatron-1f1b``         the same with 1F1B pipeline stages over the first axis (degree, micro-batches
+                          and stage boundaries searched); on a 1-D mesh, stages over it, data parallel inside
+========================  ===========================================================================
+
+``score`` plans each recipe that applies to the mesh (a recipe that does not fit is reported with its reason), and
+``make_plan`` returns the best of the free plan and the recipes: the free search is exact per sharding problem but
+bounded by time limits, gaps and its pipeline-degree pruning, so a recipe can in principle win; when it does, the
+recipe's plan is returned and ``plan.solver["recipes"]`` says so. Each recipe row gives its predicted step, memory
+and the free plan's gain over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+RECIPES = ("ddp", "zero1", "fsdp", "megatron", "megatron-fsdp", "megatron-1f1b")
+
+
+def recipe_options(name: str, axis_names: tuple[str, ...], mesh: tuple[int, ...]) -> dict[str, Any] | None:
+    """PlanOptions fields of recipe ``name`` on this mesh (None when it does not apply: nothing to split)."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; recipes are {', '.join(RECIPES)}")
+    n = len(axis_names)
+    data = {a: "dp" for a in axis_names}
+    if name == "ddp":
+        return {"roles": data, "zero": 0, "pipeline": "off"}
+    if name == "zero1":
+        return {"roles": data, "zero": 1, "pipeline": "off"}
+    if name == "fsdp":
+        return {"roles": data, "zero": 3, "pipeline": "off"}
+    if name == "megatron-1f1b":
+        roles = {a: ("tp" if i == n - 1 and n > 1 else "dp") for i, a in enumerate(axis_names)}
+        if mesh[0] < 2:
+            return None
+        return {"roles": roles, "zero": 0, "pipeline": {"axis": axis_names[0], "schedule": "1f1b"}}
+    roles = {a: ("tp" if i == n - 1 else "dp") for i, a in enumerate(axis_names)}
+    if n == 1 and name == "megatron-fsdp":
+        return None  # nothing left for data parallelism
+    return {"roles": roles, "zero": 3 if name == "megatron-fsdp" else 0, "pipeline": "off"}
+
+
+def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn) -> list[dict]:
+    """Plan every applicable recipe with ``plan_fn(traced, cluster, axis_names, opts)``; one row per recipe."""
+    rows = []
+    for name in RECIPES:
+        kw = recipe_options(name, axis_names, cluster.mesh_shape)
+        if kw is None:
+            continue
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"recipe": name}
+        try:
+            p = plan_fn(traced, cluster, axis_names, dataclasses.replace(opts, recipes=False, **kw))
+        except ValueError as e:
+            row.update(fits=False, why=str(e).splitlines()[0][:300])
+        else:
+            row.update(fits=True, step_time_s=p.predicted["step_time_s"],
+                       memory_bytes=p.predicted["memory_bytes"]["total"], checkpoint=sorted(set(p.checkpoint.values())),
+                       pipeline=(f"pp={p.pipeline['degree']} m={p.pipeline['micro_batches']} {p.pipeline['schedule']}"
+                                 if p.pipeline else ""))
+            row["plan"] = p
+        row["plan_s"] = time.perf_counter() - t0
+        rows.append(row)
+    return rows
+
+
+def report(rows: list[dict], chosen_step: float, chosen_from: str) -> list[dict]:
+    """JSON-able rows for ``plan.solver["recipes"]``: the plan's predicted gain over each recipe."""
+    out = []
+    for r in rows:
+        r = {k: v for k, v in r.items() if k != "plan"}
+        if r.get("fits"):
+            r["gain"] = r["step_time_s"] / chosen_step - 1.0
+        r["chosen"] = r["recipe"] == chosen_from
+        out.append(r)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """The recipes section of ``print(plan)``."""
+    from autopart.plan import _fmt_bytes, _fmt_time
+
+    lines = ["standard recipes under the same cost model (the plan's predicted gain over each):"]
+    for r in rows:
+        if r.get("fits"):
+            extra = ", ".join(x for x in (r.get("pipeline"), "recompute " + "/".join(r["checkpoint"])
+                                          if r.get("checkpoint") else "") if x)
+            lines.append(f"  {r['recipe']:<14} {_fmt_time(r['step_time_s']):>10}  {_fmt_bytes(r['memory_bytes']):>10}"
+                         f"  {r['gain']:+7.1%}{'  (chosen)' if r.get('chosen') else ''}{'  ' + extra if extra else ''}")
+        else:
+            lines.append(f"  {r['recipe']:<14} does not fit: {r['why'][:100]}")
+    return "\n".join(lines)

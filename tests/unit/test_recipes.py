@@ -1,0 +1,49 @@
+"""Every unpinned plan is scored against the standard recipes and is never predicted slower than the best one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart.models import GPT, GPTConfig
+from autopart.recipes import RECIPES, recipe_options
+
+
+def _model_ids():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, max_seq_len=64, n_layer=4, n_head=4, d_model=64))
+    return model, torch.randint(0, 256, (8, 64))
+
+
+def test_unpinned_plan_is_never_slower_than_a_recipe():
+    model, ids = _model_ids()
+    p = autopart.plan(model, autopart.mesh((2, 2), ("a", "b")), (ids,), {"labels": ids})
+    rows = p.solver["recipes"]
+    assert [r["recipe"] for r in rows] == list(RECIPES)
+    fits = [r for r in rows if r["fits"]]
+    assert len(fits) >= 4
+    step = p.predicted["step_time_s"]
+    for r in fits:
+        assert r["step_time_s"] >= step * (1 - 1e-9), r
+        assert r["gain"] == pytest.approx(r["step_time_s"] / step - 1)
+    assert sum(r["chosen"] for r in rows) <= 1
+    # the recipes differ where they should: ZeRO-1 and FSDP hold less than DDP, ZeRO-1 pays its parameter gather
+    by = {r["recipe"]: r for r in fits}
+    assert by["zero1"]["memory_bytes"] < by["ddp"]["memory_bytes"]
+    assert by["fsdp"]["memory_bytes"] < by["zero1"]["memory_bytes"]
+    assert by["zero1"]["step_time_s"] > by["ddp"]["step_time_s"]
+    assert "standard recipes under the same cost model" in str(p)
+
+
+def test_forced_options_skip_recipes_and_evaluate_scores_one():
+    model, ids = _model_ids()
+    p = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, roles={"dp": "dp"})
+    assert "recipes" not in p.solver
+    fsdp = autopart.evaluate(model, 4, (ids,), {"labels": ids}, recipe="fsdp", gpus_per_node=2)
+    assert fsdp.mesh_shape == (2, 2) and set(fsdp.zero.values()) == {3}
+    meg = autopart.evaluate(model, 4, (ids,), {"labels": ids}, recipe="megatron", gpus_per_node=2)
+    assert "tensor" in meg.axis_role(1)  # weights split on the intra-node axis
+    with pytest.raises(ValueError, match="unknown recipe"):
+        recipe_options("zero7", ("dp",), (2,))
+    assert recipe_options("megatron-fsdp", ("dp",), (2,)) is None
