@@ -78,6 +78,7 @@ class PlanOptions:
     virtual_layers: int = 0
     objective_cutoff: float | None = None  # internal: raise ``Pruned`` if no plan can be cheaper than this
     recipes: bool = True  # also score the standard recipes (``autopart.recipes``) and never return a slower plan
+    explain_infeasible: bool = True  # a plan that does not fit: solve for its least peak (else a lower bound)
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -1007,7 +1008,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     base_modes = forced if opts.checkpoint is not None else {}
     base_off = forced_off if forced_off is not None else frozenset()
     sopts = SolverOptions(time_limit_s=opts.time_limit_s, seed=opts.seed, backend=opts.backend,
-                          relative_gap=opts.relative_gap)
+                          relative_gap=opts.relative_gap, explain=opts.explain_infeasible)
     results: dict[str, Any] = {}
     errors: dict[str, InfeasibleError] = {}
 

@@ -63,7 +63,8 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn) -> list[d
         t0 = time.perf_counter()
         row: dict[str, Any] = {"recipe": name}
         try:
-            p = plan_fn(traced, cluster, axis_names, dataclasses.replace(opts, recipes=False, **kw))
+            p = plan_fn(traced, cluster, axis_names,
+                        dataclasses.replace(opts, recipes=False, explain_infeasible=False, **kw))
         except ValueError as e:
             row.update(fits=False, why=str(e).splitlines()[0][:300])
         else:

@@ -181,6 +181,7 @@ class SolverOptions:
     threads: int = 1
     presolve: bool = True
     use_dp: bool = True
+    explain: bool = True  # on infeasible memory, solve for the least peak (else report a lower bound only)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -284,7 +285,7 @@ def _separable(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return None
 
 
-def _presolve(problem: Problem, enabled: bool) -> _Reduced:
+def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced:
     """Exact reductions described in the module docstring. Requires a validated problem."""
     n = len(problem.names)
     opts = [np.arange(len(c)) for c in problem.node_cost]
@@ -365,7 +366,7 @@ def _presolve(problem: Problem, enabled: bool) -> _Reduced:
             continue
         if limit is not None and free:
             if (base + sum(mem[i].min(axis=0) for i in free) > limit).any():
-                raise _memory_infeasible(problem)
+                raise _memory_infeasible(problem, explain)
             slack = base + sum(mem[i].max(axis=0) for i in free) <= limit
             if slack.any():  # this row fits whatever is chosen: drop it
                 for i in range(n):
@@ -736,16 +737,24 @@ def _run_cpsat(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _memory_infeasible(problem: Problem) -> InfeasibleError:
+def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleError:
     """Find the least peak memory subject only to forbidden options and pairs, and explain the shortfall.
 
     One row: the minimum is exact. Several rows (the peak is their maximum): each row is minimised on its own, and
     so is their sum; the best of those choices is a peak that is reachable, and the largest single-row minimum is
-    a bound no choice goes below; the message gives both when they differ.
+    a bound no choice goes below; the message gives both when they differ. ``explain=False`` skips the solves and
+    reports the bound of every group's smallest usable option (a quick "does not fit").
     """
     rows = problem.num_memory_rows
     mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
     base = problem.base_vector()
+    if not explain:
+        low = base + sum(m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
+        r = int(np.argmax(low))
+        return InfeasibleError(
+            f"no sharding choice fits the memory limit of {(problem.memory_limit or 0.0) / _GIB:.3g} GiB per "
+            f"device: every choice needs at least {float(low[r]) / _GIB:.3g} GiB at the {problem.label(r)}.",
+            float(low[r]), [], problem.label(r))
     weights = [np.eye(rows)[r] for r in range(rows)] + ([np.ones(rows)] if rows > 1 else [])
     best, lower = None, 0.0
     for w in weights:
@@ -792,7 +801,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
     """
     start = time.perf_counter()
     problem.validate()
-    red = _presolve(problem, options.presolve)
+    red = _presolve(problem, options.presolve, options.explain)
     chosen: dict[int, int] = dict(red.fixed)
     backend_used, num_vars, num_rows = "dp", 0, 0
     optimal, bound_extra = True, 0.0
@@ -834,7 +843,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         if raw.values is None:
             if raw.infeasible:
                 if sub.memory_limit is not None:
-                    raise _memory_infeasible(problem)
+                    raise _memory_infeasible(problem, options.explain)
                 raise InfeasibleError(
                     "no choice satisfies the forbidden option pairs (infinite resharding costs) around "
                     f"{', '.join(problem.names[g] for g in sub.groups[:5])}; likely cause: incompatible sharding "
