@@ -53,9 +53,18 @@ def _as_cluster(cluster: str | Cluster, m: Mesh) -> Cluster:
     return preset(cluster, m.shape)
 
 
+# An explicit memory_budget is planned against less this share: the memory model's predicted peaks were measured
+# within +-10% of the real ones (benchmarks/bench_memory.py), and a plan that says it fits must fit. The cluster's
+# default budget (capacity less its reserve) is used as it is.
+MEMORY_MODEL_MARGIN = 0.10
+
+
 def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None,
              zero=None, offload=None, pipeline=None, optimizer_bytes_per_param=8.0) -> PlanOptions:
-    return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=parse_bytes(memory_budget),
+    limit = parse_bytes(memory_budget)
+    if limit is not None and limit != float("inf"):
+        limit *= 1 - MEMORY_MODEL_MARGIN
+    return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=limit,
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
                        checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline,
                        optimizer_bytes_per_param=optimizer_bytes_per_param)
@@ -74,7 +83,9 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     the solver split an unpinned axis into stages when that is faster or needed to fit; ``"off"``; or a dict forcing
     any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``.
     ``optimizer_bytes_per_param``: optimizer state bytes per parameter (8: Adam's two fp32 states; 12 with an fp32
-    master copy of bf16 weights, as Megatron-LM's mixed precision)."""
+    master copy of bf16 weights, as Megatron-LM's mixed precision). ``memory_budget`` (bytes or "12GiB"; default
+    the cluster device's capacity less its reserve) is planned against less ``MEMORY_MODEL_MARGIN`` (10%), the
+    memory model's measured accuracy."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
