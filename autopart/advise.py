@@ -46,6 +46,10 @@ from autopart.cost.cluster import preset as make_preset
 from autopart.placement import Replicate, Shard, parse_spec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# collectives inside ops' lowerings and on graph outputs, which the plan records as node time, not as edges:
+# vocab-parallel cross-entropy's all-reduces, ZeRO-1's parameter all-gather after the step, context-parallel
+# attention's K/V exchange, output gathers. Their time is known per node, their kind and bytes are not recorded
+INSIDE_OPS = "inside_ops"
 MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations", "other")
 
 # family -> (module, model class, config class). moe and mamba are imported when asked for: their modules may not
@@ -345,13 +349,16 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
 
 def communication(plan, traced) -> dict[str, dict[str, float]]:
     """Per GPU and step, by collective kind: {"time_s", "bytes"} (module doc), plus "gradient_all_reduce" (part of
-    all_reduce, reported apart)."""
+    all_reduce, reported apart) and ``INSIDE_OPS`` (time only). Without a pipeline the times of ``KINDS`` and
+    ``INSIDE_OPS`` sum to ``plan.predicted["comm_s"]``."""
     stage = Cluster.from_json(plan.cluster)
     parts, _ = edge_comm(plan, traced, stage)
     (at, ab), (pt, pb) = parts["activations"], parts["parameters"]
     gt, gb = gradient_comm(plan, traced, stage)
     pp = plan.pipeline
     out = {k: {"time_s": 0.0, "bytes": 0.0} for k in KINDS}
+    inside = sum(r.get("time_s", 0.0) - r.get("compute_s", 0.0) for r in plan.nodes.values())
+    out[INSIDE_OPS] = {"time_s": inside / (int(pp["degree"]) if pp else 1), "bytes": None}
     if not pp:
         for k in KINDS:
             out[k]["time_s"] = at[k] + pt[k]
@@ -496,7 +503,7 @@ def terms(plan, traced, comm: dict | None = None) -> dict[str, float]:
     else:
         compute = plan.predicted["compute_s"]
     out = {"compute": compute}
-    out.update({k: comm[k]["time_s"] for k in KINDS})
+    out.update({k: comm[k]["time_s"] for k in (*KINDS, INSIDE_OPS)})
     out["bubble_and_imbalance"] = step - sum(out.values())
     return out
 
@@ -566,11 +573,20 @@ def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
 
 
 def _mesh_cluster(cluster: str | Cluster, nodes: int, gpus_per_node: int) -> Cluster:
+    """The cluster as a (nodes, gpus_per_node) mesh: the node axis on the inter-node link, the GPU axis inside a
+    node. A preset whose nodes hold another number of GPUs is registered again as ``<name>/<g>-per-node``."""
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"need nodes >= 1 and gpus_per_node >= 1, got {nodes} and {gpus_per_node}")
     shape = (nodes, gpus_per_node)
     c = resolve_cluster(cluster)
-    return c.with_mesh(shape) if isinstance(c, Cluster) else make_preset(c, shape)
+    if isinstance(c, Cluster):
+        return c.with_mesh(shape)
+    spec = PRESETS[c]
+    if spec.devices_per_node is not None and spec.devices_per_node != gpus_per_node:
+        name = f"{c}/{gpus_per_node}-per-node"
+        PRESETS.setdefault(name, dataclasses.replace(spec, devices_per_node=gpus_per_node))
+        c = name
+    return make_preset(c, shape)
 
 
 def state_floor(params: int, gpus: int, state_bytes: float, offload_bytes: float) -> float:
@@ -702,35 +718,38 @@ class Recipe:
 
 
 def practice(params: int, layers: int, hidden: int, gpus: int, gpus_per_node: int, budget: float, batch: int,
-             seq: int, state_bytes: float = 16.0, act_bytes_per_token_layer: float | None = None) -> Recipe | None:
+             seq: int, state_bytes: float = 16.0) -> Recipe | None:
     """Published practice (N21 section 3.3, K22): data parallel while the model states and activations fit one
     GPU (ZeRO-1's sharded optimizer allowed); else tensor parallel inside a node, the smallest degree that fits;
-    else tensor parallel over the whole node and pipeline stages across nodes, the fewest that fit. Memory per GPU
-    as K22: states (state_bytes per parameter, the optimizer's 12 sharded over data-parallel ranks) plus
-    activations 34 s b h / t bytes per layer (selective recompute), L layers in flight under 1F1B. None: nothing
-    fits."""
-    act = act_bytes_per_token_layer or 34 * hidden
+    else tensor parallel over the whole node and pipeline stages across nodes, the fewest that fit, with selective
+    recompute and, if that does not fit, full recompute (as N21 trains its 1T model). Memory per GPU as K22: states
+    (``state_bytes`` per parameter, the optimizer's share sharded over the data-parallel ranks) plus activations
+    per layer of 34 s b h / t bytes (selective recompute) or 2 s b h / t kept plus one layer's 34 s b h / t
+    recomputed (full), L layers in flight at a micro-batch of one sequence under 1F1B. None: nothing fits."""
     opt = state_bytes - 4
 
-    def mem(t: int, p: int, d: int, tokens_in_flight: float) -> float:
-        return params * (4 + opt / d) / (t * p) + act * tokens_in_flight * layers / (t * p) * (p if p > 1 else 1)
+    def states(t: int, p: int, d: int) -> float:
+        return params * (4 + opt / d) / (t * p)
 
-    if batch % gpus == 0 and mem(1, 1, gpus, batch // gpus * seq) <= budget:
+    if batch % gpus == 0 and states(1, 1, gpus) + 34 * hidden * seq * batch // gpus * layers <= budget:
         return Recipe("DP", 1, 1, gpus, why="model states and activations fit one GPU")
     for t in (2, 4, 8):
         if t > gpus_per_node or gpus % t or batch % (gpus // t):
             continue
-        if mem(t, 1, gpus // t, batch // (gpus // t) * seq) <= budget:
-            return Recipe("TP", t, 1, gpus // t, why=f"states do not fit one GPU; tensor parallel {t} inside a node "
-                                                       "does")
+        d = gpus // t
+        if states(t, 1, d) + 34 * hidden * seq * (batch // d) * layers / t <= budget:
+            return Recipe("TP", t, 1, d, why=f"states do not fit one GPU; tensor parallel {t} inside a node does")
     t = min(8, gpus_per_node, gpus)
-    for p in range(2, min(layers, gpus // t) + 1):
-        if (gpus // t) % p or batch % (gpus // (t * p)):
-            continue
-        d = gpus // (t * p)
-        if mem(t, p, d, seq) <= budget:  # 1F1B, micro-batch of one sequence: L layers' activations in flight
-            return Recipe("TP+PP", t, p, d, micro_batches=batch // d,
-                          why=f"tensor parallel {t} in a node is not enough; {p} pipeline stages across nodes")
+    for full in (False, True):
+        act = (2 * layers + 34) * hidden * seq / t if full else 34 * hidden * seq * layers / t
+        for p in range(2, min(layers, gpus // t) + 1):
+            if (gpus // t) % p or batch % (gpus // (t * p)):
+                continue
+            d = gpus // (t * p)
+            if states(t, p, d) + act <= budget:
+                return Recipe("TP+PP", t, p, d, micro_batches=batch // d,
+                              why=f"tensor parallel {t} in a node is not enough; {p} pipeline stages across nodes"
+                                  + (" with full activation recompute" if full else ""))
     return None
 
 
@@ -822,8 +841,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
             rec = practice(n_params, cfg.n_layer, cfg.d_model, gpus, per_node, cl.memory_budget, batch, seq,
                            2 * 2 + optimizer_bytes_per_param)
             row["practice"] = rec
-            if rec is None:
-                row["agrees"] = not adv.fits
+            if rec is None:  # None: practice has no recipe; autopart went beyond it (offload, full recompute)
+                row["agrees"] = True if not adv.fits else None
                 row["comparison"] = {"decided_by": "memory", "detail": (
                     f"no in-GPU recipe of practice fits; autopart fits with {adv.strategy['layout']}" if adv.fits
                     else "practice has no recipe that fits either")}
@@ -851,10 +870,14 @@ def sweep_line(row: dict) -> str:
     what = (f"{adv.strategy['name']} [{adv.strategy['layout']}] step {adv.step_time_s:.3g} s MFU {adv.mfu:.1%}"
             if adv.fits else f"does not fit: {adv.binding}")
     out = f"{row['model']} ({row['params'] / 1e9:.1f}B) on {row['gpus']} GPUs: {what}; planned in {adv.plan_s:.1f} s"
-    out += f"; practice {rec if rec else 'none fits'}: {'agrees' if row['agrees'] else 'differs'}"
+    out += f"; practice {rec if rec else 'none fits'}: {_agree_word(row['agrees'])}"
     if "comparison" in row:
         out += f" ({row['comparison']['detail']})"
     return out
+
+
+def _agree_word(agrees: bool | None) -> str:
+    return {True: "agrees", False: "differs", None: "beyond practice"}[agrees]
 
 
 def sweep_json(rows: list[dict]) -> list[dict]:
@@ -882,7 +905,7 @@ def sweep_markdown(rows: list[dict]) -> str:
         else:
             cells = ["does not fit", a.binding.split(" (")[0], "-", "-", "-"]
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.1f}B | {r['gpus']} | " + " | ".join(cells) +
-                     f" | {a.plan_s:.1f} | {rec if rec else 'none fits'} | {'yes' if r['agrees'] else 'no'} | "
+                     f" | {a.plan_s:.1f} | {rec if rec else 'none fits'} | {_agree_word(r['agrees'])} | "
                      f"{cmp_.get('detail', '')} |")
     return "\n".join(lines)
 
@@ -915,16 +938,17 @@ def sweep_chart(rows: list[dict], path: str, title: str = "") -> str:
             return "TP+DP" if s["dp"] > 1 else "TP"
         return "ZeRO" if s["zero"] else "DP"
 
-    fig, ax = plt.subplots(figsize=(2.6 * len(gpus) + 1.5, 1.1 * len(models) + 1.5))
+    fig, ax = plt.subplots(figsize=(2.8 * len(gpus) + 1.5, 1.6 * len(models) + 1.5))
     for r in rows:
         i, j = models.index(r["model"]), gpus.index(r["gpus"])
         a: Advice = r["advice"]
         fam = family(a)
         ax.add_patch(plt.Rectangle((j, i), 1, 1, color=colors[fam], ec="white"))
-        text = f"{a.strategy['name']}\n{a.strategy['layout']}\nMFU {a.mfu:.0%}" if a.fits else "does not fit"
-        if not r["agrees"] and a.fits:
-            text += "\n(differs from practice)"
-        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=7, wrap=True)
+        layout = a.strategy["layout"].replace(", ", "\n") if a.fits else ""
+        text = f"{a.strategy['name']}\n{layout}\nMFU {a.mfu:.0%}" if a.fits else "does not fit"
+        if a.fits and r["agrees"] is not True:
+            text += "\n(" + _agree_word(r["agrees"]).replace("differs", "differs from practice") + ")"
+        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", fontsize=6.5)
     ax.set_xlim(0, len(gpus))
     ax.set_ylim(0, len(models))
     ax.set_xticks([j + 0.5 for j in range(len(gpus))], [str(g) for g in gpus])

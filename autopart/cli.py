@@ -128,7 +128,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def _rich_advice(adv, console) -> None:
     from rich.table import Table
 
-    from autopart.advise import KINDS
+    from autopart.advise import INSIDE_OPS, KINDS
 
     console.print(f"[bold]{adv.model}[/bold] ({adv.params / 1e9:.2f}B parameters) on {adv.gpus} x {adv.cluster} "
                   f"(mesh {'x'.join(map(str, adv.mesh))}), global batch {adv.batch} x {adv.seq} tokens")
@@ -160,9 +160,10 @@ def _rich_advice(adv, console) -> None:
     c.add_column("kind")
     c.add_column("GiB sent", justify="right")
     c.add_column("time (ms)", justify="right")
-    for k in (*KINDS, "gradient_all_reduce"):
+    labels = {"gradient_all_reduce": "  of which gradient all-reduce", INSIDE_OPS: "inside ops (kind not recorded)"}
+    for k in (*KINDS, "gradient_all_reduce", INSIDE_OPS):
         v = adv.communication[k]
-        c.add_row(k if k != "gradient_all_reduce" else "  of which gradient all-reduce", f"{v['bytes'] / 2**30:.3f}",
+        c.add_row(labels.get(k, k), "-" if v["bytes"] is None else f"{v['bytes'] / 2**30:.3f}",
                   f"{v['time_s'] * 1e3:.2f}")
     console.print(c)
     terms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in adv.terms.items() if abs(v) > 1e-7)

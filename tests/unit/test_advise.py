@@ -96,7 +96,12 @@ def test_communication_reprices_the_recorded_collectives() -> None:
     _, per_record = adv.edge_comm(plan, traced, autopart.Cluster.from_json(plan.cluster))
     assert per_record == pytest.approx([r["time_s"] for r in plan.collectives], rel=1e-9, abs=1e-15)
     comm = adv.communication(plan, traced)
-    assert sum(comm[k]["time_s"] for k in adv.KINDS) == pytest.approx(plan.predicted["comm_s"], rel=1e-9)
+    inside = comm[adv.INSIDE_OPS]["time_s"]
+    assert inside == pytest.approx(plan.predicted.get("internal_comm_s", inside), rel=1e-9, abs=1e-15)
+    assert sum(comm[k]["time_s"] for k in adv.KINDS) + inside == pytest.approx(plan.predicted["comm_s"], rel=1e-9)
+    # two nodes of 4: the node axis crosses InfiniBand, the GPU axis stays on NVLink
+    links = autopart.Cluster.from_json(plan.cluster).links
+    assert links[0].bandwidth < links[1].bandwidth
     assert comm["send_recv"]["bytes"] == 0
     assert a.terms["bubble_and_imbalance"] == pytest.approx(0, abs=1e-9 * a.step_time_s)
 
