@@ -45,6 +45,7 @@ import torch.fx as fx
 from autopart.cost import Cluster, Link, backward_flops, collective_time, node_bytes, node_flops, roofline_time
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 from autopart.strategy import OpOption, options_for, tensor_inputs
+from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
 from autopart.trace import Traced
 
 aten = torch.ops.aten
@@ -281,6 +282,7 @@ def analyze(traced: Traced, mesh_shape: tuple[int, ...]) -> Graphinfo:
                 continue
             kind[node.name] = "op"
             options[node.name], known[node.name] = options_for(node, mesh_shape)
+            options[node.name] = cp_variants(node, options[node.name])  # context parallelism: ring / all-gather
             floaty = any(v.dtype.is_floating_point for v in (val if isinstance(val, (tuple, list)) else [val]))
             needs_grad[node.name] = floaty and any(needs_grad.get(_producer(a)[0].name, False)
                                                    for a in tensor_inputs(node))
@@ -419,7 +421,10 @@ def transient_bytes(node: fx.Node, option: OpOption, mesh) -> float:
 
 def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> float:
     """Collectives an option runs inside its lowering (not on an edge): vocab-parallel cross-entropy's three
-    all-reduces of one value per token, and the global count of a batch-sharded mean cross-entropy."""
+    all-reduces of one value per token, and the global count of a batch-sharded mean cross-entropy; context-parallel
+    attention's K/V exchange and causal imbalance (``strategy.context.cp_comm_time``)."""
+    if option.tag in CP_TAGS:
+        return cp_comm_time(node, option, cluster)
     if node.target != aten.cross_entropy_loss.default:
         return 0.0
     mesh = cluster.mesh_shape
@@ -496,8 +501,10 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
 
 
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
-    spec = parse_spec(pin)
-    keep = [o for o in opts if (o.output if not (o.output and isinstance(o.output[0], tuple)) else o.output[0]) == spec]
+    pin, _, tag = pin.partition("[")  # "S(2) [cp_ring]": a tagged variant, as options print (OpOption.__str__)
+    spec, tag = parse_spec(pin.strip()), tag.rstrip("] ")
+    keep = [o for o in opts if (o.output if not (o.output and isinstance(o.output[0], tuple)) else o.output[0]) == spec
+            and (not tag or o.tag == tag)]
     if not keep:
         raise ValueError(f"pin {name}={pin!r} is not a legal placement here; legal output specs: "
                          f"{sorted({spec_str(o.output) for o in opts if not isinstance(o.output[0], tuple)})}")
@@ -1173,6 +1180,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                # compute (what recomputing it costs), bytes it holds (states of a parameter; saved activations)
                "time_s": float(prob.node_cost[gid][a]) / k, "fwd_s": float(prob.fwd_compute[gid][a]) / k,
                "memory_bytes": float(prob.node_memory[gid][a]) / k, "region": prob.region[gid]}
+        if o.tag and info.kind[n.name] == "op":  # e.g. context parallelism's strategy, read by passes.context
+            rec["tag"] = o.tag
         if info.kind[n.name] == "op" and info.needs_grad[n.name]:
             rec["transient_bytes"] = transient_bytes(n, o, mesh)
         if info.kind[n.name] == "param":

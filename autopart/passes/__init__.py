@@ -11,6 +11,7 @@ import torch.fx as fx
 from autopart.passes.annotate import annotate
 from autopart.passes.checkpoint import checkpoint_regions
 from autopart.passes.collectives import insert_collectives
+from autopart.passes.context import context_parallel
 from autopart.passes.lower import lower
 from autopart.passes.verify import verify
 
@@ -35,6 +36,7 @@ def run_passes(traced, plan, needs_grad: dict[str, bool]) -> fx.GraphModule:
         ("annotate", lambda g: annotate(g, plan, traced.params)),
         ("insert_collectives", lambda g: insert_collectives(g, mesh, needs_grad)),
         ("lower", lambda g: lower(g, mesh)),
+        ("context", lambda g: context_parallel(g, plan)),
         ("verify", lambda g: verify(g, mesh)),
         ("checkpoint", lambda g: checkpoint_regions(g, plan)),
     ]

@@ -59,7 +59,8 @@ def _gather_buffer(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
-    return _gather_buffer(x, ax, dim).movedim(0, dim)
+    # contiguous: a view after a gather on another dim than 0 (a sequence-split [b, s] flattened) needs it
+    return _gather_buffer(x, ax, dim).movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:

@@ -1,0 +1,239 @@
+"""Context-parallel attention: ``scaled_dot_product_attention`` with the sequence split over one mesh axis.
+
+q, k, v and the output are ``Shard(2)`` (``[batch, heads, seq, head_dim]``) on the axis; every rank holds the rows
+of ``positions(layout, coord, n, s_local)`` of the global sequence:
+
+* ``"contiguous"``: rank i holds positions ``[i·s_local, (i+1)·s_local)``;
+* ``"balanced"``: the sequence cut in 2n chunks, rank i holds chunks i and 2n−1−i (causal work equal on every rank;
+  Llama 3, Megatron-LM's context parallelism).
+
+Two strategies, both exact (the same softmax as one process, up to float rounding):
+
+* ``allgather_attention`` (Llama 3): all-gather K and V along the sequence, attend the local queries to every key
+  with the causal mask of the global positions; autograd's backward of the all-gather reduce-scatters dK and dV.
+* ``ring_attention`` (Liu et al. 2023): K/V blocks travel around the ring in n−1 send/recv steps, each step's
+  transfer posted before the step's block is computed (so it overlaps); partial outputs are merged by their
+  log-sum-exp (online softmax). Backward visits the blocks in the same order, dK/dV accumulators travelling with
+  their block and sent one step further to return to the block's owner. Plain torch arithmetic in fp32.
+
+Grouped-query attention: K/V keep their ``hk`` heads on the wire; blocks are expanded to the query heads
+(``repeat_interleave``, as SDPA's ``enable_gqa``) for the arithmetic and their gradients summed back per group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopart.runtime import collectives as C
+
+LAYOUTS = ("contiguous", "balanced")
+STATS = {"ring_hops": 0, "kv_gathers": 0}  # messages this process sent (tests count them)
+
+
+def positions(layout: str, coord: int, n: int, s_local: int, device=None) -> torch.Tensor:
+    """Global sequence positions of the ``s_local`` rows rank ``coord`` of ``n`` holds under ``layout``."""
+    if layout == "contiguous":
+        return coord * s_local + torch.arange(s_local, device=device)
+    if layout == "balanced":
+        if s_local % 2:
+            raise ValueError(f"balanced context parallelism needs an even local sequence, got {s_local} rows "
+                             f"per rank: make the sequence a multiple of {2 * n}")
+        half = s_local // 2
+        ar = torch.arange(half, device=device)
+        return torch.cat([coord * half + ar, (2 * n - 1 - coord) * half + ar])
+    raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
+
+
+def balanced_permutation(s: int, n: int, device=None) -> torch.Tensor:
+    """The global order of the balanced layout: ``x[..., perm, ...]`` split in n contiguous pieces gives rank i
+    chunks i and 2n−1−i; ``argsort(perm)`` undoes it."""
+    if s % (2 * n):
+        raise ValueError(f"balanced context parallelism over {n} ranks needs the sequence ({s}) divisible by {2 * n}")
+    return torch.cat([positions("balanced", i, n, s // n, device) for i in range(n)])
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    hk = kv.shape[1]
+    return kv if hk == heads else kv.repeat_interleave(heads // hk, dim=1)
+
+
+def _fold(g: torch.Tensor, hk: int) -> torch.Tensor:
+    b, h, t, d = g.shape
+    return g if h == hk else g.view(b, hk, h // hk, t, d).sum(2)
+
+
+def _block_mask(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool) -> tuple[bool, torch.Tensor | None]:
+    """(whether any query of the block sees any key, the boolean mask or None when every pair attends)."""
+    if not causal:
+        return True, None
+    if int(kpos.min()) > int(qpos.max()):
+        return False, None
+    if int(kpos.max()) <= int(qpos.min()):
+        return True, None
+    return True, qpos[:, None] >= kpos[None, :]
+
+
+def block_forward(q, k, v, mask, scale):
+    """Attention of q [b, h, s, d] to one block k, v [b, h, t, d]: (output normalised within the block, its
+    log-sum-exp [b, h, s]; -inf and a zero output for rows that see no key of the block)."""
+    sc = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        sc = sc.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(sc, dim=-1)
+    p = torch.exp(sc - _finite(lse).unsqueeze(-1))
+    return p @ v, lse
+
+
+def merge(out, lse, bout, blse):
+    """Online-softmax merge of two partial attentions over disjoint key sets."""
+    new = torch.logaddexp(lse, blse)
+    safe = _finite(new)
+    return out * torch.exp(lse - safe).unsqueeze(-1) + bout * torch.exp(blse - safe).unsqueeze(-1), new
+
+
+def block_backward(q, k, v, mask, scale, lse, do, delta):
+    """Gradients of one block given the final log-sum-exp and ``delta = rowsum(dO · O)``: (dq, dk, dv)."""
+    sc = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        sc = sc.masked_fill(~mask, float("-inf"))
+    p = torch.exp(sc - _finite(lse).unsqueeze(-1))
+    dv = p.transpose(-2, -1) @ do
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+class _Ring:
+    """This rank's neighbours on the axis' ring: sends go to coord+1, receives come from coord−1."""
+
+    def __init__(self, ax: C.Ax) -> None:
+        self.ax = ax
+        self.next = dist.get_global_rank(ax.group, (ax.coord + 1) % ax.n)
+        self.prev = dist.get_global_rank(ax.group, (ax.coord - 1) % ax.n)
+
+    def start(self, buf: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Post the send of ``buf`` to the next rank and the receive of the previous rank's; wait on the works."""
+        recv = torch.empty_like(buf)
+        STATS["ring_hops"] += 1
+        works = [dist.isend(buf, self.next, group=self.ax.group), dist.irecv(recv, self.prev, group=self.ax.group)]
+        return recv, works
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, axis, causal, scale, layout):
+        ax = C.Ax(axis)
+        ring = _Ring(ax)
+        dtype, h, hk, s = q.dtype, q.shape[1], k.shape[1], q.shape[2]
+        qf = q.float()
+        qpos = positions(layout, ax.coord, ax.n, s, q.device)
+        kv = torch.stack([k, v]).float().contiguous()
+        out = torch.zeros_like(qf)
+        lse = torch.full(q.shape[:3], float("-inf"), device=q.device)
+        for t in range(ax.n):
+            src = (ax.coord - t) % ax.n
+            works = []
+            if t < ax.n - 1:
+                nxt, works = ring.start(kv)
+            any_, mask = _block_mask(qpos, positions(layout, src, ax.n, s, q.device), causal)
+            if any_:
+                bout, blse = block_forward(qf, _expand(kv[0], h), _expand(kv[1], h), mask, scale)
+                out, lse = merge(out, lse, bout, blse)
+            if works:
+                ring.wait(works)
+                kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ax, ctx.causal, ctx.scale, ctx.layout, ctx.hk = ax, causal, scale, layout, hk  # backward runs outside
+
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ax = ctx.ax
+        ring = _Ring(ax)
+        h, s, hk = q.shape[1], q.shape[2], ctx.hk
+        qf, do = q.float(), dout.float()
+        delta = (do * out).sum(-1)
+        qpos = positions(ctx.layout, ax.coord, ax.n, s, q.device)
+        kv = torch.stack([k, v]).float().contiguous()
+        dkv = torch.zeros_like(kv)
+        dq = torch.zeros_like(qf)
+        for t in range(ax.n):
+            src = (ax.coord - t) % ax.n
+            works = []
+            if t < ax.n - 1:
+                nxt, works = ring.start(kv)
+            any_, mask = _block_mask(qpos, positions(ctx.layout, src, ax.n, s, q.device), ctx.causal)
+            if any_:
+                bq, bk, bv = block_backward(qf, _expand(kv[0], h), _expand(kv[1], h), mask, ctx.scale, lse, do,
+                                            delta)
+                dq += bq
+                dkv = dkv + torch.stack([_fold(bk, hk), _fold(bv, hk)])
+            dkv, dworks = ring.start(dkv.contiguous())  # the accumulators follow their block; the n-th send
+            ring.wait(works + dworks)                    # returns them to the block's owner
+            if works:
+                kv = nxt
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _check(q, k, v, axis: int, layout: str) -> float:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"context-parallel attention needs 4-d q, k, v [batch, heads, seq, head_dim], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"context-parallel attention splits one sequence: q has {q.shape[2]} rows, k "
+                         f"{k.shape[2]} (cross-attention is not supported)")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+def ring_attention(q, k, v, axis: int, is_causal: bool = True, scale: float | None = None,
+                   layout: str = "contiguous") -> torch.Tensor:
+    """Ring attention over mesh axis ``axis`` (see the module docstring)."""
+    default = _check(q, k, v, axis, layout)
+    return _RingAttention.apply(q, k, v, axis, bool(is_causal), default if scale is None else scale, layout)
+
+
+def allgather_attention(q, k, v, axis: int, is_causal: bool = True, scale: float | None = None,
+                        layout: str = "contiguous") -> torch.Tensor:
+    """Llama 3's context parallelism over mesh axis ``axis``: K and V gathered, local queries against all keys."""
+    _check(q, k, v, axis, layout)
+    ax = C.Ax(axis)
+    STATS["kv_gathers"] += 1
+    kf = C.all_gather(k, axis, 2, "reduce_scatter")
+    vf = C.all_gather(v, axis, 2, "reduce_scatter")
+    mask = None
+    if is_causal:
+        s = q.shape[2]
+        qpos = positions(layout, ax.coord, ax.n, s, q.device)
+        kpos = torch.cat([positions(layout, r, ax.n, s, q.device) for r in range(ax.n)])
+        mask = qpos[:, None] >= kpos[None, :]
+    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+STRATEGIES = {"cp_ring": ring_attention, "cp_allgather": allgather_attention}
+
+
+def context_attention(q, k, v, axis: int, strategy: str, is_causal: bool, scale: float | None,
+                      layout: str) -> torch.Tensor:
+    """The call ``autopart.passes.context`` writes in place of a context-parallel SDPA node."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
+    return STRATEGIES[strategy](q, k, v, axis, is_causal, scale, layout)
