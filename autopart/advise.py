@@ -253,7 +253,8 @@ def model_flops(model: nn.Module, traced, tokens: int) -> tuple[float, int, int]
         total += p.numel()
         if id(p) in lookup_only:
             continue
-        scale = top_k / n_expert if n_expert and "expert" in name else 1.0
+        stacked = p.dim() >= 3 and p.shape[0] == n_expert  # [E, d, f] expert weights (autopart.models.moe)
+        scale = top_k / n_expert if n_expert and (stacked or "expert" in name) else 1.0
         matmul += p.numel() * scale
     attention = 0.0
     for n in traced.graph.nodes:

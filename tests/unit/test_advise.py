@@ -268,3 +268,22 @@ def test_practice_recipes() -> None:
 def test_plan_cap_reports_instead_of_hanging() -> None:
     a = adv.advise("gpt", "125m", layers=2, seq=128, max_plan_s=1e-3)
     assert not a.fits and "not planned" in a.binding and math.isnan(a.step_time_s)
+
+
+def test_moe_and_mamba_families_when_present() -> None:
+    """moe/mamba are planned when their modules exist; 6 N T counts MoE's active parameters (top_k of n_expert)."""
+    pytest.importorskip("autopart.models.moe")
+    from autopart.trace import trace
+
+    name, model, inputs, kwargs, cfg = adv.build("moe", "tiny", batch=2, seq=32)
+    traced = trace(model, inputs, kwargs)
+    flops, total, matmul = adv.model_flops(model, traced, 2 * 32)
+    experts = sum(p.numel() for p in model.parameters() if p.dim() == 3 and p.shape[0] == cfg.n_expert)
+    embed = model.embed.weight.numel()
+    assert experts > 0
+    assert matmul == total - embed - experts + experts * cfg.top_k // cfg.n_expert
+    a = adv.advise("moe", "tiny", seq=32, gpus_per_node=4)
+    assert a.fits and 0 < a.mfu < 1
+    pytest.importorskip("autopart.models.mamba")
+    m = adv.advise("mamba", "tiny", seq=32, gpus_per_node=2)
+    assert m.fits and m.strategy["name"]
