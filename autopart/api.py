@@ -60,14 +60,14 @@ MEMORY_MODEL_MARGIN = 0.10
 
 
 def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None,
-             zero=None, offload=None, pipeline=None, optimizer_bytes_per_param=8.0) -> PlanOptions:
+             zero=None, offload=None, pipeline=None, optimizer_bytes_per_param=8.0, kv_cache_tokens=0) -> PlanOptions:
     limit = parse_bytes(memory_budget)
     if limit is not None and limit != float("inf"):
         limit *= 1 - MEMORY_MODEL_MARGIN
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=limit,
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
                        checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline,
-                       optimizer_bytes_per_param=optimizer_bytes_per_param)
+                       optimizer_bytes_per_param=optimizer_bytes_per_param, kv_cache_tokens=kv_cache_tokens)
 
 
 def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
@@ -75,7 +75,7 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
          zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
-         optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None) -> Plan:
+         optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None, kv_cache_tokens: int = 0) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
@@ -83,14 +83,18 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     the solver split an unpinned axis into stages when that is faster or needed to fit; ``"off"``; or a dict forcing
     any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``.
     ``optimizer_bytes_per_param``: optimizer state bytes per parameter (8: Adam's two fp32 states; 12 with an fp32
-    master copy of bf16 weights, as Megatron-LM's mixed precision). ``memory_budget`` (bytes or "12GiB"; default
+    master copy of bf16 weights, as Megatron-LM's mixed precision). Inference: a model whose parameters do not
+    require gradients (``model.requires_grad_(False)``) is planned forward-only, without gradients or optimizer
+    states; ``kv_cache_tokens`` adds the K/V cache of that many positions at every attention (decoding).
+    ``memory_budget`` (bytes or "12GiB"; default
     the cluster device's capacity less its reserve) is planned against less ``MEMORY_MODEL_MARGIN`` (10%), the
     memory model's measured accuracy."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
     p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend,
-                                          checkpoint, zero, offload, pipeline, optimizer_bytes_per_param))
+                                          checkpoint, zero, offload, pipeline, optimizer_bytes_per_param,
+                                          kv_cache_tokens))
     p.solver["export_s"] = t.export_seconds
     return p
 
@@ -152,7 +156,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                 roles: dict[str, str] | None = None, pins: dict[str, str] | None = None,
                 memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
                 local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
-                zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None):
+                zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
+                kv_cache_tokens: int = 0):
     """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program.
 
     Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
@@ -181,7 +186,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         example_inputs = tuple(_repeat_batch(a, factor) for a in example_inputs)
         example_kwargs = {k: _repeat_batch(v, factor) for k, v in (example_kwargs or {}).items()}
     plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
-                   local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero, offload=offload)
+                   local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero, offload=offload,
+                   kv_cache_tokens=kv_cache_tokens)
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
         plan = _shared_plan(model, m, t, pins=pins, pipeline=pipeline, **plan_kw)

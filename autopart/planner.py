@@ -80,6 +80,9 @@ class PlanOptions:
     objective_cutoff: float | None = None  # internal: raise ``Pruned`` if no plan can be cheaper than this
     recipes: bool = True  # also score the standard recipes (``autopart.recipes``) and never return a slower plan
     explain_infeasible: bool = True  # a plan that does not fit: solve for its least peak (else a lower bound)
+    # inference (no parameter needs a gradient): the K/V cache of this many tokens per sequence held at every
+    # attention, in its layout (heads split by tensor parallelism split it too), read once per decoding step
+    kv_cache_tokens: int = 0
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -273,7 +276,8 @@ def analyze(traced: Traced, mesh_shape: tuple[int, ...]) -> Graphinfo:
             kind[node.name] = k
             options[node.name] = _placeholder_options(node, k, mesh_shape)
             known[node.name] = True
-            needs_grad[node.name] = k == "param" and val.dtype.is_floating_point
+            needs_grad[node.name] = (k == "param" and val.dtype.is_floating_point
+                                     and traced.params[node.name] not in traced.frozen)
         elif node.op == "call_function":
             if node.target.__name__ == "getitem" if hasattr(node.target, "__name__") else False:
                 continue
@@ -320,7 +324,7 @@ def needs_grad_map(traced: Traced) -> dict[str, bool]:
         vals = val if isinstance(val, (tuple, list)) else [val]
         floaty = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
         if node.op == "placeholder":
-            out[node.name] = node.name in traced.params and floaty
+            out[node.name] = node.name in traced.params and floaty and traced.params[node.name] not in traced.frozen
         elif node.op == "call_function":
             out[node.name] = floaty and any(out.get(a.name, False) for a in node.all_input_nodes)
     return out
@@ -408,6 +412,32 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
         total = _local_bytes(value_of(node.args[0]), option.inputs[0], mesh) + transient_bytes(node, option, mesh)
     if node.target == aten.dropout.default and len(node.args) > 1 and node.args[1] > 0:
         total = _local_bytes(value_of(node), option.output, mesh) / value_of(node).dtype.itemsize  # bool mask
+    return total
+
+
+def inference_working_bytes(info: Graphinfo) -> float:
+    """Forward-only peak of activations, bounded: nothing is saved for backward, so what is live is about one
+    op's inputs and output; the largest such set, unsharded (an upper bound whatever the sharding)."""
+    best = 0.0
+    for n in info.nodes:
+        if info.kind[n.name] != "op":
+            continue
+        vals = [value_of(a) for a in tensor_inputs(n)] + [value_of(n)]
+        flat = [v for x in vals for v in (x if isinstance(x, (tuple, list)) else [x]) if isinstance(v, torch.Tensor)]
+        best = max(best, float(sum(v.numel() * v.element_size() for v in flat)))
+    return best
+
+
+def kv_cache_bytes(node: fx.Node, option: OpOption, mesh, tokens: int) -> float:
+    """Bytes of the K and V cache of ``tokens`` positions an attention node holds under ``option``: its key and
+    value inputs (batch, kv heads, sequence, head dim) in the layout it consumes them in, scaled to ``tokens``."""
+    if not tokens or node.target != aten.scaled_dot_product_attention.default:
+        return 0.0
+    ins = tensor_inputs(node)
+    total = 0.0
+    for j in (1, 2):
+        v = value_of(ins[j])
+        total += _local_bytes(v, option.inputs[j], mesh) * tokens / max(1, v.shape[-2])
     return total
 
 
@@ -546,10 +576,14 @@ def _region(node: fx.Node, info: Graphinfo, last_of_layer: set[str]) -> str:
     return "attention" if _ATTN_RE.search(inner) else "layer"
 
 
-def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions, tag: str = "") -> tuple[float, float]:
+def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions, tag: str = "",
+                      trainable: bool = True) -> tuple[float, float]:
     """(parameter, optimizer-state) bytes of one parameter's local shard under ``spec``; its gradient is the
-    parameter's size. ZeRO-1 (``tag="zero1"``) keeps a ``1/zero1_ways`` slice of the flat states (rounded up)."""
+    parameter's size. ZeRO-1 (``tag="zero1"``) keeps a ``1/zero1_ways`` slice of the flat states (rounded up).
+    A frozen parameter (``trainable=False``) has no optimizer state."""
     local = _local_bytes(val, spec, mesh)
+    if not trainable:
+        return local, 0.0
     optim = local * opts.optimizer_bytes_per_param / val.dtype.itemsize
     if tag == "zero1":
         ways = zero1_ways(spec, mesh)
@@ -592,7 +626,8 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
         if kind == "param" and "optimizer" in offload:
             val = value_of(node_of[members[0]])
             popts = prob.info.options[members[0]]
-            pairs = [param_state_bytes(val, o.output, mesh, opts, o.tag) for o in popts]
+            pairs = [param_state_bytes(val, o.output, mesh, opts, o.tag, prob.info.needs_grad[members[0]])
+                     for o in popts]
             local = np.array([p for p, _ in pairs]) * len(members)
             states = np.array([s for _, s in pairs]) * len(members)
             # the runtime's host-offload optimizer steps whole local parameters: no ZeRO-1 slices with it
@@ -757,9 +792,13 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 icomm[a] = internal_comm_time(rep, o, cluster)
                 if g:
                     mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
+                kv = kv_cache_bytes(rep, o, mesh, opts.kv_cache_tokens)
+                if kv:
+                    mem[a] += kv
+                    comp[a] += kv / device.mem_bandwidth  # decoding reads the whole cache once per step
         elif info.kind[rep.name] == "param":
             for a, o in enumerate(opts_r):
-                local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag)
+                local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag, info.needs_grad[rep.name])
                 mem[a] = local + optim
                 if o.tag == "zero1" and info.needs_grad[rep.name]:
                     icomm[a] = zero1_gather_time(val, o.output, cluster)
@@ -1019,6 +1058,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     results: dict[str, Any] = {}
     errors: dict[str, InfeasibleError] = {}
 
+    working = inference_working_bytes(info) if not any(info.needs_grad.values()) else 0.0
+
     def recompute_bytes(modes: dict[str, str], ckpt_mem: list[np.ndarray], choice) -> float:
         """During backward one checkpointed layer is recomputed at a time: its activations come back."""
         if not modes:
@@ -1043,6 +1084,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             # gradients, one reduction bucket)
             rows = memory_rows(prob, mem)
             base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0])
+            base[0] += working  # forward-only: the live inputs and output of the largest op (nothing is saved)
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
@@ -1154,7 +1196,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         if kind == "param":  # split the model states the way the memory row summed them
             chosen_opt = info.options[members[0]][a]
             local, opt_states = param_state_bytes(value_of(node_by_name[members[0]]), chosen_opt.output, mesh, opts,
-                                                  chosen_opt.tag)
+                                                  chosen_opt.tag, info.needs_grad[members[0]])
             local, opt_states = local * len(members), opt_states * len(members)
             if "optimizer" in offload and cluster.device.name != "cpu":
                 opt_states = 0.0
@@ -1259,7 +1301,14 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # two candidate peaks: end of forward (activations saved, no gradient yet, plus the loss's backward
     # temporaries, counted in the activations) and end of backward (gradients, one reduction bucket, no activation)
     states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
-    memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"]
+    if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
+        memory["kv_cache"] = sum(kv_cache_bytes(n, chosen[n.name], mesh, opts.kv_cache_tokens)
+                                 for n in info.nodes if info.kind[n.name] == "op")
+        memory["activations"] -= memory["kv_cache"]
+    if not any(info.needs_grad.values()):
+        memory["activations"] += inference_working_bytes(info)
+    memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
+        memory.get("kv_cache", 0.0)
     bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
     memory["peak_forward"] += recompute
     memory["peak_backward"] = states + memory["gradients"] + min(bucketed, BUCKET_BYTES)

@@ -56,9 +56,10 @@ def recipe_options(name: str, axis_names: tuple[str, ...], mesh: tuple[int, ...]
 def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn) -> list[dict]:
     """Plan every applicable recipe with ``plan_fn(traced, cluster, axis_names, opts)``; one row per recipe."""
     rows = []
+    trainable = any(fqn not in traced.frozen for fqn in traced.params.values())
     for name in RECIPES:
         kw = recipe_options(name, axis_names, cluster.mesh_shape)
-        if kw is None:
+        if kw is None or (name == "zero1" and not trainable):  # no optimizer state to slice in inference
             continue
         t0 = time.perf_counter()
         row: dict[str, Any] = {"recipe": name}

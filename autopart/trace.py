@@ -30,6 +30,7 @@ class Traced:
     fingerprint: str = ""
     export_seconds: float = 0.0
     constant_values: dict[str, Any] = field(default_factory=dict)
+    frozen: set[str] = field(default_factory=set)  # parameter FQNs with requires_grad=False (no gradient, no state)
 
     @property
     def graph(self) -> fx.Graph:
@@ -165,6 +166,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
             del params[other]
         aliases[params[canon]] = [f for f in names if f != params[canon]]
     constant_values = {name: ep.constants[t] for name, t in constants.items() if t in ep.constants}
+    frozen = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     for node in gm.graph.nodes:
         if node.op == "placeholder" and "val" not in node.meta:
             raise ValueError(f"traced placeholder {node.name} has no fake-tensor metadata")
@@ -182,4 +184,5 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
         fingerprint=graph_fingerprint(gm),
         export_seconds=export_seconds,
         constant_values=constant_values,
+        frozen=frozen,
     )
