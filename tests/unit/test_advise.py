@@ -287,3 +287,16 @@ def test_moe_and_mamba_families_when_present() -> None:
     pytest.importorskip("autopart.models.mamba")
     m = adv.advise("mamba", "tiny", seq=32, gpus_per_node=2)
     assert m.fits and m.strategy["name"]
+
+
+def test_cli_sweep_writes_table_json_and_chart(tmp_path, capsys) -> None:
+    rc = main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "2", "--seq", "128", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "design_guide.json").read_text())
+    assert [(r["model"], r["gpus"]) for r in rows] == [("gpt:125m", 2)]
+    r = rows[0]
+    assert r["advice"]["fits"] and r["practice"]["kind"] == "DP" and r["agrees"] in (True, False)
+    md = (tmp_path / "design_guide.md").read_text()
+    assert md.splitlines()[2].startswith("| gpt:125m | 0.1B | 2 |")
+    assert (tmp_path / "design_guide.png").read_bytes()[:4] == b"\x89PNG"
+    assert "gpt:125m" in capsys.readouterr().out
