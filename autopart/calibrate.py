@@ -188,12 +188,24 @@ def _same_hardware(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a.get(k) == b.get(k) for k in ("device", "device_count", "torch", "backend"))
 
 
-def _median_blocks(fn: Callable[[], Any], blocks: int, inner: int, sync: Callable[[], None],
-                   group: Any = None) -> float:
-    """Seconds per call: the median over ``blocks`` of (``inner`` back-to-back calls after a barrier) / inner."""
+def _median_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Callable[[], None]) -> float:
+    """Seconds per call: the median over ``blocks`` of (back-to-back calls after a barrier, for about ``seconds``)
+    divided by the number of calls, which every rank takes the same (the slowest rank's probe decides).
+
+    Blocks last ``seconds``, not a few calls: a process waking from a barrier is favoured by the OS scheduler for a
+    moment, so a burst of a few milliseconds sees a whole core where a step sharing the host with other ranks sees
+    its fair share (measured on a 2-core host, 2 ranks: 100 GFLOP/s in 2-call bursts, ~2x less sustained)."""
+    dist.barrier()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+    inner = max(1, min(1000, math.ceil(seconds / max(float(probe), 1e-7))))
     out = []
     for _ in range(blocks):
-        dist.barrier(group=group)
+        dist.barrier()
         sync()
         t0 = time.perf_counter()
         for _ in range(inner):
@@ -251,8 +263,8 @@ def _axis_groups(mesh_shape: tuple[int, ...], rank: int) -> list[tuple[Any, list
     return mine
 
 
-def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: int, device: str, dtype: torch.dtype,
-                   sync: Callable[[], None]) -> dict[str, Any]:
+def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: int, seconds: float, device: str,
+                   dtype: torch.dtype, sync: Callable[[], None]) -> dict[str, Any]:
     rank = dist.get_rank()
     groups = _axis_groups(mesh_shape, rank)
     raw: dict[str, Any] = {}
@@ -266,8 +278,7 @@ def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: in
             for nbytes in sizes:
                 fn = _collective(kind, nbytes, group, n, local, ranks, device, dtype)
                 fn()  # warm-up: connection set-up, buffers
-                inner = max(1, min(20, int(4 * MiB // max(nbytes, 1))))
-                t = _median_blocks(fn, blocks, inner, sync)
+                t = _median_blocks(fn, blocks, seconds, sync)
                 times.append(t / 2 if kind == "send_recv" else t)
             raw[f"{axis}/{kind}"] = times
     keys = sorted(raw)
@@ -283,31 +294,31 @@ def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: in
 
 def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], quick: bool) -> dict[str, Any]:
     """Per-rank achieved rates with every rank computing at once. Returns FLOP/s and bytes/s."""
-    blocks = 3 if quick else 5
+    blocks, seconds = (3, 0.1) if quick else (5, 0.25)
     gemms = []
     for m, k, n in (GEMMS[:2] if quick else GEMMS):
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
         out = torch.empty(m, n, dtype=dtype, device=device)
         torch.mm(a, b, out=out)
-        t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, 2, sync)
+        t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, seconds, sync)
         gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
     bh, s, d = (8, 256, 64) if device == "cpu" else (64, 2048, 128)
     q, kk, v = (torch.randn(1, bh, s, d, dtype=dtype, device=device) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa(q, kk, v, is_causal=True)
-    t = _median_blocks(lambda: sdpa(q, kk, v, is_causal=True), blocks, 2, sync)
+    t = _median_blocks(lambda: sdpa(q, kk, v, is_causal=True), blocks, seconds, sync)
     attn = {"batch_heads": bh, "seq": s, "head_dim": d, "seconds": t, "flops": 4 * bh * s * s * d // 2 / t}
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
     torch.add(x, y, out=z)
-    t = _median_blocks(lambda: torch.add(x, y, out=z), blocks, 2, sync)
+    t = _median_blocks(lambda: torch.add(x, y, out=z), blocks, seconds, sync)
     bw = {"bytes": 3 * numel * dtype.itemsize, "seconds": t, "bandwidth": 3 * numel * dtype.itemsize / t}
     host = bw["bandwidth"]
     if device == "cuda":
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
-        t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, 2, sync)
+        t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
     return {"gemm": gemms, "attention": attn, "elementwise": bw, "host_bandwidth": host}
 
@@ -388,7 +399,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sizes = QUICK_SIZES if quick else SIZES
-    links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, device, dtype, sync)
+    links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
     rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],

@@ -1,0 +1,208 @@
+"""Fidelity of the cost model on this machine: predicted vs measured step time, calibrated cluster, 4 gloo ranks.
+
+    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 8] [--warmup 2] [--configs dp4,tp4,...] [--recalibrate]
+
+For each configuration of the reference GPT (``CFG`` below; batch ``BATCH`` x ``SEQ``) autopart plans with the
+calibrated cluster (``autopart.calibrate`` on the same 4 ranks, measured first unless cached; ``--recalibrate``
+measures again) and the configuration's options forced (roles, ``zero=``, ``checkpoint=``, ``pipeline=``), runs
+the plan, and times ``pm.forward_backward`` (forward, backward, gradient reduction: what ``step_time_s`` predicts)
+between two barriers on every rank, the slowest rank per step; measured = the median over ``--steps`` steps after
+``--warmup``. The optimizer step is not in the prediction; its median is reported beside (AdamW, foreach).
+Configurations run in two interleaved rounds so that drift on the machine hits them alike.
+
+Prints a markdown table, the Spearman rank correlation of predicted and measured times and the median absolute
+relative error |predicted - measured| / measured, with the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "multiproc"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+CFG = dict(vocab_size=1024, max_seq_len=128, n_layer=4, n_head=4, d_model=256)
+BATCH, SEQ = 8, 128
+WORLD = 4
+
+# name -> (mesh shape, axis names, parallelize options)
+CONFIGS: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict]] = {
+    "dp4": ((4,), ("dp",), dict(roles={"dp": "dp"}, zero=0, pipeline="off")),
+    "dp4-zero2": ((4,), ("dp",), dict(roles={"dp": "dp"}, zero=2, pipeline="off")),
+    "dp4-zero3": ((4,), ("dp",), dict(roles={"dp": "dp"}, zero=3, pipeline="off")),
+    "dp4-ckpt-full": ((4,), ("dp",), dict(roles={"dp": "dp"}, zero=0, checkpoint="full", pipeline="off")),
+    "tp4": ((4,), ("tp",), dict(roles={"tp": "tp"}, pipeline="off")),
+    "dp2xtp2": ((2, 2), ("dp", "tp"), dict(roles={"dp": "dp", "tp": "tp"}, zero=0, pipeline="off")),
+    "dp2xtp2-zero3": ((2, 2), ("dp", "tp"), dict(roles={"dp": "dp", "tp": "tp"}, zero=3, pipeline="off")),
+    "dp2xtp2-ckpt-sel": ((2, 2), ("dp", "tp"), dict(roles={"dp": "dp", "tp": "tp"}, zero=0, checkpoint="selective",
+                                                    pipeline="off")),
+    "pp2xdp2-1f1b": ((2, 2), ("pp", "dp"), dict(roles={"pp": "pp", "dp": "dp"}, zero=0,
+                                                pipeline={"schedule": "1f1b", "micro_batches": 2})),
+    "pp2xtp2-gpipe": ((2, 2), ("pp", "tp"), dict(roles={"pp": "pp", "tp": "tp"},
+                                                 pipeline={"schedule": "gpipe", "micro_batches": 4})),
+    "pp4-1f1b": ((4,), ("pp",), dict(roles={"pp": "pp"}, pipeline={"schedule": "1f1b", "micro_batches": 4})),
+    "free-2x2": ((2, 2), ("a", "b"), dict()),
+}
+
+
+def _model():
+    from autopart.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**CFG))
+
+
+def _ids():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, CFG["vocab_size"], (BATCH, SEQ), generator=g)
+
+
+def _calibrated(mesh_shape: tuple[int, ...], recalibrate: bool):
+    from autopart.calibrate import calibrate, load_calibration
+
+    if not recalibrate:
+        try:
+            return load_calibration(mesh_shape), False
+        except ValueError:
+            pass
+    t0 = time.perf_counter()
+    c = calibrate(mesh_shape)
+    dist.barrier()
+    return c, time.perf_counter() - t0
+
+
+def _time(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.append(float(t))
+    return out
+
+
+def run(names: list[str], steps: int, warmup: int, recalibrate: bool) -> dict:
+    import autopart
+
+    clusters, cal_s = {}, {}
+    for shape in sorted({CONFIGS[n][0] for n in names}):
+        clusters[shape], cal_s[shape] = _calibrated(shape, recalibrate)
+    ids = _ids()
+    setups, rows = {}, {}
+    for name in names:
+        shape, axes, kw = CONFIGS[name]
+        t0 = time.perf_counter()
+        mesh = autopart.mesh(shape, axes)
+        pm = autopart.parallelize(_model(), mesh, (ids,), {"labels": ids}, cluster=clusters[shape], **kw)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=True)
+
+        def fb(pm=pm, opt=opt):
+            pm.forward_backward(ids, labels=ids)
+
+        def opt_step(pm=pm, opt=opt):
+            opt.step()
+            opt.zero_grad()
+
+        setups[name] = (fb, opt_step)
+        plan = pm.plan
+        pipe = plan.pipeline or {}
+        rows[name] = {"predicted_s": plan.predicted["step_time_s"], "compute_s": plan.predicted.get("compute_s"),
+                      "comm_s": plan.predicted.get("comm_s"), "setup_s": time.perf_counter() - t0,
+                      "zero": sorted(set(plan.zero.values())), "checkpoint": sorted(set(plan.checkpoint.values())),
+                      "pipeline": (f"pp={pipe.get('degree')} m={pipe.get('micro_batches')} {pipe.get('schedule')}"
+                                   if pipe else ""), "mesh": plan.mesh_shape, "fb": [], "opt": []}
+        for _ in range(warmup):
+            fb()
+            opt_step()
+    half = max(1, steps // 2)
+    for _ in range(2):
+        for name in names:
+            fb, opt_step = setups[name]
+            for _ in range(half):
+                rows[name]["fb"] += _time(fb, 1)
+                rows[name]["opt"] += _time(opt_step, 1)
+    return {"rows": rows, "clusters": {str(k): v.to_json() for k, v in clusters.items()},
+            "calibration_s": {str(k): v for k, v in cal_s.items()}}
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def main() -> None:
+    from harness import run_ranks
+
+    from autopart.calibrate import describe
+    from autopart.cost import Cluster
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--recalibrate", action="store_true")
+    a = ap.parse_args()
+    names = a.configs.split(",")
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise SystemExit(f"unknown configurations {bad}; known: {list(CONFIGS)}")
+    load0 = os.getloadavg()
+    t0 = time.time()
+    res = run_ranks(WORLD, run, names, a.steps, a.warmup, a.recalibrate)[0]
+    load1 = os.getloadavg()
+    for shape, c in res["clusters"].items():
+        took = res["calibration_s"][shape]
+        print(f"calibrated cluster for mesh {shape} ({f'measured in {took:.1f} s' if took else 'from cache'}):")
+        print(describe(Cluster.from_json(c)))
+    print(f"\nreference GPT {CFG}, batch {BATCH} x seq {SEQ}, {WORLD} gloo ranks x 1 thread, torch "
+          f"{torch.__version__}; median of {len(next(iter(res['rows'].values()))['fb'])} steps after {a.warmup} "
+          f"warm-up; load average {load0[0]:.2f} before, {load1[0]:.2f} after; {time.time() - t0:.0f} s\n")
+    print("| config | mesh | pipeline | ZeRO | checkpoint | predicted ms (compute + comm) | measured ms | "
+          "measured / predicted | optimizer step ms (not predicted) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    pred, meas = [], []
+    for name in names:
+        r = res["rows"][name]
+        m = statistics.median(r["fb"])
+        p = r["predicted_s"]
+        pred.append(p)
+        meas.append(m)
+        split = f" ({r['compute_s'] * 1e3:.0f} + {r['comm_s'] * 1e3:.0f})" if r["compute_s"] is not None and \
+            r["comm_s"] is not None else ""
+        print(f"| {name} | {'x'.join(map(str, r['mesh']))} | {r['pipeline'] or '-'} | "
+              f"{','.join(map(str, r['zero'])) or '-'} | {','.join(r['checkpoint']) or '-'} | {p * 1e3:.1f}{split} | "
+              f"{m * 1e3:.1f} | {m / p:.2f} | {statistics.median(r['opt']) * 1e3:.1f} |")
+    errs = [abs(p - m) / m for p, m in zip(pred, meas)]
+    print(f"\nSpearman rank correlation {spearman(pred, meas):.3f} over {len(names)} configurations (target >= 0.8); "
+          f"median |predicted - measured| / measured {statistics.median(errs) * 100:.1f}% (target <= 25%)")
+
+
+if __name__ == "__main__":
+    main()
