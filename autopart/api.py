@@ -65,6 +65,7 @@ def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backen
     if limit is not None and limit != float("inf"):
         limit *= 1 - MEMORY_MODEL_MARGIN
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=limit,
+                       memory_margin=MEMORY_MODEL_MARGIN if limit is not None and limit != float("inf") else 0.0,
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
                        checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline,
                        optimizer_bytes_per_param=optimizer_bytes_per_param, kv_cache_tokens=kv_cache_tokens)

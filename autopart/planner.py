@@ -83,6 +83,7 @@ class PlanOptions:
     # inference (no parameter needs a gradient): the K/V cache of this many tokens per sequence held at every
     # attention, in its layout (heads split by tensor parallelism split it too), read once per decoding step
     kv_cache_tokens: int = 0
+    memory_margin: float = 0.0  # memory_limit is the user's budget less this share (api.MEMORY_MODEL_MARGIN)
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -1155,12 +1156,15 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             f"{'model states (parameter, gradient, optimizer)' if kind_of.get(n) == 'param' else 'activations'} "
             f"of {n} {_fmt_bytes(b)}" for n, b in exc.contributors)
         tried = ", ".join(timings["checkpoint_variants"])
+        keep = 1 - opts.memory_margin
+        given = (f"{_fmt_bytes(limit / keep)} less the memory model's {opts.memory_margin:.0%} margin, "
+                 f"{_fmt_bytes(limit)}," if opts.memory_margin else _fmt_bytes(limit))
         raise ValueError(
-            f"no plan fits in {_fmt_bytes(limit)} per device on {cluster.name} mesh {cluster.mesh_shape} "
+            f"no plan fits in {given} per device on {cluster.name} mesh {cluster.mesh_shape} "
             f"(activation checkpointing tried: {tried}). Memory binds at the {exc.binding or 'peak'}: the smallest "
             f"per-device peak any plan reaches is {_fmt_bytes(exc.min_memory)}, largest terms there: {contrib}. "
-            f"Raise memory_budget to at least {_fmt_bytes(exc.min_memory)}, add devices (if every term shrank with "
-            f"the mesh, about "
+            f"Raise memory_budget to at least {_fmt_bytes(exc.min_memory / keep)}, add devices (if every term "
+            f"shrank with the mesh, about "
             f"{math.ceil(cluster.world_size * exc.min_memory / limit) if math.isfinite(exc.min_memory) else '?'} "
             f"instead of {cluster.world_size}; replicated terms do not shrink, so that is a lower bound), or pin "
             f"roles that shard more (zero=3, a tensor-parallel axis)."
