@@ -911,6 +911,25 @@ def sweep_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sweep_diff_markdown(rows: list[dict]) -> str:
+    """Term by term, recipe minus plan, for the cells where published practice was scored (``sweep`` rows or
+    their ``sweep_json``): milliseconds per step; the largest positive term is what made autopart's plan win."""
+    rows = [r if isinstance(r.get("advice"), dict) else sweep_json([r])[0] for r in rows]
+    scored = [r for r in rows if r.get("comparison", {}).get("diff")]
+    if not scored:
+        return ""
+    keys = list(dict.fromkeys(k for r in scored for k in r["comparison"]["diff"]))
+    lines = ["| model | GPUs | practice's recipe | recipe step (s) | plan step (s) | " +
+             " | ".join(k.replace("_", " ") for k in keys) + " |", "|---" * (5 + len(keys)) + "|"]
+    for r in scored:
+        c, p = r["comparison"], r["practice"]
+        rec = f"{p['kind']} (tp={p['tp']} pp={p['pp']} dp={p['dp']})"
+        lines.append(f"| {r['model']} | {r['gpus']} | {rec} | {c['recipe_step_s']:.3g} | "
+                     f"{r['advice']['step_time_s']:.3g} | " +
+                     " | ".join(f"{c['diff'].get(k, 0.0) * 1e3:+.1f}" for k in keys) + " |")
+    return "\n".join(lines)
+
+
 def sweep_chart(rows: list[dict], path: str, title: str = "") -> str:
     """A PNG: model size (rows) x GPU count (columns), each cell colored by the winning strategy family and
     labelled with its layout and MFU."""

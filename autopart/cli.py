@@ -194,6 +194,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
                              log=None if args.json else lambda line: console.print(line, highlight=False))
         md = adv_mod.sweep_markdown(rows)
+        diff = adv_mod.sweep_diff_markdown(rows)
+        if diff:
+            md += "\n\nterm by term where practice was scored (recipe - plan, ms per step):\n\n" + diff
         if args.json:
             print(json.dumps(adv_mod.sweep_json(rows), indent=1))
         else:

@@ -41,6 +41,10 @@ def main() -> None:
                         log=lambda line: print(line, flush=True))
     total = time.perf_counter() - t0
     md = advise.sweep_markdown(rows)
+    diff = advise.sweep_diff_markdown(rows)
+    if diff:
+        md += ("\n\nWhere practice was scored (its family differs from the plan's), the step's terms, recipe minus "
+               "plan, ms:\n\n" + diff)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "design_guide.md"), "w") as f:
         f.write(md + "\n")

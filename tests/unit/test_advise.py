@@ -300,3 +300,12 @@ def test_cli_sweep_writes_table_json_and_chart(tmp_path, capsys) -> None:
     assert md.splitlines()[2].startswith("| gpt:125m | 0.1B | 2 |")
     assert (tmp_path / "design_guide.png").read_bytes()[:4] == b"\x89PNG"
     assert "gpt:125m" in capsys.readouterr().out
+
+
+def test_diff_table_is_recipe_minus_plan() -> None:
+    row = {"model": "m", "gpus": 64, "practice": {"kind": "DP", "tp": 1, "pp": 1, "dp": 64},
+           "advice": {"step_time_s": 1.0}, "comparison": {"recipe_step_s": 1.5, "diff": {"compute": 0.1,
+                                                                                        "all_reduce": 0.4}}}
+    md = adv.sweep_diff_markdown([row])
+    assert md.splitlines()[2] == "| m | 64 | DP (tp=1 pp=1 dp=64) | 1.5 | 1 | +100.0 | +400.0 |"
+    assert adv.sweep_diff_markdown([{**row, "comparison": {"detail": "x"}}]) == ""
