@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 import re
 import signal
@@ -89,7 +90,8 @@ SIZES: dict[str, dict[str, dict[str, int]]] = {
 OVERRIDES = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "kv_heads": "n_kv_head",
              "vocab": "vocab_size", "ffn": "d_ff", "experts": "n_expert", "top_k": "top_k"}
 
-SWEEP_SIZES = ("llama:1b", "llama:8b", "llama:70b", "llama:405b", "gpt:1t")
+SWEEP_SIZES = ("llama:1b", "llama:8b", "llama:70b", "llama:405b", "gpt:1t") + (
+    ("mamba:1.4b", "mamba:2.8b") if importlib.util.find_spec("autopart.models.mamba") else ())
 SWEEP_GPUS = (8, 64, 512, 4096)
 
 
@@ -839,10 +841,14 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
                              optimizer_bytes_per_param=optimizer_bytes_per_param)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
-            rec = practice(n_params, cfg.n_layer, cfg.d_model, gpus, per_node, cl.memory_budget, batch, seq,
-                           2 * 2 + optimizer_bytes_per_param)
+            shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
+            rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,
+                           2 * 2 + optimizer_bytes_per_param) if all(shape) else None
             row["practice"] = rec
-            if rec is None:  # None: practice has no recipe; autopart went beyond it (offload, full recompute)
+            if not all(shape):
+                row["agrees"] = None
+                row["comparison"] = {"decided_by": "", "detail": "no layer count / hidden size to apply practice to"}
+            elif rec is None:  # None: practice has no recipe; autopart went beyond it (offload, full recompute)
                 row["agrees"] = True if not adv.fits else None
                 row["comparison"] = {"decided_by": "memory", "detail": (
                     f"no in-GPU recipe of practice fits; autopart fits with {adv.strategy['layout']}" if adv.fits

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                                                ".json and .png")
     a.add_argument("--sweep", action="store_true", help="the design guide: model sizes x GPU counts")
     a.add_argument("--sizes", default=None, help="--sweep: comma-separated family:size list (default "
-                                                 "llama:1b,llama:8b,llama:70b,llama:405b,gpt:1t)")
+                                                 "llama:1b,llama:8b,llama:70b,llama:405b,gpt:1t,mamba:1.4b,mamba:2.8b)")
     a.add_argument("--gpus", default=None, help="--sweep: comma-separated GPU counts (default 8,64,512,4096)")
     a.add_argument("--batch-per-gpu", type=int, default=1, help="--sweep: sequences per GPU in the global batch")
     a.set_defaults(fn=cmd_advise)

@@ -4,12 +4,12 @@
     PYTHONPATH=. python benchmarks/bench_design_guide.py --cluster my.toml --gpus 8,64 --sizes llama:1b,llama:70b
 
 Every cell is ``autopart.advise`` on the ``meta`` device (no process group): the model (Llama 3.2 1B, Llama 3 8B,
-Llama 2 70B, Llama 3.1 405B, the 1T GPT of Narayanan et al. 2021) at sequence 4096 with a global batch of one
-sequence per GPU, bf16 weights and Adam with an fp32 master copy (16 bytes of model state per parameter), on
-``GPUs / 8`` nodes of 8 (mesh ``(nodes, 8)``, nothing pinned: every decision is the planner's). Each plan is
-compared with the recipe published practice gives (``autopart.advise.practice``: data parallel while it fits,
-then tensor parallel inside a node, then pipeline stages across nodes); where the families differ the recipe is
-scored with ``autopart.evaluate`` and the cost term that decided is printed. Writes ``design_guide.md``,
+Llama 2 70B, Llama 3.1 405B, the 1T GPT of Narayanan et al. 2021; Mamba 1.4B and 2.8B) at sequence 4096 with a
+global batch of one sequence per GPU, bf16 weights and Adam with an fp32 master copy (16 bytes of model state per
+parameter), on ``GPUs / 8`` nodes of 8 (mesh ``(nodes, 8)``, nothing pinned: every decision is the planner's).
+Each plan is compared with the recipe published practice gives (``autopart.advise.practice``: data parallel while
+it fits, then tensor parallel inside a node, then pipeline stages across nodes); where the families differ the
+recipe is scored with ``autopart.evaluate`` and the cost term that decided is printed. Writes ``design_guide.md``,
 ``design_guide.json`` and ``design_guide.png`` to ``--out``.
 """
 
