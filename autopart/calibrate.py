@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
+from autopart.cost.compute import backward_flops, node_flops
 
 VERSION = 1
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
@@ -303,12 +304,27 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         torch.mm(a, b, out=out)
         t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, seconds, sync)
         gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
-    bh, s, d = (8, 256, 64) if device == "cpu" else (64, 2048, 128)
-    q, kk, v = (torch.randn(1, bh, s, d, dtype=dtype, device=device) for _ in range(3))
+    # fused attention, forward and backward, FLOPs as the planner counts them (causal: half; backward 2.5x)
+    b, h, s, d = (2, 8, 256, 64) if device == "cpu" else (8, 16, 2048, 128)
+    q, kk, v = (torch.randn(b, h, s, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    sdpa(q, kk, v, is_causal=True)
-    t = _median_blocks(lambda: sdpa(q, kk, v, is_causal=True), blocks, seconds, sync)
-    attn = {"batch_heads": bh, "seq": s, "head_dim": d, "seconds": t, "flops": 4 * bh * s * s * d // 2 / t}
+    target = torch.ops.aten.scaled_dot_product_attention.default
+    fwd = node_flops(target, (q, kk, v), {"is_causal": True}, None)
+    grad = torch.ones(b, h, s, d, dtype=dtype, device=device)
+
+    def attention() -> None:
+        torch.autograd.grad(sdpa(q, kk, v, is_causal=True), (q, kk, v), grad)
+
+    t = _median_blocks(attention, blocks, seconds, sync)
+    flops = fwd + backward_flops(target, fwd)
+    attn = {"shape": [b, h, s, d], "seconds": t, "flops": flops / t}
+    # elementwise op with transcendental math, forward and backward (gelu): bytes as the planner counts them
+    n_math = (4 * MiB if device == "cpu" else 64 * MiB)
+    xg = torch.randn(n_math, dtype=dtype, device=device, requires_grad=True)
+    gg = torch.ones(n_math, dtype=dtype, device=device)
+    t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
+    math_bytes = 3 * 2 * n_math * dtype.itemsize
+    gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
@@ -320,7 +336,7 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
-    return {"gemm": gemms, "attention": attn, "elementwise": bw, "host_bandwidth": host}
+    return {"gemm": gemms, "attention": attn, "transcendental": gelu, "elementwise": bw, "host_bandwidth": host}
 
 
 def _memory_per_rank(device: str, world: int) -> tuple[int, int]:
@@ -358,7 +374,9 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
     links = [x if x is not None else fallback for x in links]
     matmul = statistics.median(g["flops"] for g in dev["gemm"])
     device = Device(name=f"{name} (calibrated)", peak_flops=matmul, mem_bandwidth=dev["elementwise"]["bandwidth"],
-                    memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0)
+                    memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
+                    attention_flops=dev.get("attention", {}).get("flops", 0.0),
+                    math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0))
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
 
 
@@ -403,13 +421,15 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
     rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
-                         dev["elementwise"]["bandwidth"], dev["host_bandwidth"]], dtype=torch.float64)
+                         dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"]],
+                         dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather_object(everyone, rates)
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
     for g, f in zip(dev["gemm"], med):
         g["flops"] = f
-    dev["attention"]["flops"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"] = med[-3:]
+    (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
+     dev["host_bandwidth"]) = med[-4:]
     memory, reserve = _memory_per_rank(device, world)
     fp = fingerprint(backend, world, mesh_shape)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -424,8 +444,10 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
 def describe(cluster: Cluster) -> str:
     """A few lines: the device's rates and every axis's measured collectives."""
     d = cluster.device
-    lines = [f"device {d.name}: matmul {d.peak_flops / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
-             f"GB/s, {d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
+    lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
+             f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
+             f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
+             f"{d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
     for axis, (n, link) in enumerate(zip(cluster.mesh_shape, cluster.links)):
         if n < 2:
             continue
@@ -466,3 +488,20 @@ def calibrate_spawn(nproc: int, mesh_shape: Sequence[int] | None = None, *, quic
                                                 directory, out), nprocs=nproc, start_method="spawn")
         with open(out) as f:
             return Cluster.from_json(json.load(f))
+
+
+def cli(args: Any) -> int:
+    """``autopart calibrate --nproc N [--mesh AxB] [--quick] [--cache DIR]``: spawn N gloo ranks on this host,
+    calibrate, cache, and print what was measured."""
+    mesh_shape = tuple(int(x) for x in args.mesh.lower().split("x")) if args.mesh else (args.nproc,)
+    if math.prod(mesh_shape) != args.nproc:
+        raise ValueError(f"--mesh {args.mesh} holds {math.prod(mesh_shape)} ranks, --nproc is {args.nproc}")
+    t0 = time.perf_counter()
+    cluster = calibrate_spawn(args.nproc, mesh_shape, quick=args.quick, directory=args.cache)
+    fp = fingerprint("gloo", args.nproc, mesh_shape)
+    print(f"calibrated {args.nproc} gloo ranks, mesh {'x'.join(map(str, mesh_shape))}, in "
+          f"{time.perf_counter() - t0:.1f} s (spawning included)")
+    print(describe(cluster))
+    print(f"cached: {cache_path(fp, args.cache)}\nuse: autopart.plan(..., cluster=\"calibrated\") on mesh "
+          f"{mesh_shape}, or cluster=autopart.load_calibration({mesh_shape})")
+    return 0

@@ -788,8 +788,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             val if isinstance(val, (tuple, list)) else [val]
             for a, o in enumerate(opts_r):
                 f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
-                comp[a] = roofline_time(tflops / f, tbytes / f, device)
-                fwd[a] = roofline_time(flops / f, nbytes / f, device)
+                comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target)
+                fwd[a] = roofline_time(flops / f, nbytes / f, device, rep.target)
                 icomm[a] = internal_comm_time(rep, o, cluster)
                 if g:
                     mem[a] = saved_bytes(rep, o, info, mesh, saving_users)

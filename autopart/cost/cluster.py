@@ -70,11 +70,20 @@ class Device:
     memory_bytes: int
     host_bandwidth: float  # bytes/s device<->host
     mfu: float = 1.0
+    # measured by ``autopart.calibrate`` (0: not measured, use the two rates above): FLOP/s of fused attention,
+    # forward and backward counted as ``autopart.cost.compute`` counts them, and bytes/s of elementwise ops with
+    # transcendental math (gelu, exp, softmax, ...), which are compute-bound on CPUs
+    attention_flops: float = 0.0
+    math_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+        for field in ("attention_flops", "math_bandwidth"):
+            if not getattr(self, field) >= 0:
+                raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
+                                 f"{getattr(self, field)}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"Device {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
 
@@ -244,7 +253,8 @@ _BUILTIN = frozenset(PRESETS)
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
-_DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu"}
+_DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "attention_flops",
+                "math_bandwidth"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth"}
 
 

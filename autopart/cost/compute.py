@@ -237,6 +237,40 @@ def node_bytes(args: Any, out: Any) -> int:
     return size(args) + size(out)
 
 
-def roofline_time(flops: float, nbytes: float, device: Device) -> float:
-    """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds."""
-    return max(flops / (device.peak_flops * device.mfu), nbytes / device.mem_bandwidth)
+_TRANSCENDENTAL = frozenset(
+    [
+        aten.gelu,
+        aten.gelu_backward,
+        aten.silu,
+        aten.silu_backward,
+        aten.sigmoid,
+        aten.tanh,
+        aten.exp,
+        aten.log,
+        aten.erf,
+        aten.softmax,
+        aten._softmax,
+        aten.log_softmax,
+        aten._log_softmax,
+        aten.cross_entropy_loss,
+        aten.mish,
+        aten.softplus,
+        aten.elu,
+    ]
+)
+
+
+def roofline_time(flops: float, nbytes: float, device: Device, target: Any = None) -> float:
+    """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds.
+
+    With the op ``target`` given and the device calibrated (``autopart.calibrate``), fused attention runs at the
+    measured ``attention_flops`` and elementwise ops with transcendental math (gelu, silu, exp, softmax,
+    cross-entropy, ...) move their bytes at the measured ``math_bandwidth``: on a CPU these are compute-bound and
+    ran 4-6x slower than the matmul rate or a plain add's bandwidth predict (a 4-layer GPT, one rank)."""
+    packet = _packet(target) if target is not None else None
+    rate = device.peak_flops * device.mfu
+    if device.attention_flops and (packet in _SDPA_FORWARD or packet in _SDPA_BACKWARD):
+        rate = device.attention_flops
+    bandwidth = device.math_bandwidth if device.math_bandwidth and packet in _TRANSCENDENTAL else \
+        device.mem_bandwidth
+    return max(flops / rate, nbytes / bandwidth)
