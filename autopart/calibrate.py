@@ -224,10 +224,12 @@ def _collective(kind: str, nbytes: int, group: Any, n: int, local: int, ranks: l
     part = torch.ones(numel // n, dtype=dtype, device=device)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
-    if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part, group=group)
+    if kind == "all_gather":  # the calls autopart's runtime makes (autopart.runtime.collectives)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return lambda: all_gather(full, part, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full, group=group)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: reduce_scatter(part, full, group=group)
     if kind == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full, group=group)

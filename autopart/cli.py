@@ -290,6 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--gpus", default=None, help="--sweep: comma-separated GPU counts (default 8,64,512,4096)")
     a.add_argument("--batch-per-gpu", type=int, default=1, help="--sweep: sequences per GPU in the global batch")
     a.set_defaults(fn=cmd_advise)
+    c = sub.add_parser("calibrate", help="measure this machine on spawned gloo ranks (collectives per mesh axis, "
+                                         "matmul, attention, memory bandwidth); cached for cluster='calibrated'")
+    c.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn on this host")
+    c.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: one axis of --nproc ranks)")
+    c.add_argument("--quick", action="store_true", help="fewer sizes and shapes: a few seconds")
+    c.add_argument("--cache", default=None, help="cache folder (default: $AUTOPART_CACHE or ~/.cache/autopart)")
+
+    def cmd_calibrate(args: argparse.Namespace) -> int:
+        from autopart.calibrate import cli
+
+        return cli(args)
+    c.set_defaults(fn=cmd_calibrate)
     args = ap.parse_args(argv)
     try:
         return int(args.fn(args) or 0)
