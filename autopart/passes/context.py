@@ -4,7 +4,11 @@ Requires: ``annotate`` and ``insert_collectives`` ran (q, k, v reach the node ``
 Ensures: every ``scaled_dot_product_attention`` node whose output is ``Shard(2)`` on a mesh axis calls
 ``autopart.runtime.context.context_attention(q, k, v, axis, strategy, is_causal, scale, layout)`` instead, with the
 strategy the plan chose (the node record's ``tag``: ``"cp_ring"`` or ``"cp_allgather"``) and the layout of the
-rows each rank holds (``"contiguous"``: rank i holds the i-th n-th of the sequence). Other nodes are unchanged.
+rows each rank holds: ``"contiguous"`` (rank i holds the i-th n-th of the sequence) or, when the attention is
+causal and ``strategy.context.balanced_ok`` holds, ``"balanced"`` (chunks i and 2n−1−i). A balanced program runs on
+the permuted sequence: ``arange(s)`` position sources become ``runtime.context.sequence_positions``, causal
+attention not split on the sequence gets the mask of the permuted positions, and ``gm.meta["autopart.context"]``
+(``{"axis", "n", "s", "layout"}``) tells the runtime to permute user inputs and un-permute outputs.
 """
 
 from __future__ import annotations
@@ -13,10 +17,46 @@ import torch.fx as fx
 
 from autopart.placement import Shard
 from autopart.runtime import context as RC
-from autopart.strategy.context import CP_TAGS, SDPA, _sdpa_args
+from autopart.strategy.context import CP_TAGS, SDPA, _sdpa_args, balanced_ok, position_source
 
 
-def context_parallel(gm: fx.GraphModule, plan, layout: str = "contiguous") -> tuple[fx.GraphModule, bool]:
+def _cp_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == SDPA:
+            axes = [i for i, p in enumerate(node.meta.get("autopart.output") or ()) if p == Shard(2)]
+            if axes:
+                out.append((node, axes[0]))
+    return out
+
+
+def _balance(gm: fx.GraphModule, cp: list[tuple[fx.Node, int]], mesh_shape) -> dict | None:
+    """The balanced layout's record when it applies (one axis, one length, a causal attention, nothing blocking)."""
+    shapes = {(axis, node.meta["val"].shape[2]) for node, axis in cp}
+    if len(shapes) != 1 or not any(_sdpa_args(node)["is_causal"] for node, _ in cp):
+        return None
+    axis, s = shapes.pop()
+    n = mesh_shape[axis]
+    return {"axis": axis, "n": n, "s": s, "layout": "balanced"} if balanced_ok(gm.graph, s, n) else None
+
+
+def _rewrite_positions(gm: fx.GraphModule, ctx: dict) -> None:
+    for node in list(gm.graph.nodes):
+        if position_source(node, ctx["s"]):
+            kw = {k: v for k, v in node.kwargs.items() if k in ("dtype", "device")}
+            node.target, node.args, node.kwargs = RC.sequence_positions, (ctx["s"], ctx["n"]), kw
+        elif node.op == "call_function" and node.target == SDPA and _sdpa_args(node)["is_causal"] \
+                and node.meta["val"].shape[2] == ctx["s"]:
+            a = _sdpa_args(node)
+            node.target = RC.permuted_causal_attention
+            node.args = (a["query"], a["key"], a["value"], ctx["n"], a["scale"], bool(a["enable_gqa"]))
+            node.kwargs = {}
+
+
+def context_parallel(gm: fx.GraphModule, plan) -> tuple[fx.GraphModule, bool]:
+    cp = _cp_nodes(gm)
+    ctx = _balance(gm, cp, tuple(plan.mesh_shape)) if cp else None
+    layout = "balanced" if ctx else "contiguous"
     changed = False
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target != SDPA:
@@ -35,4 +75,7 @@ def context_parallel(gm: fx.GraphModule, plan, layout: str = "contiguous") -> tu
         node.args = (a["query"], a["key"], a["value"], axes[0], tag, bool(a["is_causal"]), a["scale"], layout)
         node.kwargs = {}
         changed = True
+    if ctx:
+        _rewrite_positions(gm, ctx)
+        gm.meta["autopart.context"] = ctx
     return gm, changed

@@ -237,3 +237,47 @@ def context_attention(q, k, v, axis: int, strategy: str, is_causal: bool, scale:
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown context-parallel strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[strategy](q, k, v, axis, is_causal, scale, layout)
+
+
+def sequence_positions(s: int, n: int, dtype=None, device=None, **_) -> torch.Tensor:
+    """What ``arange(s)`` becomes in a balanced program: the positions of the permuted global sequence."""
+    return balanced_permutation(s, n, device).to(dtype or torch.int64)
+
+
+def permuted_causal_attention(q, k, v, n: int, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Causal SDPA on a whole (not split) permuted sequence of a balanced program: the mask by positions."""
+    pos = balanced_permutation(q.shape[2], n, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=pos[:, None] >= pos[None, :], scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def _seq_dim(t: torch.Tensor, s: int, what: str) -> int | None:
+    dims = [d for d, m in enumerate(t.shape) if m == s]
+    if len(dims) > 1:
+        raise ValueError(f"{what} of shape {tuple(t.shape)} has several dims of the sequence length {s}: the "
+                         f"balanced context-parallel layout cannot tell which to permute; use another length")
+    return dims[0] if dims else None
+
+
+def to_layout(t: torch.Tensor, ctx: dict | None, what: str = "input") -> torch.Tensor:
+    """A user input in the program's sequence order (balanced programs permute the sequence dim)."""
+    if not ctx or not isinstance(t, torch.Tensor):
+        return t
+    d = _seq_dim(t, ctx["s"], what)
+    return t if d is None else t.index_select(d, balanced_permutation(ctx["s"], ctx["n"], t.device))
+
+
+def from_layout(out, ctx: dict | None):
+    """Outputs back in the natural sequence order (undoes ``to_layout``; differentiable)."""
+    if not ctx:
+        return out
+
+    def undo(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        d = _seq_dim(t, ctx["s"], "output")
+        if d is None:
+            return t
+        return t.index_select(d, torch.argsort(balanced_permutation(ctx["s"], ctx["n"], t.device)))
+
+    return torch.utils._pytree.tree_map(undo, out)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from autopart.placement import Shard, parse_spec, to_dtensor_placements
 from autopart.plan import Plan
 from autopart.runtime import collectives as C
+from autopart.runtime import context as RC
 
 BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket, as DDP's default
 
@@ -193,8 +194,9 @@ class ParallelModule(nn.Module):
     def _bind_inputs(self, prog: Program, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's pieces of the user inputs (``tensors`` in the program's order, ``_user_tensors``)."""
         out = []
+        layout = prog.gm.meta.get("autopart.context")  # balanced context parallelism: the sequence permuted
         for ph, t in zip(prog.user_inputs, tensors):
-            t = t.to(self._device)
+            t = RC.to_layout(t.to(self._device), layout, ph)
             spec = parse_spec(prog.plan.inputs[ph]) if ph in prog.plan.inputs else None
             if spec is not None:
                 for axis, (p, c, n) in enumerate(zip(spec, self._coords, self._sizes)):
@@ -226,7 +228,7 @@ class ParallelModule(nn.Module):
         for node in prog.gm.graph.find_nodes(op="placeholder"):
             value = self._state_value(prog, node.name)
             feed.append(next(user) if value is None else value)
-        return self._call(prog, prog.gm, feed)
+        return RC.from_layout(self._call(prog, prog.gm, feed), prog.gm.meta.get("autopart.context"))
 
     def forward(self, *args, **kwargs):
         outs = self._run(args, kwargs)

@@ -8,13 +8,23 @@ an axis; ``cp_variants`` turns each such option into its two strategies, told ap
 * ``"cp_ring"``: K/V blocks passed around the axis' ring in n−1 send/recv steps, online-softmax merge.
 
 ``cp_comm_time`` prices them (``planner.internal_comm_time`` calls it); ``autopart.passes.context`` lowers them to
-``autopart.runtime.context``. The rows a rank holds are a contiguous n-th of the sequence (``"contiguous"``
-layout), so under a causal mask the last rank does (2n−1)/n of the average attention work: priced here.
+``autopart.runtime.context``.
+
+Causal load balancing. With contiguous rows the last of n ranks attends (2n−1)/n of the average (priced). The
+balanced layout cuts the sequence in 2n chunks and gives rank i chunks i and 2n−1−i: the program then runs on the
+*permuted* global sequence (the runtime permutes user inputs along their sequence dim before slicing them and
+undoes it on outputs), so every sharding and collective stays the contiguous one; what depends on positions is
+rewritten by the pass: the sequence's ``arange`` (RoPE tables, position embeddings, masks built from it) becomes the
+permuted positions, causal attention masks by those positions. ``balance_blockers`` lists the ops that would
+break under the permutation (an op working along the sequence dim in order: slices, cumsum, convolutions, tril,
+masks given as tensors, other ``arange`` of that length); the layout is balanced when there are none
+(``balanced_ok``), and then no imbalance is priced.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.fx as fx
@@ -105,9 +115,73 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
         step = roofline_time(rank / c, 0.0, cluster.device)  # one full block pair on this rank
         hop = send_recv_time(local, link)
         t = (c - 1) * max(0.0, hop - step) + (c - 1) * max(0.0, 2 * hop - 2.5 * step) + hop
-    if a["is_causal"]:
+    if a["is_causal"] and not balanced_ok(node.graph, q.shape[2], c):
         t += (c - 1) / c * roofline_time(3.5 * rank / 2, 0.0, cluster.device)
     return t
+
+
+_DIM_ARG = {aten.slice.Tensor: 1, aten.select.int: 1, aten.narrow.default: 1, aten.index_select.default: 1,
+            aten.gather.default: 1, aten.cumsum.default: 1, aten.cumprod.default: 1, aten.unbind.int: 1,
+            aten.cat.default: 1, aten.chunk.default: 2, aten.split.Tensor: 2, aten.split_with_sizes.default: 2,
+            aten.roll.default: 2, aten.flip.default: 1}
+_ORDERED = {aten.tril.default, aten.triu.default, aten.convolution.default, aten.conv1d.default,
+            aten.constant_pad_nd.default, aten.pad.default, aten.index.Tensor, aten.scatter.src,
+            aten.scatter_add.default, aten.index_put.default, aten.diagonal.default, aten.unfold.default}
+_ARANGES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+_BLOCKERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def position_source(node: fx.Node, s: int) -> bool:
+    """Whether ``node`` is ``arange(s)`` (start 0, step 1): the positions of a length-``s`` sequence."""
+    if node.op != "call_function" or node.target not in _ARANGES:
+        return False
+    args = list(node.args)
+    if node.target == aten.arange.default:
+        args = [0] + args
+    args += [1] * (3 - len(args))
+    return args[0] == 0 and args[1] == s and args[2] == 1
+
+
+def _dims_of_size(v, s: int) -> list[int]:
+    return [d for d, n in enumerate(v.shape) if n == s] if isinstance(v, torch.Tensor) else []
+
+
+def balance_blockers(graph: fx.Graph, s: int) -> list[str]:
+    """Nodes that would compute something else on a permuted length-``s`` sequence (see the module docstring)."""
+    memo = _BLOCKERS.setdefault(graph, {})
+    if s in memo:
+        return memo[s]
+    bad = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        ins = [a.meta.get("val") for a in n.all_input_nodes]
+        if n.target in _ARANGES:
+            if not position_source(n, s) and _dims_of_size(n.meta.get("val"), s):
+                bad.append(n.name)
+        elif n.target in _DIM_ARG:
+            args = list(n.args) + [n.kwargs.get("dim", 0)] * 3
+            dim = args[_DIM_ARG[n.target]]
+            x = ins[0] if ins else None
+            dims = dim if isinstance(dim, (list, tuple)) else [dim]
+            if n.target == aten.cat.default and ins:
+                x = ins[0]
+            if isinstance(x, torch.Tensor) and any(isinstance(d, int) and x.shape[d] == s for d in dims):
+                bad.append(n.name)
+        elif n.target in _ORDERED:
+            if any(_dims_of_size(v, s) for v in ins):
+                bad.append(n.name)
+        elif n.target == SDPA:
+            a = _sdpa_args(n)
+            if a["attn_mask"] is not None and any(_dims_of_size(v, s) for v in ins):
+                bad.append(n.name)
+    memo[s] = bad
+    return bad
+
+
+def balanced_ok(graph: fx.Graph, s: int, c: int) -> bool:
+    """Whether context parallelism over ``c`` ranks of a length-``s`` sequence runs the balanced layout."""
+    return c > 1 and s % (2 * c) == 0 and not balance_blockers(graph, s)
 
 
 def _is_rep(p) -> bool:

@@ -3,8 +3,9 @@
 * The runtime's two attentions (``autopart.runtime.context``: ring and all-gather of K/V) against one process's
   ``scaled_dot_product_attention``: output and dq, dk, dv of every rank's rows, causal and not, grouped-query and
   not, contiguous and balanced layouts, on 2 and 4 ranks.
-* The reference Llama (grouped-query attention, RoPE) under cp=2 and cp=4 with each strategy: the loss of every
-  step and the gathered parameters after 3 AdamW steps within 1e-5 of one process. On a model this small the
+* The reference Llama (grouped-query attention, RoPE) under cp=2 and cp=4 with each strategy, balanced (16 tokens)
+  and contiguous (12 tokens on 4 ranks): the loss of every step and the gathered parameters after 3 AdamW steps
+  within 1e-5 of one process, forward-only logits in the natural order. On a model this small the
   solver would not split the sequence, so the layout is pinned through ``pins=``: ids ``S(1)``, every
   attention ``S(2) [cp_ring]`` or ``S(2) [cp_allgather]`` (the tag picks the strategy).
 """
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 import autopart
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, check, make_model, reference
+from tests.multiproc.parity import OPT, batches, check, make_model
 
 pytestmark = pytest.mark.multiproc
 
@@ -74,34 +75,55 @@ def _cp_pins(model, ids, tag: str) -> dict[str, str]:
     return pins
 
 
-def _distributed(n: int, tag: str):
+def _reference(s: int):
+    model = make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    losses = []
+    for ids in batches(s=s):
+        loss = model(ids, labels=ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(batches(s=s)[0])
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
+
+
+def _distributed(n: int, tag: str, s: int):
     from autopart.runtime.context import STATS
 
     model = make_model("llama")
-    ids0 = batches()[0]
+    ids0 = batches(s=s)[0]
     pm = autopart.parallelize(model, autopart.mesh((n,), ("cp",)), (ids0,), {"labels": ids0},
                               pins=_cp_pins(model, ids0, tag), pipeline="off")
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     before = dict(STATS)
-    for ids in batches():
+    for ids in batches(s=s):
         loss = pm.forward_backward(ids, labels=ids)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     used = {k: STATS[k] - before[k] for k in STATS}
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    logits = pm(batches()[0])  # forward only: a new signature, planned on first use
-    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach(), used, pm.program()
+    logits = pm(ids0)  # forward only: a new signature, planned on first use with the same pins (un-permuted)
+    layout = next(iter(pm._programs.values())).gm.meta.get("autopart.context")
+    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach(), used, pm.program(), layout
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("tag", ["cp_ring", "cp_allgather"])
-def test_llama_context_parallel_parity(n: int, tag: str) -> None:
+# (ranks, strategy, sequence): 16 tokens split 2 or 4 ways run the balanced layout (rank i holds chunks i and
+# 2n-1-i of 2n); 12 tokens on 4 ranks cannot be cut in 8 chunks and run contiguous rows
+RUNS = [(2, "cp_ring", 16), (2, "cp_allgather", 16), (4, "cp_ring", 16), (4, "cp_allgather", 16),
+        (4, "cp_ring", 12), (4, "cp_allgather", 12)]
+
+
+@pytest.mark.parametrize("n,tag,s", RUNS)
+def test_llama_context_parallel_parity(n: int, tag: str, s: int) -> None:
     from autopart.plan import Plan
 
-    results = run_ranks(n, _distributed, n, tag)
-    check(f"llama cp{n} {tag}", [r[:5] for r in results], reference("llama"))
+    results = run_ranks(n, _distributed, n, tag, s)
+    check(f"llama cp{n} {tag} s{s}", [r[:5] for r in results], _reference(s))
     plan = Plan.from_json(results[0][3])
     sdpa = [k for k, r in plan.nodes.items() if r["op"] == "aten.scaled_dot_product_attention.default"]
     assert len(sdpa) == 2 and all(plan.nodes[k]["tag"] == tag for k in sdpa), {k: plan.nodes[k] for k in sdpa}
@@ -109,8 +131,11 @@ def test_llama_context_parallel_parity(n: int, tag: str) -> None:
         assert not plan.collective_counts(layer, "fwd") and not plan.collective_counts(layer, "bwd"), \
             plan.collective_counts(layer, "fwd")
     steps, layers = 3, 2
-    for used, program in ((r[5], r[6]) for r in results):
+    balanced = s % (2 * n) == 0
+    for used, program, layout in (r[5:] for r in results):
+        assert layout == ({"axis": 0, "n": n, "s": s, "layout": "balanced"} if balanced else None), layout
         assert program.count("context_attention(") == layers, program
+        assert ("'balanced'" in program) == balanced and ("sequence_positions(" in program) == balanced, program
         if tag == "cp_ring":  # per attention: n-1 K/V hops forward; n-1 K/V and n dK/dV hops backward
             assert used == {"ring_hops": steps * layers * (3 * n - 2), "kv_gathers": 0}, used
         else:
