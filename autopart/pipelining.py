@@ -149,6 +149,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
             u.fwd_s += rec["fwd_s"]
             u.block_fwd_s += rec["fwd_s"] * own
             u.checkpointable = True
+            keep = rec.get("keep_bytes", 0.0)  # full recompute keeps the block's input
+            u.ckpt_act_bytes += keep
+            u.block_ckpt_bytes += keep * own
         else:
             u.ckpt_act_bytes += kept
             u.block_ckpt_bytes += kept * own

@@ -379,12 +379,18 @@ def _saves(node: fx.Node) -> tuple[bool, bool]:
 
 
 def _saving_users(info: Graphinfo) -> dict[str, int]:
-    """How many users save each value for backward (a value saved by three users is one tensor in memory)."""
+    """How many nodes save each value for backward (a value saved by three users is one tensor in memory; so is
+    an output its producer saves and a user saves as its input, as attention's output and the projection after)."""
     count: dict[str, int] = defaultdict(int)
     for n in info.nodes:
-        if info.kind[n.name] == "op" and _saves(n)[0]:
+        if info.kind[n.name] != "op":
+            continue
+        save_in, save_out = _saves(n)
+        if save_in:
             for a in tensor_inputs(n):
                 count[a.name] += 1
+        if save_out and isinstance(value_of(n), torch.Tensor):
+            count[n.name] += 1
     return count
 
 
@@ -407,8 +413,9 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
     if save_out:
         val = value_of(node)
         outs = option.output if isinstance(option.output[0], tuple) else (option.output,)
+        share = max(1, saving_users.get(node.name, 1)) if isinstance(val, torch.Tensor) else 1
         for v, sp in zip(val if isinstance(val, (tuple, list)) else [val], outs):
-            total += _local_bytes(v, sp, mesh)
+            total += _local_bytes(v, sp, mesh) / share
     if node.target == aten.cross_entropy_loss.default:
         total = _local_bytes(value_of(node.args[0]), option.inputs[0], mesh) + transient_bytes(node, option, mesh)
     if node.target == aten.dropout.default and len(node.args) > 1 and node.args[1] > 0:
@@ -448,6 +455,23 @@ def transient_bytes(node: fx.Node, option: OpOption, mesh) -> float:
     if node.target == aten.cross_entropy_loss.default:
         return 2 * _local_bytes(value_of(node.args[0]), option.inputs[0], mesh)
     return 0.0
+
+
+def kept_input_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_users: dict[str, int],
+                     outside) -> float:
+    """The part of ``saved_bytes`` that a checkpointed region around this node still keeps: saved inputs made
+    outside the region (``outside(producer)``), which ``torch.utils.checkpoint`` holds to run it again."""
+    if not _saves(node)[0] or node.target == aten.cross_entropy_loss.default:
+        return 0.0
+    total = 0.0
+    for j, a in enumerate(tensor_inputs(node)):
+        u, _ = _producer(a)
+        v = value_of(a)
+        if info.kind.get(u.name) in ("param", "input", "buffer", "constant") or not v.dtype.is_floating_point:
+            continue
+        if outside(u):
+            total += _local_bytes(v, option.inputs[j], mesh) / max(1, saving_users.get(a.name, 1))
+    return total
 
 
 def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> float:
@@ -560,6 +584,9 @@ class Problem:
     bucket_memory: list[np.ndarray] = field(default_factory=list)  # gradients that go through reduction buckets
     scale: list[int] = field(default_factory=list)  # per group: how many nodes its costs stand for
     gathered_memory: list[np.ndarray] = field(default_factory=list)  # ZeRO: the gathered copy kept for backward
+    # what full / selective recompute still keeps of a node's saved bytes: inputs from outside the layer / region
+    keep_full: list[np.ndarray] = field(default_factory=list)
+    keep_selective: list[np.ndarray] = field(default_factory=list)
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -659,9 +686,10 @@ def _forced_offload(opts: PlanOptions) -> frozenset | None:
 
 
 def apply_checkpoint(prob: Problem, modes: dict[str, str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Node costs and memories with ``modes`` (layer -> "full" | "selective") applied: checkpointed nodes keep no
-    activation for backward and run their forward again (forward compute; their forward collectives are not
-    re-priced). Tied groups are scaled by the share of their members' layers in each mode."""
+    """Node costs and memories with ``modes`` (layer -> "full" | "selective") applied: checkpointed nodes keep only
+    the inputs their region takes from outside it (the layer's input under full recompute; what enters attention
+    under selective) and run their forward again (forward compute; their forward collectives are not re-priced).
+    Tied groups are scaled by the share of their members' layers in each mode."""
     cost = [c.copy() for c in prob.node_cost]
     mem = [m.copy() for m in prob.node_memory]
     for gid, members in enumerate(prob.groups):
@@ -669,12 +697,13 @@ def apply_checkpoint(prob: Problem, modes: dict[str, str]) -> tuple[list[np.ndar
         if not reg or reg == "layer_output":
             continue
         k = len(members)
-        hit = sum(1 for n in members if modes.get(prob.info.layer[n]) == "full" or
-                  (modes.get(prob.info.layer[n]) == "selective" and reg == "attention"))
-        if hit:
-            frac = hit / k
-            mem[gid] = mem[gid] * (1 - frac)
-            cost[gid] = cost[gid] + prob.fwd_compute[gid] * frac
+        full = sum(1 for n in members if modes.get(prob.info.layer[n]) == "full") / k
+        sel = sum(1 for n in members if modes.get(prob.info.layer[n]) == "selective" and reg == "attention") / k
+        if full or sel:
+            keep_f = prob.keep_full[gid] if prob.keep_full else 0.0
+            keep_s = prob.keep_selective[gid] if prob.keep_selective else 0.0
+            mem[gid] = mem[gid] * (1 - full - sel) + keep_f * full + keep_s * sel
+            cost[gid] = cost[gid] + prob.fwd_compute[gid] * (full + sel)
     return cost, mem
 
 
@@ -750,7 +779,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
-    gathered_memory = []
+    gathered_memory, keep_full, keep_selective = [], [], []
     saving_users = _saving_users(info)
     last_of_layer: set[str] = set()
     seen_layer: dict[str, str] = {}
@@ -778,6 +807,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
         gath = np.zeros(len(opts_r))
+        kfull = np.zeros(len(opts_r))
+        ksel = np.zeros(len(opts_r))
         val = value_of(rep)
         if info.kind[rep.name] == "op":
             flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
@@ -793,6 +824,13 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 icomm[a] = internal_comm_time(rep, o, cluster)
                 if g:
                     mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
+                    if info.layer.get(rep.name):
+                        lay = info.layer[rep.name]
+                        kfull[a] = kept_input_bytes(rep, o, info, mesh, saving_users,
+                                                    lambda u, lay=lay: info.layer.get(u.name) != lay)
+                        ksel[a] = kept_input_bytes(
+                            rep, o, info, mesh, saving_users, lambda u, lay=lay: info.layer.get(u.name) != lay or
+                            _region(u, info, last_of_layer) != "attention")
                 kv = kv_cache_bytes(rep, o, mesh, opts.kv_cache_tokens)
                 if kv:
                     mem[a] += kv
@@ -829,6 +867,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         grad_memory.append(grad * k)
         bucket_memory.append(bucket * k)
         gathered_memory.append(gath * k)
+        keep_full.append(kfull * k)
+        keep_selective.append(ksel * k)
         region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
     for v in info.nodes:
@@ -880,7 +920,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             scale = scales[gv]
             edges[key] = edges.get(key, 0) + mat * scale
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region, grad_memory, bucket_memory, scales, gathered_memory)
+                   region, grad_memory, bucket_memory, scales, gathered_memory, keep_full, keep_selective)
 
 
 # The two moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
@@ -1230,6 +1270,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             rec["tag"] = o.tag
         if info.kind[n.name] == "op" and info.needs_grad[n.name]:
             rec["transient_bytes"] = transient_bytes(n, o, mesh)
+            if prob.keep_full:
+                rec["keep_bytes"] = float(prob.keep_full[gid][a]) / k  # kept under full recompute
         if info.kind[n.name] == "param":
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
         nodes[n.name] = rec

@@ -171,8 +171,8 @@ def test_mesh_size_must_match_world_size():
 def test_budget_sweep_switches_techniques_in_order():
     """Shrinking budgets move the plan from plain data parallel to sharded states and recompute, each plan within
     its budget and never predicted faster than a looser one, until the budget no plan meets names the minimum."""
-    model = _gpt(d_model=64, n_layer=4)
-    ids = torch.randint(0, 64, (8, 16))
+    model = _gpt(d_model=64, n_layer=4, max_seq_len=128)
+    ids = torch.randint(0, 64, (8, 128))  # activations comparable to model states, as in training
     mesh = autopart.mesh((2,), ("dp",))
     roles = {"dp": "dp"}
     loose = autopart.plan(model, mesh, (ids,), {"labels": ids}, roles=roles)
