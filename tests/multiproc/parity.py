@@ -86,13 +86,13 @@ def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5) -> tupl
 
 def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False,
                 checkpoint: dict[str, str] | str | None = None, pipeline: dict | str | None = None,
-                layers: int = 2):
+                layers: int = 2, pins: dict[str, str] | None = None):
     model = make_model(name, layers)
     model.train()
     mesh = autopart.mesh(shape, names)
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False,
-                              checkpoint=checkpoint, pipeline=pipeline)
+                              checkpoint=checkpoint, pipeline=pipeline, pins=pins)
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     for ids in batches():
