@@ -306,6 +306,25 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         torch.mm(a, b, out=out)
         t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, seconds, sync)
         gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
+    # the same GEMM on rank 0 alone, the others waiting in a barrier: where ranks share cores (more ranks than
+    # cores), what a rank computes while others idle (a pipeline's bubble); recorded, not used by the cost model
+    m, k, n = GEMMS[0]
+    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+    dist.barrier()
+    alone = 0.0
+    if dist.get_rank() == 0:
+        times = []
+        for _ in range(blocks):
+            sync()
+            t0 = time.perf_counter()
+            calls = 0
+            while time.perf_counter() - t0 < seconds:
+                torch.mm(a, b)
+                calls += 1
+            sync()
+            times.append((time.perf_counter() - t0) / calls)
+        alone = 2 * m * n * k / statistics.median(times)
+    dist.barrier()
     # fused attention, forward and backward, FLOPs as the planner counts them (causal: half; backward 2.5x)
     b, h, s, d = (2, 8, 256, 64) if device == "cpu" else (8, 16, 2048, 128)
     q, kk, v = (torch.randn(b, h, s, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
@@ -338,7 +357,8 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
-    return {"gemm": gemms, "attention": attn, "transcendental": gelu, "elementwise": bw, "host_bandwidth": host}
+    return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu, "elementwise": bw,
+            "host_bandwidth": host}
 
 
 def _memory_per_rank(device: str, world: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Fidelity of the cost model on this machine: predicted vs measured step time, calibrated cluster, 4 gloo ranks.
 
-    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 8] [--warmup 2] [--configs dp4,tp4,...] [--recalibrate]
+    PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 10] [--warmup 2] [--configs dp4,tp4,...] [--recalibrate]
 
 For each configuration of the reference GPT (``CFG`` below; batch ``BATCH`` x ``SEQ``) autopart plans with the
 calibrated cluster (``autopart.calibrate`` on the same 4 ranks, measured first unless cached; ``--recalibrate``
@@ -130,8 +130,20 @@ def run(names: list[str], steps: int, warmup: int, recalibrate: bool) -> dict:
             for _ in range(half):
                 rows[name]["fb"] += _time(fb, 1)
                 rows[name]["opt"] += _time(opt_step, 1)
+    alone = {}
+    if dist.get_rank() == 0:
+        import json
+
+        from autopart.calibrate import cache_path, fingerprint
+
+        for shape in clusters:
+            try:
+                with open(cache_path(fingerprint(dist.get_backend(), WORLD, shape))) as f:
+                    alone[str(shape)] = json.load(f)["measurements"]["device"].get("gemm_alone_flops", 0.0)
+            except (OSError, KeyError, ValueError):
+                pass
     return {"rows": rows, "clusters": {str(k): v.to_json() for k, v in clusters.items()},
-            "calibration_s": {str(k): v for k, v in cal_s.items()}}
+            "calibration_s": {str(k): v for k, v in cal_s.items()}, "alone": alone}
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -164,7 +176,7 @@ def main() -> None:
     from autopart.cost import Cluster
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--recalibrate", action="store_true")
@@ -181,6 +193,8 @@ def main() -> None:
         took = res["calibration_s"][shape]
         print(f"calibrated cluster for mesh {shape} ({f'measured in {took:.1f} s' if took else 'from cache'}):")
         print(describe(Cluster.from_json(c)))
+        if res["alone"].get(shape):
+            print(f"matmul on one rank while the others wait: {res['alone'][shape] / 1e9:.3g} GFLOP/s")
     print(f"\nreference GPT {CFG}, batch {BATCH} x seq {SEQ}, {WORLD} gloo ranks x 1 thread, torch "
           f"{torch.__version__}; median of {len(next(iter(res['rows'].values()))['fb'])} steps after {a.warmup} "
           f"warm-up; load average {load0[0]:.2f} before, {load1[0]:.2f} after; {time.time() - t0:.0f} s\n")
