@@ -387,8 +387,7 @@ def memory(plan) -> dict[str, Any]:
     """Memory per GPU at the binding peak, by kind (``MEMORY_KINDS`` sum to ``peak``), and which moment binds."""
     pred = plan.predicted["memory_bytes"]
     if plan.pipeline:
-        st = max(plan.pipeline["stages"], key=lambda s: s["memory_bytes"]["total"])
-        # stages under interleaving: a rank holds all its chunks
+        # a rank holds all its chunks (interleaved schedules give it several)
         per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for s in plan.pipeline["stages"]:
             for k, v in s["memory_bytes"].items():
@@ -401,9 +400,10 @@ def memory(plan) -> dict[str, Any]:
         frac = params / (params + opt) if params + opt > 0 else 1.0
         kinds = {"parameters": mb["states"] * frac, "gradients": mb["gradients"],
                  "optimizer_states": mb["states"] * (1 - frac), "activations": mb["activations"], "other": 0.0}
-        return {"by_kind": kinds, "peak": mb["total"], "binds_at": f"pipeline rank {rank} (stage {st['index']} "
-                "the fullest chunk)", "note": "states split into parameters and optimizer states in the ratio of "
-                                              "the stage plan's"}
+        return {"by_kind": kinds, "peak": mb["total"],
+                "binds_at": f"pipeline rank {rank} of {plan.pipeline['degree']}: its states, gradients and the "
+                            "activations of its micro-batches in flight",
+                "note": "states split into parameters and optimizer states in the stage plan's ratio"}
     states = pred["parameters"] + pred["optimizer_states"] + pred.get("buffers", 0.0)
     fwd, bwd = pred["peak_forward"], pred["peak_backward"]
     if fwd >= bwd:
