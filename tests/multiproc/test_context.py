@@ -65,13 +65,13 @@ def test_attention_matches_one_process(n: int) -> None:
             assert err < 1e-5, (n, rank, case, err)
 
 
-def _cp_pins(model, ids, tag: str) -> dict[str, str]:
+def _cp_pins(model, ids, tag: str, tp: bool) -> dict[str, str]:
     from autopart.trace import trace
 
     graph = trace(model, (ids,), {"labels": ids}).graph
-    pins = {"ids": "S(1)"}  # labels: where the solver prices them cheapest (the forward-only signature has none)
+    pins = {"ids": "S(1)R" if tp else "S(1)"}  # labels: where the solver prices them (forward-only has none)
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    pins.update({n.name: f"S(2) [{tag}]" for n in graph.nodes if n.target == sdpa})
+    pins.update({n.name: f"S(2){'S(1)' if tp else ''} [{tag}]" for n in graph.nodes if n.target == sdpa})
     return pins
 
 
@@ -90,13 +90,14 @@ def _reference(s: int):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
-def _distributed(n: int, tag: str, s: int):
+def _distributed(n: int, tag: str, s: int, tp: bool = False, checkpoint: str | None = None):
     from autopart.runtime.context import STATS
 
     model = make_model("llama")
     ids0 = batches(s=s)[0]
-    pm = autopart.parallelize(model, autopart.mesh((n,), ("cp",)), (ids0,), {"labels": ids0},
-                              pins=_cp_pins(model, ids0, tag), pipeline="off")
+    mesh = autopart.mesh((n, 2), ("cp", "tp")) if tp else autopart.mesh((n,), ("cp",))
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, pins=_cp_pins(model, ids0, tag, tp),
+                              roles={"tp": "tp"} if tp else {}, pipeline="off", checkpoint=checkpoint)
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     before = dict(STATS)
@@ -108,8 +109,10 @@ def _distributed(n: int, tag: str, s: int):
     used = {k: STATS[k] - before[k] for k in STATS}
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
     logits = pm(ids0)  # forward only: a new signature, planned on first use with the same pins (un-permuted)
-    layout = next(iter(pm._programs.values())).gm.meta.get("autopart.context")
-    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach(), used, pm.program(), layout
+    gm = next(iter(pm._programs.values())).gm
+    program = "\n".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))  # checkpoint regions
+    layout = gm.meta.get("autopart.context")
+    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach(), used, program, layout
 
 
 # (ranks, strategy, sequence): 16 tokens split 2 or 4 ways run the balanced layout (rank i holds chunks i and
@@ -118,25 +121,44 @@ RUNS = [(2, "cp_ring", 16), (2, "cp_allgather", 16), (4, "cp_ring", 16), (4, "cp
         (4, "cp_ring", 12), (4, "cp_allgather", 12)]
 
 
-@pytest.mark.parametrize("n,tag,s", RUNS)
-def test_llama_context_parallel_parity(n: int, tag: str, s: int) -> None:
+def _check_cp(results, n: int, tag: str, s: int, hops_per_attention: int | None = None) -> None:
     from autopart.plan import Plan
 
-    results = run_ranks(n, _distributed, n, tag, s)
-    check(f"llama cp{n} {tag} s{s}", [r[:5] for r in results], _reference(s))
     plan = Plan.from_json(results[0][3])
     sdpa = [k for k, r in plan.nodes.items() if r["op"] == "aten.scaled_dot_product_attention.default"]
     assert len(sdpa) == 2 and all(plan.nodes[k]["tag"] == tag for k in sdpa), {k: plan.nodes[k] for k in sdpa}
     for layer in ("blocks.0", "blocks.1"):  # inside a block nothing crosses cp but the attention's own exchange
-        assert not plan.collective_counts(layer, "fwd") and not plan.collective_counts(layer, "bwd"), \
-            plan.collective_counts(layer, "fwd")
+        for d in ("fwd", "bwd"):
+            assert not any(axis == "cp" for _, axis in plan.collective_counts(layer, d)), plan.collective_counts(layer)
     steps, layers = 3, 2
     balanced = s % (2 * n) == 0
+    hops = 3 * n - 2 if hops_per_attention is None else hops_per_attention
     for used, program, layout in (r[5:] for r in results):
         assert layout == ({"axis": 0, "n": n, "s": s, "layout": "balanced"} if balanced else None), layout
         assert program.count("context_attention(") == layers, program
         assert ("'balanced'" in program) == balanced and ("sequence_positions(" in program) == balanced, program
         if tag == "cp_ring":  # per attention: n-1 K/V hops forward; n-1 K/V and n dK/dV hops backward
-            assert used == {"ring_hops": steps * layers * (3 * n - 2), "kv_gathers": 0}, used
+            assert used == {"ring_hops": steps * layers * hops, "kv_gathers": 0}, used
         else:
-            assert used == {"ring_hops": 0, "kv_gathers": steps * layers}, used
+            assert used["ring_hops"] == 0 and used["kv_gathers"] >= steps * layers, used
+
+
+@pytest.mark.parametrize("n,tag,s", RUNS)
+def test_llama_context_parallel_parity(n: int, tag: str, s: int) -> None:
+    results = run_ranks(n, _distributed, n, tag, s)
+    check(f"llama cp{n} {tag} s{s}", [r[:5] for r in results], _reference(s))
+    _check_cp(results, n, tag, s)
+
+
+def test_llama_cp2_tp2_parity() -> None:
+    """Sequence split over cp, heads over tp (Megatron), ring attention on each rank's heads."""
+    results = run_ranks(4, _distributed, 2, "cp_ring", 16, True)
+    check("llama cp2 x tp2 ring", [r[:5] for r in results], _reference(16))
+    _check_cp(results, 2, "cp_ring", 16)
+
+
+def test_llama_cp2_full_checkpoint_parity() -> None:
+    """Full activation checkpointing: the attention (and its K/V exchange) runs again in backward."""
+    results = run_ranks(2, _distributed, 2, "cp_allgather", 16, False, "full")
+    check("llama cp2 all-gather full recompute", [r[:5] for r in results], _reference(16))
+    _check_cp(results, 2, "cp_allgather", 16)

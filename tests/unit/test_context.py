@@ -132,8 +132,9 @@ def test_cost_terms() -> None:
         assert ring >= hop
         if s == 131072:  # blocks of 16K tokens: every hop hidden but the dK/dV return
             assert ring == pytest.approx(hop)
-    small = _sdpa_graph(256)  # 32-token blocks: the ring's hops are exposed
+    small = _sdpa_graph(256)  # 32-token blocks: the ring's hops are exposed, the all-gather is cheaper
     assert cost(small, "cp_ring") > 2 * (c - 1) * autopart.cost.send_recv_time(2 * 32 * 2 * 64 * 4, link) * 0.9
+    assert cost(small, "cp_allgather") < cost(small, "cp_ring")
     ordered = _sdpa_graph(8192, ordered=True)  # a cumsum along the sequence: contiguous rows, imbalance priced
     assert SC.balance_blockers(ordered.graph, 8192) and not SC.balance_blockers(_sdpa_graph(8192).graph, 8192)
     rank_flops = 4 * 8 * 8192 * 8192 * 64 / c  # this rank's queries against every key, no causal halving
