@@ -110,7 +110,7 @@ def _rank(name: str, detail: bool, plan_json: str | None = None, budget: float |
     del model
     gc.collect()
     orig_alive = sum(r().numel() * r().element_size() for r in originals if r() is not None)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, foreach=False)  # the plan's optimizer (ZeRO-1: sliced states)
 
     def step():
         loss = pm.forward_backward(ids, labels=ids)
