@@ -119,11 +119,13 @@ class _Ring:
         self.prev = dist.get_global_rank(ax.group, (ax.coord - 1) % ax.n)
 
     def start(self, buf: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Post the send of ``buf`` to the next rank and the receive of the previous rank's; wait on the works."""
+        """Post the send of ``buf`` to the next rank and the receive of the previous rank's, as one batch (NCCL
+        would deadlock on every rank sending first, one op at a time); wait on the works."""
         recv = torch.empty_like(buf)
         STATS["ring_hops"] += 1
-        works = [dist.isend(buf, self.next, group=self.ax.group), dist.irecv(recv, self.prev, group=self.ax.group)]
-        return recv, works
+        ops = [dist.P2POp(dist.isend, buf, self.next, self.ax.group),
+               dist.P2POp(dist.irecv, recv, self.prev, self.ax.group)]
+        return recv, dist.batch_isend_irecv(ops)
 
     @staticmethod
     def wait(works: list) -> None:
