@@ -111,7 +111,7 @@ def megatron(args) -> list[dict]:
         rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
                "published_tflops": published, "export_s": export_s}
         try:
-            ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=0,
+            ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=args.zero,
                                    micro_batches=batch // dp if pp > 1 else None, **common)
             rec["published_step_s"] = ev.predicted["step_time_s"]
             rec["published_pred_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
@@ -149,6 +149,9 @@ def main() -> None:
     ap.add_argument("what", choices=["planning", "megatron"])
     ap.add_argument("--batch", type=int, default=128, help="planning: global batch of 2048-token sequences")
     ap.add_argument("--rows", default="", help="megatron: comma-separated model names (default: all)")
+    ap.add_argument("--zero", type=int, default=0, help="megatron: ZeRO level of the published configurations "
+                    "(0: whole optimizer states; 1: Megatron-LM's distributed optimizer, priced as autopart runs it: "
+                    "gradient all-reduce, then the parameter all-gather, neither overlapped with compute)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = planning(args) if args.what == "planning" else megatron(args)
