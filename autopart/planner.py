@@ -964,8 +964,19 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     except ValueError as e:
         err = e
     t1 = time.perf_counter()
-    rows = recipes.score(traced, cluster, axis_names, opts, _make_plan)
-    fits = [r for r in rows if r.get("fits")]
+    from autopart.pipelining import reduce_blocks
+
+    rows = recipes.score(traced, cluster, axis_names, opts, _make_plan, reduce_blocks(traced))
+    step = plan.predicted["step_time_s"] if plan is not None else math.inf
+    for r in rows:  # a recipe scored on the 2-block graph that might win: solve it on the whole graph
+        if r.get("fits") and "options" in r and r["step_time_s"] < step * 1.05:
+            try:
+                r["plan"] = _make_plan(traced, cluster, axis_names, r["options"])
+            except ValueError:
+                continue
+            r["step_time_s"] = r["plan"].predicted["step_time_s"]
+            r.pop("scored_on", None)
+    fits = [r for r in rows if r.get("fits") and "plan" in r]
     best = min(fits, key=lambda r: r["step_time_s"], default=None)
     chosen = "search"
     if best is not None and (plan is None or best["step_time_s"] < plan.predicted["step_time_s"] * (1 - 1e-9)):

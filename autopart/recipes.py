@@ -53,8 +53,14 @@ def recipe_options(name: str, axis_names: tuple[str, ...], mesh: tuple[int, ...]
     return {"roles": roles, "zero": 3 if name == "megatron-fsdp" else 0, "pipeline": "off"}
 
 
-def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn) -> list[dict]:
-    """Plan every applicable recipe with ``plan_fn(traced, cluster, axis_names, opts)``; one row per recipe."""
+def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=None) -> list[dict]:
+    """Plan every applicable recipe with ``plan_fn(traced, cluster, axis_names, opts)``; one row per recipe.
+
+    ``reduced`` (``pipelining.reduce_blocks``: a 2-block graph and the block count): recipes without stages are
+    solved on it, as the pipeline search ranks its candidates (the same ILP, tied blocks priced L times: its
+    objective and memory rows are the whole graph's); such a row's step is that objective (``"scored_on"``) and
+    carries the options to solve it again on the whole graph (``"options"``), which ``make_plan`` does when the
+    recipe might beat the search."""
     rows = []
     trainable = any(fqn not in traced.frozen for fqn in traced.params.values())
     for name in RECIPES:
@@ -63,17 +69,24 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn) -> list[d
             continue
         t0 = time.perf_counter()
         row: dict[str, Any] = {"recipe": name}
+        o = dataclasses.replace(opts, recipes=False, explain_infeasible=False, **kw)
         try:
-            p = plan_fn(traced, cluster, axis_names,
-                        dataclasses.replace(opts, recipes=False, explain_infeasible=False, **kw))
+            if reduced is not None and kw["pipeline"] == "off":
+                p = plan_fn(reduced[0], cluster, axis_names, dataclasses.replace(o, virtual_layers=reduced[1]))
+                row["options"] = o
+                row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
+            else:
+                p = plan_fn(traced, cluster, axis_names, o)
         except ValueError as e:
             row.update(fits=False, why=str(e).splitlines()[0][:300])
         else:
-            row.update(fits=True, step_time_s=p.predicted["step_time_s"],
+            step = p.solver["objective"] if "scored_on" in row else p.predicted["step_time_s"]
+            row.update(fits=True, step_time_s=step,
                        memory_bytes=p.predicted["memory_bytes"]["total"], checkpoint=sorted(set(p.checkpoint.values())),
                        pipeline=(f"pp={p.pipeline['degree']} m={p.pipeline['micro_batches']} {p.pipeline['schedule']}"
                                  if p.pipeline else ""))
-            row["plan"] = p
+            if "scored_on" not in row:
+                row["plan"] = p
         row["plan_s"] = time.perf_counter() - t0
         rows.append(row)
     return rows
@@ -83,7 +96,7 @@ def report(rows: list[dict], chosen_step: float, chosen_from: str) -> list[dict]
     """JSON-able rows for ``plan.solver["recipes"]``: the plan's predicted gain over each recipe."""
     out = []
     for r in rows:
-        r = {k: v for k, v in r.items() if k != "plan"}
+        r = {k: v for k, v in r.items() if k not in ("plan", "options")}
         if r.get("fits"):
             r["gain"] = r["step_time_s"] / chosen_step - 1.0
         r["chosen"] = r["recipe"] == chosen_from
@@ -95,12 +108,15 @@ def table(rows: list[dict]) -> str:
     """The recipes section of ``print(plan)``."""
     from autopart.plan import _fmt_bytes, _fmt_time
 
-    lines = ["standard recipes under the same cost model (the plan's predicted gain over each):"]
+    lines = ["standard recipes under the same cost model (the plan's predicted gain over each; ~ = the solver's "
+             "objective on the 2-block graph):"]
     for r in rows:
         if r.get("fits"):
             extra = ", ".join(x for x in (r.get("pipeline"), "recompute " + "/".join(r["checkpoint"])
                                           if r.get("checkpoint") else "") if x)
-            lines.append(f"  {r['recipe']:<14} {_fmt_time(r['step_time_s']):>10}  {_fmt_bytes(r['memory_bytes']):>10}"
+            approx = "~" if r.get("scored_on") else " "  # the solver objective on the 2-block graph
+            lines.append(f"  {r['recipe']:<14}{approx}{_fmt_time(r['step_time_s']):>10}  "
+                         f"{_fmt_bytes(r['memory_bytes']):>10}"
                          f"  {r['gain']:+7.1%}{'  (chosen)' if r.get('chosen') else ''}{'  ' + extra if extra else ''}")
         else:
             lines.append(f"  {r['recipe']:<14} does not fit: {r['why'][:100]}")
