@@ -13,13 +13,13 @@ from tests.multiproc.harness import run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-# (name, global batch, roles, options): predicted step times spread ~2x apart on the calibrated 2-rank cluster
+# (name, global batch, roles, options): predicted step times ~2-3x apart on the calibrated 2-rank cluster
 CONFIGS = [
-    ("dp2-b4", 4, {"dp": "dp"}, {}),
-    ("dp2-b16", 16, {"dp": "dp"}, {}),
-    ("tp2-b16", 16, {"tp": "tp"}, {}),
-    ("dp2-b64", 64, {"dp": "dp"}, {}),
-    ("dp2-b64-full", 64, {"dp": "dp"}, {"checkpoint": "full"}),
+    ("dp2-b2", 2, {"dp": "dp"}, {}),
+    ("tp2-b8", 8, {"tp": "tp"}, {}),
+    ("dp2-b24", 24, {"dp": "dp"}, {}),
+    ("tp2-b48", 48, {"tp": "tp"}, {}),
+    ("dp2-b96-full", 96, {"dp": "dp"}, {"checkpoint": "full"}),
 ]
 
 
@@ -92,6 +92,7 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     pred = [p for _, p, _ in rows]
     meas = [m for _, _, m in rows]
     table = "\n".join(f"{n}: predicted {p * 1e3:.1f} ms, measured {m * 1e3:.1f} ms" for n, p, m in rows)
-    assert max(pred) / min(pred) > 8, table  # clearly different configurations
+    ladder = sorted(pred)
+    assert all(b / a > 1.5 for a, b in zip(ladder, ladder[1:])), table  # clearly different configurations
     rho = spearman(pred, meas)
     assert rho >= 0.6, f"Spearman {rho:.2f}\n{table}"
