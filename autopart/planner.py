@@ -656,8 +656,9 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
             popts = prob.info.options[members[0]]
             pairs = [param_state_bytes(val, o.output, mesh, opts, o.tag, prob.info.needs_grad[members[0]])
                      for o in popts]
-            local = np.array([p for p, _ in pairs]) * len(members)
-            states = np.array([s for _, s in pairs]) * len(members)
+            n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
+            local = np.array([p for p, _ in pairs]) * n
+            states = np.array([s for _, s in pairs]) * n
             # the runtime's host-offload optimizer steps whole local parameters: no ZeRO-1 slices with it
             zero1 = np.array([o.tag == "zero1" for o in popts])
             cost[gid] = np.where(zero1, np.inf, cost[gid] + 2 * local / bw)
@@ -1252,7 +1253,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             chosen_opt = info.options[members[0]][a]
             local, opt_states = param_state_bytes(value_of(node_by_name[members[0]]), chosen_opt.output, mesh, opts,
                                                   chosen_opt.tag, info.needs_grad[members[0]])
-            local, opt_states = local * len(members), opt_states * len(members)
+            n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
+            local, opt_states = local * n, opt_states * n
             if "optimizer" in offload and cluster.device.name != "cpu":
                 opt_states = 0.0
             memory["parameters"] += local
