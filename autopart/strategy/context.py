@@ -80,7 +80,8 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     """Seconds a context-parallel SDPA option adds to its compute (forward and backward), on the axis' link.
 
     With c ranks on the axis, B the bytes of this rank's K block plus V block (the local shard), T the forward
-    time of one full (unmasked) block pair on this rank and 2.5 T its backward (``backward_flops``):
+    time of one ring step on this rank (its queries against one block: 1/c of its attention, halved on average
+    under a causal mask) and 2.5 T its backward (``backward_flops``):
 
     * all-gather: all-gather K and V (gathered size cB) forward, reduce-scatter dK and dV backward, exposed:
       one all-gather and one reduce-scatter of the pair, each (c−1) α + (c−1)/c · cB β;
@@ -112,7 +113,8 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     if option.tag == "cp_allgather":
         t = collective_time("all_gather", c * local, c, link) + collective_time("reduce_scatter", c * local, c, link)
     else:
-        step = roofline_time(rank / c, 0.0, cluster.device)  # one full block pair on this rank
+        # one step's block: 1/c of the rank's attention, half of it under a causal mask (on average)
+        step = roofline_time(rank / c * (0.5 if a["is_causal"] else 1.0), 0.0, cluster.device)
         hop = send_recv_time(local, link)
         t = (c - 1) * max(0.0, hop - step) + (c - 1) * max(0.0, 2 * hop - 2.5 * step) + hop
     if a["is_causal"] and not balanced_ok(node.graph, q.shape[2], c):
