@@ -14,7 +14,9 @@ Two strategies, both exact (the same softmax as one process, up to float roundin
 * ``ring_attention`` (Liu et al. 2023): K/V blocks travel around the ring in n−1 send/recv steps, each step's
   transfer posted before the step's block is computed (so it overlaps); partial outputs are merged by their
   log-sum-exp (online softmax). Backward visits the blocks in the same order, dK/dV accumulators travelling with
-  their block and sent one step further to return to the block's owner. Plain torch arithmetic in fp32.
+  their block and sent one step further to return to the block's owner. Plain torch arithmetic in fp32; under a
+  causal mask the chunk pairs no query sees are skipped, so a balanced rank computes half of each off-diagonal
+  step, as priced (``strategy.context.cp_comm_time``).
 
 Grouped-query attention: K/V keep their ``hk`` heads on the wire; blocks are expanded to the query heads
 (``repeat_interleave``, as SDPA's ``enable_gqa``) for the arithmetic and their gradients summed back per group.
@@ -133,6 +135,19 @@ class _Ring:
             w.wait()
 
 
+def _pairs(layout: str, qpos: torch.Tensor, kpos: torch.Tensor, causal: bool):
+    """(query rows, key rows, mask) of the sub-blocks of a step that some query sees: a rank's rows are one
+    contiguous run (``"contiguous"``) or two (``"balanced"``), and a pair of runs is either wholly visible, wholly
+    masked (skipped) or the causal diagonal."""
+    s = qpos.numel()
+    runs = [slice(0, s)] if layout == "contiguous" else [slice(0, s // 2), slice(s // 2, s)]
+    for qs in runs:
+        for ks in runs:
+            seen, mask = _block_mask(qpos[qs], kpos[ks], causal)
+            if seen:
+                yield qs, ks, mask
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, causal, scale, layout):
@@ -149,16 +164,15 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if t < ax.n - 1:
                 nxt, works = ring.start(kv)
-            any_, mask = _block_mask(qpos, positions(layout, src, ax.n, s, q.device), causal)
-            if any_:
-                bout, blse = block_forward(qf, _expand(kv[0], h), _expand(kv[1], h), mask, scale)
-                out, lse = merge(out, lse, bout, blse)
+            kb, vb = _expand(kv[0], h), _expand(kv[1], h)
+            for qs, ks, mask in _pairs(layout, qpos, positions(layout, src, ax.n, s, q.device), causal):
+                bout, blse = block_forward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], mask, scale)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], bout, blse)
             if works:
                 ring.wait(works)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ax, ctx.causal, ctx.scale, ctx.layout, ctx.hk = ax, causal, scale, layout, hk  # backward runs outside
-
         return out.to(dtype)
 
     @staticmethod
@@ -178,14 +192,16 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if t < ax.n - 1:
                 nxt, works = ring.start(kv)
-            any_, mask = _block_mask(qpos, positions(ctx.layout, src, ax.n, s, q.device), ctx.causal)
-            if any_:
-                bq, bk, bv = block_backward(qf, _expand(kv[0], h), _expand(kv[1], h), mask, ctx.scale, lse, do,
-                                            delta)
-                dq += bq
-                dkv = dkv + torch.stack([_fold(bk, hk), _fold(bv, hk)])
-            dkv, dworks = ring.start(dkv.contiguous())  # the accumulators follow their block; the n-th send
-            ring.wait(works + dworks)                    # returns them to the block's owner
+            kb, vb = _expand(kv[0], h), _expand(kv[1], h)
+            for qs, ks, mask in _pairs(ctx.layout, qpos, positions(ctx.layout, src, ax.n, s, q.device), ctx.causal):
+                bq, bk, bv = block_backward(qf[:, :, qs], kb[:, :, ks], vb[:, :, ks], mask, ctx.scale, lse[:, :, qs],
+                                            do[:, :, qs], delta[:, :, qs])
+                dq[:, :, qs] += bq
+                dkv[0, :, :, ks] += _fold(bk, hk)
+                dkv[1, :, :, ks] += _fold(bv, hk)
+            sent = dkv  # the accumulators follow their block; the n-th send returns them to the block's owner
+            dkv, dworks = ring.start(sent)
+            ring.wait(works + dworks)
             if works:
                 kv = nxt
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
