@@ -75,8 +75,8 @@ def _cp_pins(model, ids, tag: str, tp: bool) -> dict[str, str]:
     return pins
 
 
-def _reference(s: int):
-    model = make_model("llama")
+def _reference(s: int, name: str = "llama"):
+    model = make_model(name)
     opt = torch.optim.AdamW(model.parameters(), **OPT)
     losses = []
     for ids in batches(s=s):
@@ -90,10 +90,10 @@ def _reference(s: int):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
-def _distributed(n: int, tag: str, s: int, tp: bool = False, checkpoint: str | None = None):
+def _distributed(n: int, tag: str, s: int, tp: bool = False, checkpoint: str | None = None, name: str = "llama"):
     from autopart.runtime.context import STATS
 
-    model = make_model("llama")
+    model = make_model(name)
     ids0 = batches(s=s)[0]
     mesh = autopart.mesh((n, 2), ("cp", "tp")) if tp else autopart.mesh((n,), ("cp",))
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, pins=_cp_pins(model, ids0, tag, tp),
@@ -162,3 +162,11 @@ def test_llama_cp2_full_checkpoint_parity() -> None:
     results = run_ranks(2, _distributed, 2, "cp_allgather", 16, False, "full")
     check("llama cp2 all-gather full recompute", [r[:5] for r in results], _reference(16))
     _check_cp(results, 2, "cp_allgather", 16)
+
+
+def test_gpt_cp2_position_embeddings_parity() -> None:
+    """GPT's learned position embeddings look up ``arange(s)``: under the balanced layout the pass gives them the
+    permuted positions (``sequence_positions``), so each rank embeds its own chunks' positions."""
+    results = run_ranks(2, _distributed, 2, "cp_ring", 16, False, None, "gpt")
+    check("gpt cp2 ring", [r[:5] for r in results], _reference(16, "gpt"))
+    _check_cp(results, 2, "cp_ring", 16)
