@@ -201,7 +201,8 @@ def _median_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Cal
     t0 = time.perf_counter()
     fn()
     sync()
-    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                         device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(probe, op=dist.ReduceOp.MAX)
     inner = max(1, min(1000, math.ceil(seconds / max(float(probe), 1e-7))))
     out = []
@@ -435,6 +436,8 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world size is {world}")
     backend = dist.get_backend()
+    if world == 1 and torch.cuda.is_available():  # one process on a GPU host: the GPU (the group is a stand-in)
+        backend = "nccl"
     device = "cuda" if backend == "nccl" else "cpu"
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
