@@ -336,13 +336,13 @@ def load_preset(path: str) -> str:
     if bad:
         raise ValueError(f"cluster file {path!r}: unknown [device] keys {sorted(bad)}; allowed: "
                          f"{sorted(_DEVICE_KEYS)}")
-    dev = asdict(start.device) if start is not None else {"mfu": 1.0}
+    dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0}
     dev["name"] = name
     dev.update(dev_in)
     missing = _DEVICE_KEYS - set(dev)
     if missing:
         raise ValueError(f"cluster file {path!r}: [device] needs {sorted(missing)}")
-    for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
+    for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "attention_flops", "math_bandwidth"):
         dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
     dev["memory_bytes"] = int(dev["memory_bytes"])
     device = Device(**dev)
