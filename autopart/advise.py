@@ -614,7 +614,10 @@ class _Cap:
     """``with _Cap(seconds):`` raises ``PlanTimeout`` in the main thread after ``seconds`` (no-op if 0/None)."""
 
     def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
+        import threading
+
+        # SIGALRM reaches the main thread only: elsewhere the cap is not applied (the solver's limit still is)
+        self.seconds = seconds if threading.current_thread() is threading.main_thread() else None
 
     def __enter__(self):
         if self.seconds:
