@@ -10,7 +10,8 @@ of ``positions(layout, coord, n, s_local)`` of the global sequence:
 Two strategies, both exact (the same softmax as one process, up to float rounding):
 
 * ``allgather_attention`` (Llama 3): all-gather K and V along the sequence, attend the local queries to every key
-  with the causal mask of the global positions; autograd's backward of the all-gather reduce-scatters dK and dV.
+  with the causal mask of the global positions; backward gathers K and V again (only the local shards are kept
+  from forward) and reduce-scatters dK and dV.
 * ``ring_attention`` (Liu et al. 2023): K/V blocks travel around the ring in n−1 send/recv steps, each step's
   transfer posted before the step's block is computed (so it overlaps); partial outputs are merged by their
   log-sum-exp (online softmax). Backward visits the blocks in the same order, dK/dV accumulators travelling with
@@ -228,22 +229,52 @@ def ring_attention(q, k, v, axis: int, is_causal: bool = True, scale: float | No
     return _RingAttention.apply(q, k, v, axis, bool(is_causal), default if scale is None else scale, layout)
 
 
+def _gathered_kv(k, v, ax: C.Ax) -> torch.Tensor:
+    """K and V of the whole sequence, stacked ``[2, b, hk, n·s, d]``, in one all-gather (rank order)."""
+    STATS["kv_gathers"] += 1
+    return C._gather(torch.stack([k, v]).float(), ax, 3)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """Forward: gather K/V, attend the local queries to every key, keep the output's log-sum-exp. Only the local
+    q, k, v, output and log-sum-exp are saved (the gathered K/V would be c times the local ones): backward gathers
+    them again, computes dq and the whole dK/dV of the local queries, and reduce-scatters dK/dV to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, axis, causal, scale, layout):
+        ax = C.Ax(axis)
+        h, s = q.shape[1], q.shape[2]
+        kv = _gathered_kv(k, v, ax)
+        mask = _full_mask(layout, ax, s, q.device) if causal else None
+        out, lse = block_forward(q.float(), _expand(kv[0], h), _expand(kv[1], h), mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ax, ctx.causal, ctx.scale, ctx.layout = ax, causal, scale, layout
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ax, h, hk, s = ctx.ax, q.shape[1], k.shape[1], q.shape[2]
+        kv = _gathered_kv(k, v, ax)
+        mask = _full_mask(ctx.layout, ax, s, q.device) if ctx.causal else None
+        do = dout.float()
+        dq, dk, dv = block_backward(q.float(), _expand(kv[0], h), _expand(kv[1], h), mask, ctx.scale, lse, do,
+                                    (do * out).sum(-1))
+        dkv = C._reduce_scatter(torch.stack([_fold(dk, hk), _fold(dv, hk)]), ax, 3)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _full_mask(layout: str, ax: C.Ax, s: int, device) -> torch.Tensor:
+    qpos = positions(layout, ax.coord, ax.n, s, device)
+    kpos = torch.cat([positions(layout, r, ax.n, s, device) for r in range(ax.n)])
+    return qpos[:, None] >= kpos[None, :]
+
+
 def allgather_attention(q, k, v, axis: int, is_causal: bool = True, scale: float | None = None,
                         layout: str = "contiguous") -> torch.Tensor:
     """Llama 3's context parallelism over mesh axis ``axis``: K and V gathered, local queries against all keys."""
-    _check(q, k, v, axis, layout)
-    ax = C.Ax(axis)
-    STATS["kv_gathers"] += 1
-    kf = C.all_gather(k, axis, 2, "reduce_scatter")
-    vf = C.all_gather(v, axis, 2, "reduce_scatter")
-    mask = None
-    if is_causal:
-        s = q.shape[2]
-        qpos = positions(layout, ax.coord, ax.n, s, q.device)
-        kpos = torch.cat([positions(layout, r, ax.n, s, q.device) for r in range(ax.n)])
-        mask = qpos[:, None] >= kpos[None, :]
-    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    default = _check(q, k, v, axis, layout)
+    return _AllGatherAttention.apply(q, k, v, axis, bool(is_causal), default if scale is None else scale, layout)
 
 
 STRATEGIES = {"cp_ring": ring_attention, "cp_allgather": allgather_attention}

@@ -83,8 +83,9 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     time of one ring step on this rank (its queries against one block: 1/c of its attention, halved on average
     under a causal mask) and 2.5 T its backward (``backward_flops``):
 
-    * all-gather: all-gather K and V (gathered size cB) forward, reduce-scatter dK and dV backward, exposed:
-      one all-gather and one reduce-scatter of the pair, each (c−1) α + (c−1)/c · cB β;
+    * all-gather: all-gather K and V (gathered size cB) forward, again in backward (only the local shards are
+      saved, so the attention's saved activations shrink by c like the ring's), reduce-scatter dK and dV, exposed:
+      two all-gathers and one reduce-scatter of the pair, each (c−1) α + (c−1)/c · cB β;
     * ring: c−1 steps of one send/recv of B forward, each overlapped with one block's compute (REFERENCE.md: the
       transfer hides when the block holds at least F/B tokens), exposed (c−1) · max(0, t − T) with t = α + Bβ;
       backward sends K/V and the dK/dV accumulators (2B) per step, hidden behind 2.5 T, plus the final return of
@@ -111,7 +112,8 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     flops = node_flops(SDPA, (q, k, v), {}, node.meta["val"])  # the whole attention, no causal halving
     rank = flops / split
     if option.tag == "cp_allgather":
-        t = collective_time("all_gather", c * local, c, link) + collective_time("reduce_scatter", c * local, c, link)
+        t = 2 * collective_time("all_gather", c * local, c, link) + collective_time("reduce_scatter", c * local, c,
+                                                                                    link)
     else:
         # one step's block: 1/c of the rank's attention, half of it under a causal mask (on average)
         step = roofline_time(rank / c * (0.5 if a["is_causal"] else 1.0), 0.0, cluster.device)

@@ -125,7 +125,8 @@ def test_cost_terms() -> None:
     for s in (8192, 131072):
         gm = _sdpa_graph(s)
         local = 2 * (s // c) * 2 * 64 * 4  # this rank's K and V blocks, fp32
-        ag = collective_time("all_gather", c * local, c, link) + collective_time("reduce_scatter", c * local, c, link)
+        ag = 2 * collective_time("all_gather", c * local, c, link) + collective_time("reduce_scatter", c * local, c,
+                                                                                     link)
         assert cost(gm, "cp_allgather") == pytest.approx(ag)  # balanced: no imbalance priced
         hop = autopart.cost.send_recv_time(local, link)
         ring = cost(gm, "cp_ring")
