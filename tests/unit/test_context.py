@@ -174,3 +174,19 @@ def test_pass_lowers_and_balances() -> None:
     gm = passes(plan)
     assert "autopart.context" not in gm.meta and "'cp_ring', True, None, 'contiguous'" in gm.code
     assert "sequence_positions" not in gm.code
+
+
+def test_saved_activations_shrink_by_c() -> None:
+    """Under either strategy the attention saves its local q, k, v and output: 1/c of the unsplit node's bytes."""
+    t, plan, sdpa, _ = _llama_program("cp_ring")
+    _, plan_ag, _, _ = _llama_program("cp_allgather")
+    from autopart.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, d_model=32, d_ff=64))
+    ids = torch.randint(0, 64, (2, 16))
+    whole = autopart.plan(model, autopart.mesh((2,), ("cp",)), (ids,), {"labels": ids}, traced=t, pipeline="off",
+                          pins={"ids": "R", sdpa: "R"})
+    assert whole.nodes[sdpa]["memory_bytes"] > 0
+    for p in (plan, plan_ag):
+        assert p.nodes[sdpa]["memory_bytes"] == pytest.approx(whole.nodes[sdpa]["memory_bytes"] / 2)
