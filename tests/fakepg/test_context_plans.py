@@ -18,12 +18,14 @@ which the 16K-token causal steps do not hide on InfiniBand: priced slower than C
 
 NeMo's table has CP off at 16K and on from 64K (TP4 CP2) to 256K (TP4 CP8). The solver
 does turn it on at 256K and 64K, and its gain grows with the sequence, but at 16K it is on too, by a 1% margin
-(Megatron TP2 on the axis, forced with ``roles``, is predicted 1.884 s): the ring's K/V exchange is priced hidden
-behind compute (an 8K-token block is far above the ~1K tokens NVLink needs) and the balanced layout has no causal
-imbalance, so its remaining cost, the last dK/dV hop and the weight all-gathers of a sequence-split axis, is
-smaller than TP's activation reduce-scatters or Ulysses' all-to-alls. What the model does not price (smaller
-attention kernels per ring step, per-step synchronisation) is what keeps NeMo off CP there. The test therefore
-asserts the growth of the gain, not CP off at 16K.
+(Megatron TP2 on the axis, forced with ``roles``, is predicted 1.884 s). The deciding term is the x axis's
+communication, the rest (compute 1.293 s, the gradient reduction across nodes) being equal: TP2 moves activations
+(reduce-scatters 97.7 ms + all-gathers 20.7 ms a step, growing with the sequence), the CP plan moves weights
+(the sequence-split axis gathers each layer's weights for use, ZeRO-style: 61 ms, independent of the sequence)
+plus the ring's exposed part (19.6 ms: the last dK/dV hop; the K/V hops are priced hidden behind compute, an 8K-token
+causal step being far above the ~1K tokens NVLink needs, and the balanced layout has no causal imbalance).
+What the model does not price (smaller attention kernels per ring step, per-step synchronisation) is what keeps
+NeMo off CP there. The test therefore asserts the growth of the gain, not CP off at 16K.
 """
 
 from __future__ import annotations
