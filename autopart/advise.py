@@ -638,7 +638,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
            cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int = 8, batch: int | None = None,
            seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
-           traced=None, **overrides: int | None) -> Advice:
+           traced=None, recipes: bool = True, **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
@@ -685,7 +685,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
         with _Cap(max_plan_s):
             plan = autopart.plan(module, autopart.mesh(cl.mesh_shape, ("node", "gpu")), inputs, kwargs,
                                  cluster=cl, traced=traced, time_limit_s=time_limit_s,
-                                 optimizer_bytes_per_param=optimizer_bytes_per_param)
+                                 optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes)
     except PlanTimeout as e:
         return Advice(fits=False, binding=f"not planned: {e} (raise max_plan_s)", plan_s=time.perf_counter() - t0,
                       **base)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import weakref
 from collections.abc import Callable
@@ -76,7 +77,8 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
          zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
-         optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None, kv_cache_tokens: int = 0) -> Plan:
+         optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None, kv_cache_tokens: int = 0,
+         recipes: bool = True) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
@@ -93,9 +95,9 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
-    p = make_plan(t, c, m.names, _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend,
-                                          checkpoint, zero, offload, pipeline, optimizer_bytes_per_param,
-                                          kv_cache_tokens))
+    opts = _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint, zero, offload,
+                    pipeline, optimizer_bytes_per_param, kv_cache_tokens)
+    p = make_plan(t, c, m.names, dataclasses.replace(opts, recipes=recipes))
     p.solver["export_s"] = t.export_seconds
     return p
 

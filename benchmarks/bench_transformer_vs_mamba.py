@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--gpus", default="64,512")
     ap.add_argument("--tokens", type=int, default=4 * 2**20)
     ap.add_argument("--max-plan-s", type=float, default=300.0)
+    ap.add_argument("--no-recipes", action="store_true", help="skip scoring the standard recipes (faster)")
     args = ap.parse_args()
     rows = []
     for gpus in [int(g) for g in args.gpus.split(",")]:
@@ -87,7 +88,7 @@ def main() -> None:
             for label, maker in (("transformer", transformer), ("mamba", mamba)):
                 t0 = time.perf_counter()
                 a = autopart.advise(factory=maker(batch, seq), cluster="h100-80gb", nodes=gpus // 8,
-                                    batch=batch, seq=seq, max_plan_s=args.max_plan_s)
+                                    batch=batch, seq=seq, max_plan_s=args.max_plan_s, recipes=not args.no_recipes)
                 row = {"model": label, "params": a.params, "gpus": gpus, "seq": seq, "batch": batch,
                        "fits": a.fits, "wall_s": time.perf_counter() - t0}
                 if a.fits:
