@@ -220,7 +220,7 @@ def _pack(t: torch.Tensor):
 
 def _unpack(obj):
     if isinstance(obj, _Regathered):
-        return _gather_buffer(obj.shard, obj.ax, obj.dim).as_strided(*obj.view)
+        return _gather(obj.shard, obj.ax, obj.dim).as_strided(*obj.view)  # the layout forward gathered into
     if isinstance(obj, _OnHost):
         return obj.t.to(obj.device, non_blocking=obj.t.is_pinned())
     return obj
