@@ -347,6 +347,7 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
     math_bytes = 3 * 2 * n_math * dtype.itemsize
     gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
+    latency = _op_latency(device, blocks, seconds, sync)
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
@@ -359,7 +360,26 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
     return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu, "elementwise": bw,
-            "host_bandwidth": host}
+            "host_bandwidth": host, "op_latency": latency}
+
+
+def _op_latency(device: str, blocks: int, seconds: float, sync: Callable[[], None]) -> dict[str, Any]:
+    """Framework time per graph op: forward + backward of the reference GPT at a size whose arithmetic is negligible
+    (d_model 8, 8 tokens), divided by the ops of its traced graph (what the planner prices, one call each)."""
+    from autopart.models.gpt import GPT, GPTConfig
+    from autopart.trace import trace
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=2, n_head=2, d_model=8)).to(device)
+    ids = torch.randint(0, 16, (1, 8), device=device)
+    ops = sum(1 for n in trace(model, (ids,), {"labels": ids}).graph.nodes if n.op == "call_function")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        torch.autograd.grad(model(ids, labels=ids), params)
+
+    t = _median_blocks(step, blocks, seconds, sync)
+    return {"ops": ops, "seconds": t, "per_op": t / max(1, ops)}
 
 
 def _memory_per_rank(device: str, world: int) -> tuple[int, int]:
@@ -399,7 +419,8 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
     device = Device(name=f"{name} (calibrated)", peak_flops=matmul, mem_bandwidth=dev["elementwise"]["bandwidth"],
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
-                    math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0))
+                    math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
+                    op_latency=dev.get("op_latency", {}).get("per_op", 0.0))
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
 
 
@@ -445,7 +466,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
-    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
+    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["op_latency"]["per_op"], dev["attention"]["flops"],
                          dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"]],
                          dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
@@ -453,8 +474,8 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
     for g, f in zip(dev["gemm"], med):
         g["flops"] = f
-    (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
-     dev["host_bandwidth"]) = med[-4:]
+    (dev["op_latency"]["per_op"], dev["attention"]["flops"], dev["transcendental"]["bandwidth"],
+     dev["elementwise"]["bandwidth"], dev["host_bandwidth"]) = med[-5:]
     memory, reserve = _memory_per_rank(device, world)
     fp = fingerprint(backend, world, mesh_shape)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
@@ -472,6 +493,7 @@ def describe(cluster: Cluster) -> str:
     lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
+             f"{d.op_latency * 1e6:.3g} us per op, "
              f"{d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
     for axis, (n, link) in enumerate(zip(cluster.mesh_shape, cluster.links)):
         if n < 2:

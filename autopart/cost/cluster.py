@@ -75,12 +75,15 @@ class Device:
     # transcendental math (gelu, exp, softmax, ...), which are compute-bound on CPUs
     attention_flops: float = 0.0
     math_bandwidth: float = 0.0
+    # seconds of framework time per graph op, forward and backward (dispatch, autograd, the runtime's Python;
+    # kernel launches on a GPU), measured by ``autopart.calibrate`` on a model too small for its arithmetic to count
+    op_latency: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        for field in ("attention_flops", "math_bandwidth"):
+        for field in ("attention_flops", "math_bandwidth", "op_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -254,7 +257,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "attention_flops",
-                "math_bandwidth"}
+                "math_bandwidth", "op_latency"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth"}
 
 
@@ -336,7 +339,8 @@ def load_preset(path: str) -> str:
     if bad:
         raise ValueError(f"cluster file {path!r}: unknown [device] keys {sorted(bad)}; allowed: "
                          f"{sorted(_DEVICE_KEYS)}")
-    dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0}
+    dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0,
+                                                              "op_latency": 0.0}
     dev["name"] = name
     dev.update(dev_in)
     missing = _DEVICE_KEYS - set(dev)

@@ -266,11 +266,12 @@ def roofline_time(flops: float, nbytes: float, device: Device, target: Any = Non
     With the op ``target`` given and the device calibrated (``autopart.calibrate``), fused attention runs at the
     measured ``attention_flops`` and elementwise ops with transcendental math (gelu, silu, exp, softmax,
     cross-entropy, ...) move their bytes at the measured ``math_bandwidth``: on a CPU these are compute-bound and
-    ran 4-6x slower than the matmul rate or a plain add's bandwidth predict (a 4-layer GPT, one rank)."""
+    ran 4-6x slower than the matmul rate or a plain add's bandwidth predict (a 4-layer GPT, one rank). Each op call
+    adds the device's ``op_latency`` (framework time per graph op; 0 unless calibrated)."""
     packet = _packet(target) if target is not None else None
     rate = device.peak_flops * device.mfu
     if device.attention_flops and (packet in _SDPA_FORWARD or packet in _SDPA_BACKWARD):
         rate = device.attention_flops
     bandwidth = device.math_bandwidth if device.math_bandwidth and packet in _TRANSCENDENTAL else \
         device.mem_bandwidth
-    return max(flops / rate, nbytes / bandwidth)
+    return max(flops / rate, nbytes / bandwidth) + (device.op_latency if target is not None else 0.0)
