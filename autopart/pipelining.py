@@ -45,7 +45,7 @@ import torch.fx as fx
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes
-from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline
+from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline, stage_peak
 from autopart.trace import Traced
 
 
@@ -516,8 +516,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         tr = sum(u.transient_bytes for u in us) / m
         # GPipe peaks as backward starts, every micro-batch's activations held and gradients not yet allocated
         # (solver/pipeline.py); the other schedules hold their in-flight count with gradients allocated
-        total = states + grads + (max(n_fl * act + tr - grads, (n_fl - 1) * act) if o.schedule == "gpipe"
-                                  else n_fl * act + tr)
+        total = float(stage_peak(states + grads, grads, act, tr, n_fl, o.schedule == "gpipe"))
         stage_recs.append({
             "index": c, "rank": c % o.stages, "layers": [u.name for u in us],
             "time_s": pl.stage_time_s[c], "in_flight": n_fl,

@@ -318,12 +318,12 @@ class ParallelModule(nn.Module):
                 raise NotImplementedError("a plan with both optimizer offload and ZeRO-1 parameters: the host-offload "
                                           "optimizer steps whole local parameters; plan with zero=2 or offload='none'")
             return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+        if "foreach" in inspect.signature(cls).parameters:
+            kwargs.setdefault("foreach", True)  # one kernel per group instead of a DTensor dispatch per parameter
         if zero1:  # optimizer states of ZeRO-1 parameters: this rank's flat slice only (runtime/zero1.py)
             from autopart.runtime.zero1 import sharded_state_optimizer
 
             return sharded_state_optimizer(self, cls, **kwargs)
-        if "foreach" in inspect.signature(cls).parameters:
-            kwargs.setdefault("foreach", True)  # one kernel per group instead of a DTensor dispatch per parameter
         return cls(self.parameters(), **kwargs)
 
     def program(self) -> str:

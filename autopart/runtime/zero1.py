@@ -23,7 +23,6 @@ rank's slices) work unchanged. Gradient clipping goes through the module (``pm.c
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -80,9 +79,7 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
         param_groups.append({"params": plain})
     if slices:  # a group of its own: foreach kernels do not mix DTensor and plain tensors
         param_groups.append({"params": [s.leaf for s in slices]})
-    if "foreach" in inspect.signature(cls).parameters:
-        kwargs.setdefault("foreach", True)
-    opt = cls(param_groups, **kwargs)
+    opt = cls(param_groups, **kwargs)  # kwargs as ParallelModule.optimizer defaults them (foreach)
     if not slices:
         return opt
 

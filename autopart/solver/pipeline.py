@@ -228,9 +228,16 @@ class _Arrays:
 
     def memory(self, f: int, act: np.ndarray | float, gpipe: bool, i=slice(None), j=slice(None)):
         """Peak bytes of segments with ``f`` in flight and ``act`` activation bytes per micro-batch."""
-        if not gpipe:
-            return self.S[i, j] + f * act + self.TR[i, j]
-        return self.S[i, j] + np.maximum(f * act + self.TR[i, j] - self.G[i, j], (f - 1) * act)
+        return stage_peak(self.S[i, j], self.G[i, j], act, self.TR[i, j], f, gpipe)
+
+
+def stage_peak(states, grads, act, transient, in_flight: int, gpipe: bool):
+    """A stage's peak bytes (the module docstring): ``states`` include ``grads``; ``act`` per micro-batch held
+    ``in_flight`` times; ``transient`` once. GPipe peaks as backward starts, before the gradients exist, or just
+    after the first micro-batch's backward. Works on numbers and on numpy arrays."""
+    if not gpipe:
+        return states + in_flight * act + transient
+    return states + np.maximum(in_flight * act + transient - grads, (in_flight - 1) * act)
 
 
 def _bottleneck_dp(costs: list[np.ndarray]) -> tuple[float, list[int]]:
