@@ -39,6 +39,11 @@ def make_model(name: str, layers: int = 2):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
         return LlamaForCausalLM(cfg)
+    if name == "moe":
+        from autopart.models.moe import MoE, MoEConfig
+
+        return MoE(MoEConfig(vocab_size=128, max_seq_len=32, n_layer=layers, n_head=4, n_kv_head=2, d_model=32,
+                             d_ff=64, n_expert=8, top_k=2))
     raise ValueError(name)
 
 

@@ -22,23 +22,14 @@ only users compute with that shard, which the tests check.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
-import torch
 
-import autopart
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, check
+from tests.multiproc.parity import batches, check, distributed, make_model, reference
 
 pytestmark = pytest.mark.multiproc
-
-
-def make_moe():
-    from autopart.models.moe import MoE, MoEConfig
-
-    torch.manual_seed(0)
-    return MoE(MoEConfig(vocab_size=128, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64,
-                         n_expert=8, top_k=2))
 
 
 def ep_pins(model, ids, names: tuple[str, ...]) -> dict[str, str]:
@@ -63,38 +54,6 @@ def ep_pins(model, ids, names: tuple[str, ...]) -> dict[str, str]:
     raise ValueError(f"no expert-parallel pins for mesh axes {names}")
 
 
-def reference():
-    model = make_moe()
-    opt = torch.optim.AdamW(model.parameters(), **OPT)
-    losses = []
-    for ids in batches():
-        loss = model(ids, labels=ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        logits = model(batches()[0])
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
-
-
-def distributed(shape: tuple, names: tuple, roles: dict):
-    model = make_moe()
-    ids0 = batches()[0]
-    pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids0,), {"labels": ids0}, roles=roles,
-                              pins=ep_pins(model, ids0, names), pipeline="off")
-    opt = torch.optim.AdamW(pm.parameters(), **OPT)
-    losses = []
-    for ids in batches():
-        loss = pm.forward_backward(ids, labels=ids)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    logits = pm(batches()[0])  # forward only: a new signature, planned on first use with the same pins
-    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach()
-
-
 CONFIGS = {
     "ep2": ((2,), ("ep",), {}),
     "ep4": ((4,), ("ep",), {}),
@@ -109,8 +68,11 @@ def test_expert_parallel_parity(config: str) -> None:
     from autopart.plan import Plan
 
     shape, names, roles = CONFIGS[config]
-    results = run_ranks(math.prod(shape), distributed, shape, names, roles)
-    check(f"moe {config}", results, reference())
+    ids = batches()[0]
+    pins = ep_pins(make_model("moe"), ids, names)
+    results = run_ranks(math.prod(shape), partial(distributed, pipeline="off", pins=pins), "moe", shape, names,
+                        roles)
+    check(f"moe {config}", results, reference("moe"))
     plan_json = results[0][3]
     assert all(r[3] == plan_json for r in results), "ranks ran different plans"
     plan = Plan.from_json(plan_json)
