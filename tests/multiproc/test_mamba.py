@@ -2,9 +2,10 @@
 3 AdamW steps equal one process within 1e-5 (fp32), for Mamba on tp=2, dp=2 x tp=2, cp=2 and cp=2 x tp=2 and the
 hybrid on dp=2 x tp=2 and cp=2; the plans really are tensor parallel over the inner dimension, and context
 parallel ones pass the scan's state and the convolution's halo on ``cp`` (``autopart.runtime.ssm``) with nothing
-else crossing ``cp`` inside a block. On models this small the solver would not split the sequence, so the context
--parallel layout is pinned (``pins=``: ids ``S(1)``, every scan, convolution and attention split on the sequence),
-as in ``test_context.py``."""
+else crossing ``cp`` inside a block, the hybrid's attention in the contiguous layout (the scan and convolution
+read the sequence in order). On models this small the solver would not split the sequence, so the layout is
+pinned (``pins_for``: ids ``S(1)``, every scan, convolution and attention split on the sequence), as in
+``test_context.py``; so is the scan's heads split on ``tp``."""
 
 from __future__ import annotations
 
@@ -55,19 +56,26 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], torch.Te
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
-def cp_pins(model: torch.nn.Module, ids: torch.Tensor, tp: bool) -> dict[str, str]:
-    """The sequence split on ``cp`` (mesh axis 0), heads or channels on ``tp`` (axis 1) where there is one."""
+def pins_for(model: torch.nn.Module, ids: torch.Tensor, names: tuple) -> dict[str, str]:
+    """Every scan split by heads on ``tp``; with a ``cp`` axis, ids, scans, convolutions and attentions split on
+    the sequence there (channels or heads on ``tp``). The heads split is pinned because on this tiny model the cost
+    model (rightly, at these latency-bound sizes) prefers gathering the scan's x and dt on tp (two all-gathers of
+    ~4K values) to all-reducing the gradients of B and C that a heads split makes partial; at real widths it splits
+    the heads by itself (``tests/unit/test_mamba.py``, ``tests/fakepg/test_mamba_plans.py``)."""
     from autopart.models.mamba import CAUSAL_CONV1D, SSD_SCAN
     from autopart.trace import trace
 
-    ops = {SSD_SCAN: ("S(2)", "cp_state"), CAUSAL_CONV1D: ("S(2)", "cp_halo"),
-           torch.ops.aten.scaled_dot_product_attention.default: ("S(1)", "cp_ring")}
-    pins = {"ids": "S(1)R" if tp else "S(1)"}
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    # per op: (its spec on dp, cp, tp), its context-parallel strategy
+    ops = {SSD_SCAN: (("S(0)", "S(1)", "S(2)"), "cp_state"), CAUSAL_CONV1D: (("S(0)", "S(1)", "S(2)"), "cp_halo"),
+           sdpa: (("S(0)", "S(2)", "S(1)"), "cp_ring")}
+    axis = {"dp": 0, "cp": 1, "tp": 2}
+    cp = "cp" in names
+    pins = {"ids": "".join("S(1)" if a == "cp" else "R" for a in names)} if cp else {}
     for n in trace(model, (ids,), {"labels": ids}).graph.nodes:
-        if n.target in ops:
-            tp_spec, tag = ops[n.target]
-            seq = "S(2)" if n.target == torch.ops.aten.scaled_dot_product_attention.default else "S(1)"
-            pins[n.name] = f"{seq}{tp_spec if tp else ''} [{tag}]"
+        if n.target in ops and (cp or n.target == SSD_SCAN):
+            specs, tag = ops[n.target]
+            pins[n.name] = "".join(specs[axis[a]] for a in names) + (f" [{tag}]" if cp else "")
     return pins
 
 
@@ -77,9 +85,8 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict):
 
     ids0 = batches()[0]
     model = make(name)  # kept alive: the forward-only call below traces it again
-    pins = cp_pins(model, ids0, "tp" in names) if "cp" in names else {}
     pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids0,), {"labels": ids0}, roles=roles,
-                              pipeline="off", pins=pins)
+                              pipeline="off", pins=pins_for(model, ids0, names))
     before = dict(STATS)
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
@@ -88,9 +95,10 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict):
         opt.step()
         opt.zero_grad()
     used = {k: STATS[k] - before[k] for k in STATS}
+    layout = next(iter(pm._programs.values())).gm.meta.get("autopart.context")  # None: contiguous rows
     logits = pm(batches()[0])  # forward only, no labels: a second signature, planned on first use
     return (losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, pm.plan.to_json(), logits.detach(),
-            used)
+            (used, layout))
 
 
 @pytest.mark.parametrize(("name", "config"), RUNS, ids=[f"{n}-{c}" for n, c in RUNS])
@@ -133,7 +141,7 @@ def test_mamba_parity(name: str, config: str) -> None:
         assert plan.reduced, "a data-parallel plan reduces gradients"
 
 
-def _check_context_parallel(plan, name: str, used: list[dict]) -> None:
+def _check_context_parallel(plan, name: str, used: list[tuple[dict, dict | None]]) -> None:
     """Every scan and convolution split on the sequence with its strategy; inside a block no activation (a value
     with a dim of the sequence length) crosses ``cp`` but through their own exchanges (and the attention's ring);
     per Mamba block and training step one state all-gather and two neighbour messages (the convolution's halo
@@ -156,6 +164,7 @@ def _check_context_parallel(plan, name: str, used: list[dict]) -> None:
         crosses = any(ax == cp for ax, _, _ in rec["steps"])
         assert not (crosses and ids.shape[1] in val.shape), rec
     steps = 3
-    for u in used:
+    for u, layout in used:
+        assert layout is None, layout
         assert u["state_gathers"] == steps * mamba_blocks, u
         assert u["halo_hops"] == 2 * steps * mamba_blocks, u
