@@ -29,6 +29,16 @@ sums over channels) and after out_proj.
 The causal depthwise convolution is a sum of ``d_conv`` shifted slices of the left-padded input times per-channel
 weights, not ``F.conv1d(groups=d_inner)``: the result is the same, and a channel-sharded rank runs the same program
 on its channels (a grouped convolution would need its ``groups`` argument rewritten per rank).
+
+**Two custom ops.** The mixer calls the scan and the convolution as ``torch.library.custom_op``s,
+``autopart::ssd_scan`` and ``autopart::causal_conv1d``: one graph node each, which the planner sees whole (rules,
+FLOPs and context-parallel tags in ``autopart.strategy.ssm``). Like Mamba's fused kernels they save only their
+inputs and recompute in backward (the plain-torch functions below, differentiated). Whole ops let the sequence be
+split across ranks (context parallelism, ``autopart.runtime.ssm``): each rank scans its chunk from a zero state and
+the chunks' final states are passed on; the convolution receives the previous rank's last ``d_conv - 1`` tokens.
+As ATen ops a sequence split would gather the whole input before the convolution's shifted slices (no rule
+expresses a halo) and, at best, the chunks' states before the scan's chunk-to-chunk segment-sum; as whole ops the
+exchange is explicit, priced (``strategy.context.ssm_comm_time``) and state-sized.
 """
 
 from __future__ import annotations
