@@ -309,3 +309,21 @@ def test_state_exchange_is_priced_by_the_state_not_the_sequence() -> None:
         assert 0 < cp_comm_time(conv, copt, cluster) < gather_x
     assert comms[1] < 1.2 * comms[0], comms  # 16x the tokens: the exchange is the same, the added work small
     assert comms[1] < gather_x / 4, (comms, gather_x)
+
+
+def test_context_parallel_bad_input_raises() -> None:
+    """A rank holding fewer tokens than the halo its successor needs, an unknown strategy, and a plan record that
+    splits a scan over the sequence without naming its strategy each get an error saying what to do."""
+    from autopart.passes.context import _lower_sequence_op
+    from autopart.runtime.ssm import context_conv1d
+    from autopart.strategy.context import register_sequence_op
+
+    with pytest.raises(ValueError, match="at least d_conv - 1 = 3 tokens"):
+        context_conv1d(torch.randn(1, 2, 4), torch.randn(4, 4), torch.randn(4), 0)
+    with pytest.raises(ValueError, match="unknown sequence-op strategy"):
+        register_sequence_op(torch.ops.aten.cumsum.default, "cp_ring")
+    node, _ = _scan_node()
+    node.meta["autopart.output"] = (Shard(1),)
+    plan = type("Plan", (), {"nodes": {node.name: {"tag": ""}}})()
+    with pytest.raises(ValueError, match="re-plan"):
+        _lower_sequence_op(node, plan)
