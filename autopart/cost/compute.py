@@ -208,6 +208,11 @@ def node_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
     return int(flops)
 
 
+# custom ops whose backward is not the rule below: their own forward-to-backward FLOP ratio (Mamba's scan
+# recomputes its forward in backward: ``autopart.strategy.ssm``)
+BACKWARD_RATIO: dict[Any, float] = {}
+
+
 def backward_flops(target: Any, fwd_flops: int) -> int:
     """FLOPs of the backward of a call whose forward took ``fwd_flops``.
 
@@ -215,6 +220,8 @@ def backward_flops(target: Any, fwd_flops: int) -> int:
     recomputed plus dV, dP, dQ, dK); everything else 1× (N21 counts backward as 2× forward overall).
     """
     packet = _packet(target)
+    if target in BACKWARD_RATIO:
+        return int(fwd_flops * BACKWARD_RATIO[target])
     if packet in _SDPA_FORWARD or packet is torch.ops.higher_order.flex_attention:
         return fwd_flops * 5 // 2
     if packet in _MATMUL_FAMILY:

@@ -29,6 +29,16 @@ sums over channels) and after out_proj.
 The causal depthwise convolution is a sum of ``d_conv`` shifted slices of the left-padded input times per-channel
 weights, not ``F.conv1d(groups=d_inner)``: the result is the same, and a channel-sharded rank runs the same program
 on its channels (a grouped convolution would need its ``groups`` argument rewritten per rank).
+
+**Two custom ops.** The mixer calls the scan and the convolution as ``torch.library.custom_op``s,
+``autopart::ssd_scan`` and ``autopart::causal_conv1d``: one graph node each, which the planner sees whole (rules,
+FLOPs and context-parallel tags in ``autopart.strategy.ssm``). Like Mamba's fused kernels they save only their
+inputs and recompute in backward (the plain-torch functions below, differentiated). Whole ops let the sequence be
+split across ranks (context parallelism, ``autopart.runtime.ssm``): each rank scans its chunk from a zero state and
+the chunks' final states are passed on; the convolution receives the previous rank's last ``d_conv - 1`` tokens.
+As ATen ops a sequence split would gather the whole input before the convolution's shifted slices (no rule
+expresses a halo) and, at best, the chunks' states before the scan's chunk-to-chunk segment-sum; as whole ops the
+exchange is explicit, priced (``strategy.context.ssm_comm_time``) and state-sized.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import torch.nn.functional as F
 
 from autopart.models.llama import Block as AttentionBlock
 from autopart.models.llama import LlamaConfig, RMSNorm, rope_tables
+from autopart.strategy.ssm import register_ssm_ops
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,72 @@ def selective_scan_reference(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor,
     return torch.stack(ys, dim=1)
 
 
+def causal_conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                  halo: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal depthwise convolution along the sequence: ``x`` (batch, seq, channels), ``w`` (channels, d_conv),
+    ``bias`` (channels). Output t of channel d is ``bias[d] + sum_k w[d, k] x[t - d_conv + 1 + k, d]``, the
+    positions before the sequence being ``halo`` (batch, d_conv - 1, channels) -- the previous rank's last tokens
+    under context parallelism -- or zeros."""
+    k, seq = w.shape[1], x.shape[1]
+    xp = torch.cat([halo, x], dim=1) if halo is not None else F.pad(x, (0, 0, k - 1, 0))
+    out = bias + xp[:, :seq] * w[:, 0]
+    for j in range(1, k):
+        out = out + xp[:, j:j + seq] * w[:, j]
+    return out
+
+
+def _recompute_backward(fn, ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The backward of a custom op below: run ``fn`` again on the saved inputs under autograd and differentiate
+    (Mamba's fused kernels also recompute in backward rather than keep the scan's intermediates)."""
+    inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+    with torch.enable_grad():
+        out = fn(*inputs, *ctx.consts)
+    return torch.autograd.grad(out, inputs, grad)
+
+
+def _save_inputs(n_tensors: int):
+    def setup(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs[:n_tensors])
+        ctx.consts = tuple(inputs[n_tensors:])
+
+    return setup
+
+
+@torch.library.custom_op("autopart::causal_conv1d", mutates_args=())
+def causal_conv1d_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``causal_conv1d`` as one graph node the planner sees whole (rules: ``autopart.strategy.ssm``)."""
+    return causal_conv1d(x, w, bias)
+
+
+@causal_conv1d_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+causal_conv1d_op.register_autograd(lambda ctx, g: _recompute_backward(causal_conv1d, ctx, g),
+                                   setup_context=_save_inputs(3))
+
+
+@torch.library.custom_op("autopart::ssd_scan", mutates_args=())
+def ssd_scan_op(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                chunk_size: int) -> torch.Tensor:
+    """``selective_scan`` as one graph node the planner sees whole (rules: ``autopart.strategy.ssm``)."""
+    return selective_scan(x, dt, a, b, c, chunk_size)
+
+
+@ssd_scan_op.register_fake
+def _(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+      chunk_size: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+ssd_scan_op.register_autograd(lambda ctx, g: (*_recompute_backward(selective_scan, ctx, g), None),
+                              setup_context=_save_inputs(5))
+SSD_SCAN = torch.ops.autopart.ssd_scan.default
+CAUSAL_CONV1D = torch.ops.autopart.causal_conv1d.default
+register_ssm_ops(SSD_SCAN, CAUSAL_CONV1D)
+
+
 class MambaMixer(nn.Module):
     def __init__(self, cfg: MambaConfig) -> None:
         super().__init__()
@@ -184,16 +261,11 @@ class MambaMixer(nn.Module):
         cfg = self.cfg
         bsz, seq, _ = u.shape
         x, z = self.in_proj(u).view(bsz, seq, cfg.d_inner, 2).unbind(-1)
-        xp = F.pad(x.transpose(1, 2), (cfg.d_conv - 1, 0))  # (b, d_inner, d_conv - 1 + seq): causal left padding
-        w = self.conv_weight
-        conv = self.conv_bias.unsqueeze(-1) + xp[..., :seq] * w[:, :1]
-        for k in range(1, cfg.d_conv):
-            conv = conv + xp[..., k:k + seq] * w[:, k:k + 1]
-        x = F.silu(conv.transpose(1, 2))
+        x = F.silu(causal_conv1d_op(x, self.conv_weight, self.conv_bias))
         dt, b, c = self.x_proj(x).split([cfg.rank, cfg.d_state, cfg.d_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt))
-        y = selective_scan(x.view(bsz, seq, cfg.n_heads, cfg.headdim), dt, -torch.exp(self.A_log), b, c,
-                           cfg.chunk_size)
+        y = ssd_scan_op(x.view(bsz, seq, cfg.n_heads, cfg.headdim), dt, -torch.exp(self.A_log), b, c,
+                        cfg.chunk_size)
         y = y.reshape(bsz, seq, cfg.d_inner) + x * self.D
         return self.out_proj(y * F.silu(z))
 

@@ -9,6 +9,10 @@ causal and ``strategy.context.balanced_ok`` holds, ``"balanced"`` (chunks i and 
 the permuted sequence: ``arange(s)`` position sources become ``runtime.context.sequence_positions``, causal
 attention not split on the sequence gets the mask of the permuted positions, and ``gm.meta["autopart.context"]``
 (``{"axis", "n", "s", "layout"}``) tells the runtime to permute user inputs and un-permute outputs.
+
+State-space sequence ops (``strategy.context.SEQUENCE_OPS``) whose output is ``Shard(1)`` on a mesh axis call
+``autopart.runtime.ssm.context_scan`` (``"cp_state"``) or ``context_conv1d`` (``"cp_halo"``) on that axis; they
+need the contiguous layout, which ``balanced_ok`` guarantees (they block the balanced one).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch.fx as fx
 
 from autopart.placement import Shard
 from autopart.runtime import context as RC
-from autopart.strategy.context import CP_TAGS, SDPA, _sdpa_args, balanced_ok, position_source
+from autopart.strategy.context import ATTENTION_TAGS, SDPA, SEQUENCE_OPS, _sdpa_args, balanced_ok, position_source
 
 
 def _cp_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
@@ -53,12 +57,30 @@ def _rewrite_positions(gm: fx.GraphModule, ctx: dict) -> None:
             node.kwargs = {}
 
 
+def _lower_sequence_op(node: fx.Node, plan) -> bool:
+    from autopart.runtime import ssm as RS
+
+    axes = [i for i, p in enumerate(node.meta.get("autopart.output") or ()) if p == Shard(1)]
+    if not axes:
+        return False
+    tag, want = plan.nodes.get(node.name, {}).get("tag", ""), SEQUENCE_OPS[node.target]
+    if tag != want:
+        raise ValueError(f"node {node.name} splits {node.target} over the sequence on mesh axis {axes[0]} but its "
+                         f"plan record names strategy {tag!r}, not {want!r}: the plan was made by an older autopart "
+                         f"or edited by hand; re-plan")
+    node.target = RS.context_scan if tag == "cp_state" else RS.context_conv1d
+    node.kwargs = {**node.kwargs, "axis": axes[0]}
+    return True
+
+
 def context_parallel(gm: fx.GraphModule, plan) -> tuple[fx.GraphModule, bool]:
     cp = _cp_nodes(gm)
     ctx = _balance(gm, cp, tuple(plan.mesh_shape)) if cp else None
     layout = "balanced" if ctx else "contiguous"
     changed = False
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SEQUENCE_OPS:
+            changed |= _lower_sequence_op(node, plan)
         if node.op != "call_function" or node.target != SDPA:
             continue
         out = node.meta.get("autopart.output") or ()
@@ -66,10 +88,10 @@ def context_parallel(gm: fx.GraphModule, plan) -> tuple[fx.GraphModule, bool]:
         if not axes:
             continue
         tag = plan.nodes.get(node.name, {}).get("tag", "")
-        if tag not in CP_TAGS:
+        if tag not in ATTENTION_TAGS:
             raise ValueError(f"node {node.name} splits attention over the sequence on mesh axis {axes[0]} but its "
                              f"plan record names no context-parallel strategy (tag {tag!r}, expected one of "
-                             f"{CP_TAGS}): the plan was made by an older autopart or edited by hand; re-plan")
+                             f"{ATTENTION_TAGS}): the plan was made by an older autopart or edited by hand; re-plan")
         a = _sdpa_args(node)
         node.target = RC.context_attention
         node.args = (a["query"], a["key"], a["value"], axes[0], tag, bool(a["is_causal"]), a["scale"], layout)

@@ -10,6 +10,14 @@ an axis; ``cp_variants`` turns each such option into its two strategies, told ap
 ``cp_comm_time`` prices them (``planner.internal_comm_time`` calls it); ``autopart.passes.context`` lowers them to
 ``autopart.runtime.context``.
 
+Sequence ops of state-space models (``register_sequence_op``: Mamba's ``autopart::ssd_scan`` and
+``autopart::causal_conv1d``, rules in ``strategy/ssm.py``) split the sequence too, one strategy each:
+``"cp_state"`` (each rank scans its chunk from a zero state; the chunks' final states and total decays are
+all-gathered and each rank adds its entering state's contribution) and ``"cp_halo"`` (each rank receives the
+previous rank's last ``d_conv - 1`` tokens). Both exchange O(state) or O(d_conv) bytes per rank, not activations;
+lowered to ``autopart.runtime.ssm``. They run on contiguous rows only (their work is linear in the sequence: no
+imbalance to correct, and they read the sequence in order, so they block the balanced layout).
+
 Causal load balancing. With contiguous rows the last of n ranks attends (2n−1)/n of the average (priced). The
 balanced layout cuts the sequence in 2n chunks and gives rank i chunks i and 2n−1−i: the program then runs on the
 *permuted* global sequence (the runtime permutes user inputs along their sequence dim before slicing them and
@@ -34,7 +42,17 @@ from autopart.strategy.registry import NodeInfo, OpOption
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-CP_TAGS = ("cp_ring", "cp_allgather")
+ATTENTION_TAGS = ("cp_ring", "cp_allgather")
+SSM_TAGS = ("cp_state", "cp_halo")
+CP_TAGS = ATTENTION_TAGS + SSM_TAGS
+SEQUENCE_OPS: dict = {}  # op -> its context-parallel tag (register_sequence_op); the sequence is dim 1
+
+
+def register_sequence_op(op, tag: str) -> None:
+    """Mark ``op`` as a state-space sequence op whose ``Shard(1)`` option is context parallelism by ``tag``."""
+    if tag not in SSM_TAGS:
+        raise ValueError(f"unknown sequence-op strategy {tag!r}; choose one of {SSM_TAGS}")
+    SEQUENCE_OPS[op] = tag
 
 
 def _sdpa_args(node: fx.Node) -> dict:
@@ -64,7 +82,12 @@ def cp_axis(option: OpOption) -> int | None:
 
 
 def cp_variants(node: fx.Node, options: list[OpOption]) -> list[OpOption]:
-    """``options`` of an SDPA node with each sequence-split option replaced by its tagged strategies."""
+    """``options`` of an SDPA node with each sequence-split option replaced by its tagged strategies; those of a
+    sequence op tagged with its one strategy."""
+    if node.target in SEQUENCE_OPS:
+        tag = SEQUENCE_OPS[node.target]
+        return [OpOption(o.inputs, o.output, tag=tag) if seq_axis(o) is not None and not o.tag else o
+                for o in options]
     if node.target != SDPA:
         return options
     out = []
@@ -72,12 +95,52 @@ def cp_variants(node: fx.Node, options: list[OpOption]) -> list[OpOption]:
         if cp_axis(o) is None or o.tag:
             out.append(o)
         else:
-            out += [OpOption(o.inputs, o.output, tag=t) for t in CP_TAGS]
+            out += [OpOption(o.inputs, o.output, tag=t) for t in ATTENTION_TAGS]
     return out
 
 
+def seq_axis(option: OpOption) -> int | None:
+    """The mesh axis a sequence op's option splits the sequence over (``Shard(1)`` output), or None."""
+    axes = [i for i, p in enumerate(option.output) if p == Shard(1)]
+    return axes[0] if axes else None
+
+
+def ssm_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
+    """Seconds a context-parallel sequence op adds to its compute (forward and backward), c ranks on the axis.
+
+    * ``"cp_state"``: forward all-gathers each rank's final state and total log-decay (b·h·(p·n + 1) values of its
+      batch and heads shard), backward reduce-scatters their gradients: (c−1) α + (c−1)/c · cS β each, exposed
+      (the next step needs them). Plus the work the split adds: each rank's final state from its own tokens and
+      its entering state's contribution to its outputs (2 x 2 b s h p n FLOPs on the local shard, 3x in backward:
+      recomputed).
+    * ``"cp_halo"``: one send/recv of the last ``d_conv - 1`` tokens of the local shard forward, of their gradient
+      backward.
+    """
+    from autopart.cost import collective_time, roofline_time, send_recv_time
+
+    axis = seq_axis(option)
+    mesh = cluster.mesh_shape
+    c = mesh[axis] if axis is not None else 1
+    if c == 1:
+        return 0.0
+    link = cluster.link(axis)
+    x = node.args[0].meta["val"]
+    spec = option.inputs[0]
+    split = [math.prod(n for i, n in enumerate(mesh) if spec[i] == Shard(d)) for d in range(x.dim())]
+    if option.tag == "cp_halo":
+        k = node.args[1].meta["val"].shape[1]
+        halo = x.shape[0] / split[0] * (k - 1) * x.shape[2] / split[2] * x.element_size()
+        return 2 * send_recv_time(halo, link)
+    bsz, s, h, p = (x.shape[d] / split[d] for d in range(4))
+    d = node.args[3].meta["val"].shape[-1]
+    state = bsz * h * (p * d + 1) * x.element_size()
+    t = collective_time("all_gather", c * state, c, link) + collective_time("reduce_scatter", c * state, c, link)
+    return t + roofline_time(4 * (4 * bsz * s * h * p * d), 0.0, cluster.device)
+
+
 def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
-    """Seconds a context-parallel SDPA option adds to its compute (forward and backward), on the axis' link.
+    """Seconds a context-parallel option adds to its compute (forward and backward), on the axis' link; sequence
+    ops: ``ssm_comm_time``; SDPA below.
 
     With c ranks on the axis, B the bytes of this rank's K block plus V block (the local shard), T the forward
     time of one ring step on this rank (its queries against one block: 1/c of its attention, halved on average
@@ -93,8 +156,10 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     * causal mask, contiguous rows: the last rank attends (2c−1)/c of the average, so the step waits
       (c−1)/c of the rank's attention time (forward and backward) longer.
     """
+    if option.tag in SSM_TAGS:
+        return ssm_comm_time(node, option, cluster)
     axis = cp_axis(option)
-    if axis is None or option.tag not in CP_TAGS:
+    if axis is None or option.tag not in ATTENTION_TAGS:
         return 0.0
     from autopart.cost import collective_time, node_flops, roofline_time, send_recv_time
 
@@ -172,7 +237,7 @@ def balance_blockers(graph: fx.Graph, s: int) -> list[str]:
                 x = ins[0]
             if isinstance(x, torch.Tensor) and any(isinstance(d, int) and x.shape[d] == s for d in dims):
                 bad.append(n.name)
-        elif n.target in _ORDERED:
+        elif n.target in _ORDERED or n.target in SEQUENCE_OPS:
             if any(_dims_of_size(v, s) for v in ins):
                 bad.append(n.name)
         elif n.target == SDPA:

@@ -1,10 +1,23 @@
-"""Ops of the loop-free selective scan (``autopart.models.mamba``): the causal masks it builds and the zero state it
-starts from.
+"""Rules for Mamba's two sequence ops, ``autopart::ssd_scan`` and ``autopart::causal_conv1d`` (custom ops defined
+with the model, ``autopart.models.mamba``, which the planner sees whole), and for the ATen ops a plain-torch scan
+builds (causal masks, zero states).
 
-The scan's other ops already have rules: ``einsum`` (the equation is the rule), ``cumsum`` along the sequence
-(any other dim may be split), pointwise ``exp``/``masked_fill``, layout ops. With the inner dimension split on a
-tensor-parallel axis every tensor of the scan keeps its heads dim split, B and C (shared by all heads) stay
-replicated, and the masks, built from constants, are replicated too: no collective inside the scan.
+Per mesh axis each op may be replicated or split on
+
+* the batch: every sequence input and the output ``Shard(0)``, the per-head / per-channel parameters whole;
+* the heads (scan) or channels (conv), tensor parallelism over the inner dimension: x, dt, A, D / the conv's x,
+  weight and bias split on heads or channels, B and C (shared by all heads) replicated; no collective;
+* the sequence, context parallelism: every sequence input and the output ``Shard(1)``. Running the op on the
+  local chunk alone would be wrong (a chunk's outputs depend on every earlier token), so
+  ``strategy.context.cp_variants`` tags the option (``"cp_state"`` for the scan, ``"cp_halo"`` for the conv),
+  ``strategy.context.cp_comm_time`` prices its exchange and ``passes.context`` lowers it to
+  ``autopart.runtime.ssm``: the scan passes each chunk's final recurrent state on, the conv receives the previous
+  rank's last ``d_conv - 1`` tokens.
+
+FLOPs are those of fused chunked kernels (Mamba-2's SSD): per chunk of Q tokens the C·Bᵀ and decay-matrix
+products, each chunk's final state, its entering state's contribution, and a state pass between chunks that is
+linear in their number (the plain-torch reference computes the chunk-to-chunk segment-sum, quadratic in chunks;
+kernels pass the state). Backward recomputes the forward and differentiates it: priced 3x the forward.
 """
 
 from __future__ import annotations
@@ -13,6 +26,8 @@ import torch
 
 from autopart.placement import Shard
 from autopart.strategy.registry import NodeInfo, Option1D, P, R, register, replicate_only
+
+BACKWARD_RATIO = 3.0  # recompute (1x) plus the forward's backward (~2x: its products are matmuls)
 
 aten = torch.ops.aten
 
@@ -40,3 +55,70 @@ def _like(info: NodeInfo, n: int) -> list[Option1D]:
     shape = info.shape(0)
     opts = [Option1D((R,), R), Option1D((P,), R)]
     return opts + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
+
+
+def ssd_scan_rule(info: NodeInfo, n: int) -> list[Option1D]:
+    """``ssd_scan(x [b, s, h, p], dt [b, s, h], a [h], b [b, s, n], c [b, s, n], chunk_size)``: batch, heads,
+    head channels (x alone) or sequence (see the module docstring)."""
+    if len(info.inputs) != 5:  # B and C one tensor: not the model's scan, keep it whole
+        return replicate_only(info, n)
+    x = info.shape(0)
+    opts = [Option1D((R,) * 5, R)]
+    if x[0] > 1:
+        opts.append(Option1D((Shard(0), Shard(0), R, Shard(0), Shard(0)), Shard(0)))
+    if x[2] > 1:
+        opts.append(Option1D((Shard(2), Shard(2), Shard(0), R, R), Shard(2)))
+    if x[3] > 1:
+        opts.append(Option1D((Shard(3), R, R, R, R), Shard(3)))
+    if x[1] > 1:
+        opts.append(Option1D((Shard(1), Shard(1), R, Shard(1), Shard(1)), Shard(1)))
+    return opts
+
+
+def causal_conv1d_rule(info: NodeInfo, n: int) -> list[Option1D]:
+    """``causal_conv1d(x [b, s, d], weight [d, k], bias [d])``: batch, channels, or sequence when every rank holds
+    at least the ``k - 1`` tokens its successor needs."""
+    if len(info.inputs) != 3:
+        return replicate_only(info, n)
+    x, k = info.shape(0), info.shape(1)[1]
+    opts = [Option1D((R,) * 3, R)]
+    if x[0] > 1:
+        opts.append(Option1D((Shard(0), R, R), Shard(0)))
+    if x[2] > 1:
+        opts.append(Option1D((Shard(2), Shard(0), Shard(0)), Shard(2)))
+    if x[1] > 1 and x[1] // n >= k - 1:
+        opts.append(Option1D((Shard(1), R, R), Shard(1)))
+    return opts
+
+
+def ssd_scan_flops(args: tuple, kwargs: dict, out) -> int:
+    """A fused chunked scan (module docstring): with chunks of Q tokens over a padded length S, per head of p
+    channels and n states: C·Bᵀ (2 S Q n, shared by the heads), the masked decay matrix (3 h S Q: cumsum, exp,
+    product), its product with x (2 h S Q p), the chunks' final states and the entering states' contribution
+    (2 x 2 h S p n) and the state pass between chunks (2 h (S/Q) p n)."""
+    x, b = args[0], args[3]
+    chunk = args[5] if len(args) > 5 else kwargs["chunk_size"]
+    bsz, seq, h, p = x.shape
+    d = b.shape[-1]
+    q = min(chunk, seq)
+    s = -(-seq // q) * q
+    return bsz * (2 * s * q * d + 3 * h * s * q + 2 * h * s * q * p + 4 * h * s * p * d + 2 * h * (s // q) * p * d)
+
+
+def causal_conv1d_flops(args: tuple, kwargs: dict, out) -> int:
+    """A multiply-add per tap per output element."""
+    return 2 * out.numel() * args[1].shape[1]
+
+
+def register_ssm_ops(scan, conv) -> None:
+    """Rules, FLOPs and backward cost of the model's custom ops, and their context-parallel tags (called where
+    ``autopart.models.mamba`` defines them)."""
+    from autopart.cost.compute import BACKWARD_RATIO as ratios
+    from autopart.extend import register_op
+    from autopart.strategy.context import register_sequence_op
+
+    register_op(scan, sharding=ssd_scan_rule, flops=ssd_scan_flops)
+    register_op(conv, sharding=causal_conv1d_rule, flops=causal_conv1d_flops)
+    for op, tag in ((scan, "cp_state"), (conv, "cp_halo")):
+        register_sequence_op(op, tag)
+        ratios[op] = BACKWARD_RATIO

@@ -1,6 +1,11 @@
 """Mamba and the Mamba/attention hybrid on real gloo processes: loss at every step and the gathered parameters after
-3 AdamW steps equal one process within 1e-5 (fp32), for Mamba on tp=2 and dp=2 x tp=2 and the hybrid on
-dp=2 x tp=2; the plans really are tensor parallel over the inner dimension."""
+3 AdamW steps equal one process within 1e-5 (fp32), for Mamba on tp=2, dp=2 x tp=2, cp=2 and cp=2 x tp=2 and the
+hybrid on dp=2 x tp=2 and cp=2; the plans really are tensor parallel over the inner dimension, and context
+parallel ones pass the scan's state and the convolution's halo on ``cp`` (``autopart.runtime.ssm``) with nothing
+else crossing ``cp`` inside a block, the hybrid's attention in the contiguous layout (the scan and convolution
+read the sequence in order). On models this small the solver would not split the sequence, so the layout is
+pinned (``pins_for``: ids ``S(1)``, every scan, convolution and attention split on the sequence), as in
+``test_context.py``; so is the scan's heads split on ``tp``."""
 
 from __future__ import annotations
 
@@ -17,8 +22,11 @@ pytestmark = pytest.mark.multiproc
 CONFIGS = {
     "tp2": ((2,), ("tp",), {"tp": "tp"}),
     "dp2xtp2": ((2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}),
+    "cp2": ((2,), ("cp",), {}),
+    "cp2xtp2": ((2, 2), ("cp", "tp"), {"tp": "tp"}),
 }
-RUNS = [("mamba", "tp2"), ("mamba", "dp2xtp2"), ("hybrid", "dp2xtp2")]
+RUNS = [("mamba", "tp2"), ("mamba", "dp2xtp2"), ("hybrid", "dp2xtp2"), ("mamba", "cp2"), ("mamba", "cp2xtp2"),
+        ("hybrid", "cp2")]
 
 
 def make(name: str) -> torch.nn.Module:
@@ -48,21 +56,49 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor], torch.Te
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
+def pins_for(model: torch.nn.Module, ids: torch.Tensor, names: tuple) -> dict[str, str]:
+    """Every scan split by heads on ``tp``; with a ``cp`` axis, ids, scans, convolutions and attentions split on
+    the sequence there (channels or heads on ``tp``). The heads split is pinned because on this tiny model the cost
+    model (rightly, at these latency-bound sizes) prefers gathering the scan's x and dt on tp (two all-gathers of
+    ~4K values) to all-reducing the gradients of B and C that a heads split makes partial; at real widths it splits
+    the heads by itself (``tests/unit/test_mamba.py``, ``tests/fakepg/test_mamba_plans.py``)."""
+    from autopart.models.mamba import CAUSAL_CONV1D, SSD_SCAN
+    from autopart.trace import trace
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    # per op: (its spec on dp, cp, tp), its context-parallel strategy
+    ops = {SSD_SCAN: (("S(0)", "S(1)", "S(2)"), "cp_state"), CAUSAL_CONV1D: (("S(0)", "S(1)", "S(2)"), "cp_halo"),
+           sdpa: (("S(0)", "S(2)", "S(1)"), "cp_ring")}
+    axis = {"dp": 0, "cp": 1, "tp": 2}
+    cp = "cp" in names
+    pins = {"ids": "".join("S(1)" if a == "cp" else "R" for a in names)} if cp else {}
+    for n in trace(model, (ids,), {"labels": ids}).graph.nodes:
+        if n.target in ops and (cp or n.target == SSD_SCAN):
+            specs, tag = ops[n.target]
+            pins[n.name] = "".join(specs[axis[a]] for a in names) + (f" [{tag}]" if cp else "")
+    return pins
+
+
 def distributed(name: str, shape: tuple, names: tuple, roles: dict):
     import autopart
+    from autopart.runtime.ssm import STATS
 
     ids0 = batches()[0]
     model = make(name)  # kept alive: the forward-only call below traces it again
     pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids0,), {"labels": ids0}, roles=roles,
-                              pipeline="off")
+                              pipeline="off", pins=pins_for(model, ids0, names))
+    before = dict(STATS)
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     for ids in batches():
         losses.append(pm.forward_backward(ids, labels=ids).item())
         opt.step()
         opt.zero_grad()
+    used = {k: STATS[k] - before[k] for k in STATS}
+    layout = next(iter(pm._programs.values())).gm.meta.get("autopart.context")  # None: contiguous rows
     logits = pm(batches()[0])  # forward only, no labels: a second signature, planned on first use
-    return losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, pm.plan.to_json(), logits.detach()
+    return (losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, pm.plan.to_json(), logits.detach(),
+            (used, layout))
 
 
 @pytest.mark.parametrize(("name", "config"), RUNS, ids=[f"{n}-{c}" for n, c in RUNS])
@@ -73,7 +109,7 @@ def test_mamba_parity(name: str, config: str) -> None:
     shape, names, roles = CONFIGS[config]
     results = run_ranks(math.prod(shape), distributed, name, shape, names, roles)
     ref_losses, ref_params, ref_logits = reference(name)
-    for rank, (losses, params, plan_json, logits) in enumerate(results):
+    for rank, (losses, params, plan_json, logits, _) in enumerate(results):
         assert plan_json == results[0][2], "ranks ran different plans"
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= 1e-5, f"{name} {config} rank {rank} step {step}: loss {a} vs one process {b}"
@@ -84,6 +120,10 @@ def test_mamba_parity(name: str, config: str) -> None:
         # O(1)-O(10) logits summed in another order: the 1e-5 spec is on loss and parameters, as in parity.check
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=5e-5)
     plan = Plan.from_json(results[0][2])
+    if "cp" in names:
+        _check_context_parallel(plan, name, [r[4] for r in results])
+    if "tp" not in names:
+        return
     tp = names.index("tp")
     mixers = sorted({k.rsplit(".mixer.", 1)[0] for k in plan.params if ".mixer." in k})
     assert mixers, plan.params
@@ -99,3 +139,32 @@ def test_mamba_parity(name: str, config: str) -> None:
             assert str(parse_spec(got)[tp]) == spec, f"blocks.1.{w}: {got} on tp, want {spec}"
     if "dp" in names:
         assert plan.reduced, "a data-parallel plan reduces gradients"
+
+
+def _check_context_parallel(plan, name: str, used: list[tuple[dict, dict | None]]) -> None:
+    """Every scan and convolution split on the sequence with its strategy; inside a block no activation (a value
+    with a dim of the sequence length) crosses ``cp`` but through their own exchanges (and the attention's ring);
+    per Mamba block and training step one state all-gather and two neighbour messages (the convolution's halo
+    forward, its gradient backward). (The solver may keep a per-head parameter such as ``A_log`` sharded on
+    ``cp`` and gather it: a handful of values, a tie with all-reducing its gradient.)"""
+    from autopart.trace import trace
+
+    ops = {"autopart.ssd_scan.default": "cp_state", "autopart.causal_conv1d.default": "cp_halo"}
+    seq_ops = [r for r in plan.nodes.values() if r["op"] in ops]
+    mamba_blocks = 2
+    assert len(seq_ops) == 2 * mamba_blocks, [r["op"] for r in plan.nodes.values()]
+    assert all(r["tag"] == ops[r["op"]] for r in seq_ops), seq_ops
+    ids = batches()[0]
+    vals = {n.name: n.meta.get("val") for n in trace(make(name), (ids,), {"labels": ids}).graph.nodes}
+    cp = plan.axis_names.index("cp")
+    for rec in plan.collectives:
+        val = vals.get(rec["value"])
+        if not str(rec.get("layer", "")).startswith("blocks.") or val is None:
+            continue
+        crosses = any(ax == cp for ax, _, _ in rec["steps"])
+        assert not (crosses and ids.shape[1] in val.shape), rec
+    steps = 3
+    for u, layout in used:
+        assert layout is None, layout
+        assert u["state_gathers"] == steps * mamba_blocks, u
+        assert u["halo_hops"] == 2 * steps * mamba_blocks, u

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import autopart
 from autopart.models.mamba import Hybrid, HybridConfig, Mamba, MambaConfig, selective_scan, selective_scan_reference
+from autopart.placement import Shard
 from autopart.trace import trace
 
 
@@ -159,3 +160,170 @@ def test_tensor_parallel_plan_is_megatron_over_the_inner_dimension() -> None:
         got = {k: plan.params[f"blocks.{i}.mixer.{k}"] for k in want}
         assert got == want, f"blocks.{i}"
         assert _forward_reductions(plan, f"blocks.{i}") == 2, plan.collective_counts(f"blocks.{i}")
+
+
+# --- context parallelism: the sequence split over c ranks (autopart.runtime.ssm), simulated in one process ---
+
+
+@pytest.mark.parametrize(("c", "seq", "chunk"), [(2, 16, 4), (4, 24, 4), (3, 12, 8)])
+def test_state_passing_over_ranks_equals_the_whole_scan(c: int, seq: int, chunk: int) -> None:
+    """Each rank scans its tokens from a zero state; the gathered final states and log-decays give each its
+    entering state: outputs and gradients equal one scan of the whole sequence (chunks that do not divide the
+    local length included)."""
+    from autopart.runtime.ssm import _local, _with_entering
+
+    inputs = [t.requires_grad_() for t in _scan_inputs(seq, seed=3)]
+    w = torch.randn(2, seq, 4, 8)
+    whole = selective_scan(*inputs, chunk_size=chunk)
+    ref_grads = torch.autograd.grad((whole * w).sum(), inputs)
+    x, dt, a, b, cc = inputs
+    parts = [tuple(t.chunk(c, dim=1)[r] for t in (x, dt, b, cc)) for r in range(c)]
+    locals_ = []
+    for xr, dtr, br, cr in parts:
+        locals_.append((*_local(xr, dtr, a, br, cr, chunk), cr))
+    states = torch.stack([s for _, s, _, _, _ in locals_])
+    totals = torch.stack([t for _, _, _, t, _ in locals_])
+    out = torch.cat([_with_entering(y, cum, cr, states, totals, r)
+                     for r, (y, _, cum, _, cr) in enumerate(locals_)], dim=1)
+    rel = ((out - whole).abs().max() / whole.abs().max()).item()
+    assert rel <= 1e-5, f"{c} ranks: outputs differ by {rel:.2e} (relative)"
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    for name, g_ref, g in zip(("x", "dt", "a", "b", "c"), ref_grads, grads):
+        rel = ((g - g_ref).abs().max() / g_ref.abs().max()).item()
+        assert rel <= 1e-5, f"{c} ranks, d/d{name}: relative error {rel:.2e}"
+
+
+def test_conv_with_the_previous_ranks_halo_equals_the_whole_conv() -> None:
+    from autopart.models.mamba import causal_conv1d
+
+    g = torch.Generator().manual_seed(4)
+    x, w, bias = torch.randn(2, 12, 6, generator=g), torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
+    whole = causal_conv1d(x, w, bias)
+    parts = x.chunk(3, dim=1)
+    out = [causal_conv1d(parts[0], w, bias)] + [causal_conv1d(parts[r], w, bias, parts[r - 1][:, -3:])
+                                                 for r in (1, 2)]
+    torch.testing.assert_close(torch.cat(out, dim=1), whole, rtol=0, atol=1e-6)
+    # and the ATen form it replaced: a grouped convolution over the left-padded sequence
+    ref = F.conv1d(F.pad(x.transpose(1, 2), (3, 0)), w.unsqueeze(1), bias, groups=6).transpose(1, 2)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_ops_backward_recomputes_the_plain_implementation() -> None:
+    """``autopart::ssd_scan`` and ``autopart::causal_conv1d`` (one graph node each) differentiate like the
+    plain-torch functions they wrap, and save only their inputs."""
+    from autopart.models.mamba import causal_conv1d, causal_conv1d_op, ssd_scan_op
+
+    inputs = [t.requires_grad_() for t in _scan_inputs(20, seed=5)]
+    w = torch.randn(2, 20, 4, 8)
+    for fn in (selective_scan, ssd_scan_op):
+        out = fn(*inputs, 8)
+        grads = torch.autograd.grad((out * w).sum(), inputs)
+        if fn is selective_scan:
+            ref_out, ref_grads = out, grads
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    x, cw, cb = (torch.randn(*s).requires_grad_() for s in ((2, 9, 6), (6, 4), (6,)))
+    got = torch.autograd.grad(causal_conv1d_op(x, cw, cb).pow(2).sum(), (x, cw, cb))
+    want = torch.autograd.grad(causal_conv1d(x, cw, cb).pow(2).sum(), (x, cw, cb))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+    node, _ = _scan_node()
+    from autopart.planner import _saves
+
+    assert _saves(node) == (True, False)  # the memory model counts the saved inputs, no intermediates
+
+
+def _scan_node(seq: int = 64, batch: int = 2):
+    from autopart.models.mamba import SSD_SCAN
+
+    model, ids = _meta_model(seq, batch=batch)
+    graph = trace(model, (ids,), {"labels": ids}).graph
+    return next(n for n in graph.nodes if n.target == SSD_SCAN), graph
+
+
+def test_scan_and_conv_rules() -> None:
+    """Batch, heads (B and C whole) and sequence splits; the sequence split is tagged with its context-parallel
+    strategy; a convolution whose local chunk is shorter than the halo may not split the sequence."""
+    from autopart.models.mamba import CAUSAL_CONV1D
+    from autopart.strategy import options_for
+    from autopart.strategy.context import cp_variants
+
+    node, graph = _scan_node()
+
+    opts = {str(o) for o in cp_variants(node, options_for(node, (2,))[0])}
+    assert {"S(0),S(0),R,S(0),S(0) -> S(0)", "S(2),S(2),S(0),R,R -> S(2)",
+            "S(1),S(1),R,S(1),S(1) -> S(1) [cp_state]"} <= opts, opts
+    assert not any("S(1)" in o and "cp_state" not in o for o in opts), opts
+    conv = next(n for n in graph.nodes if n.target == CAUSAL_CONV1D)  # 64 tokens, d_conv 4
+    assert "S(1),R,R -> S(1) [cp_halo]" in {str(o) for o in cp_variants(conv, options_for(conv, (16,))[0])}
+    assert not any(o.output == (Shard(1),) for o in options_for(conv, (32,))[0])  # 2 tokens a rank < 3
+
+
+def test_sequence_ops_block_the_balanced_layout() -> None:
+    from autopart.strategy.context import balance_blockers
+
+    node, graph = _scan_node()
+    blockers = balance_blockers(graph, 64)
+    assert node.name in blockers
+    assert any(n.startswith("causal_conv1d") for n in blockers), blockers
+
+
+def test_scan_flops_match_the_counted_products() -> None:
+    """The fused-kernel FLOP count against ``FlopCounterMode`` on the plain implementation (its matmuls; the
+    formula adds the decay matrix's pointwise work and a linear state pass between chunks)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from autopart.strategy.ssm import ssd_scan_flops
+
+    for seq, chunk in ((256, 256), (1024, 256)):
+        inputs = _scan_inputs(seq, bsz=1, heads=4, hd=64, d_state=16)
+        with FlopCounterMode(display=False) as fc:
+            selective_scan(*inputs, chunk_size=chunk)
+        ratio = ssd_scan_flops((*inputs, chunk), {}, None) / fc.get_total_flops()
+        assert 1.0 <= ratio <= 1.05, (seq, ratio)
+
+
+def test_state_exchange_is_priced_by_the_state_not_the_sequence() -> None:
+    """``cp_state``'s exchange moves b·h·(p·n + 1) values a rank, at any length; the convolution's halo d_conv − 1
+    tokens: both far below an all-gather of the scan's input."""
+    from autopart.cost import collective_time, preset
+    from autopart.models.mamba import CAUSAL_CONV1D
+    from autopart.strategy import options_for
+    from autopart.strategy.context import cp_comm_time, cp_variants
+
+    cluster = preset("h100-80gb", (8,))
+    comms = []
+    for seq in (4096, 65536):
+        node, graph = _scan_node(seq, batch=1)
+        opt = next(o for o in cp_variants(node, options_for(node, (8,))[0]) if o.tag == "cp_state")
+        x = node.args[0].meta["val"]
+        comm = cp_comm_time(node, opt, cluster)
+        state = x.shape[0] * x.shape[2] * (x.shape[3] * 16 + 1) * 4
+        want = 2 * collective_time("all_gather", 8 * state, 8, cluster.link(0))
+        assert comm >= want
+        comms.append(comm)
+        gather_x = collective_time("all_gather", x.numel() * 4, 8, cluster.link(0))
+        conv = next(n for n in graph.nodes if n.target == CAUSAL_CONV1D)
+        copt = next(o for o in cp_variants(conv, options_for(conv, (8,))[0]) if o.tag == "cp_halo")
+        assert 0 < cp_comm_time(conv, copt, cluster) < gather_x
+    assert comms[1] < 1.2 * comms[0], comms  # 16x the tokens: the exchange is the same, the added work small
+    assert comms[1] < gather_x / 4, (comms, gather_x)
+
+
+def test_context_parallel_bad_input_raises() -> None:
+    """A rank holding fewer tokens than the halo its successor needs, an unknown strategy, and a plan record that
+    splits a scan over the sequence without naming its strategy each get an error saying what to do."""
+    from autopart.passes.context import _lower_sequence_op
+    from autopart.runtime.ssm import context_conv1d
+    from autopart.strategy.context import register_sequence_op
+
+    with pytest.raises(ValueError, match="at least d_conv - 1 = 3 tokens"):
+        context_conv1d(torch.randn(1, 2, 4), torch.randn(4, 4), torch.randn(4), 0)
+    with pytest.raises(ValueError, match="unknown sequence-op strategy"):
+        register_sequence_op(torch.ops.aten.cumsum.default, "cp_ring")
+    node, _ = _scan_node()
+    node.meta["autopart.output"] = (Shard(1),)
+    plan = type("Plan", (), {"nodes": {node.name: {"tag": ""}}})()
+    with pytest.raises(ValueError, match="re-plan"):
+        _lower_sequence_op(node, plan)
