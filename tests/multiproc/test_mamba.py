@@ -25,8 +25,8 @@ CONFIGS = {
     "cp2": ((2,), ("cp",), {}),
     "cp2xtp2": ((2, 2), ("cp", "tp"), {"tp": "tp"}),
 }
-RUNS = [("mamba", "tp2"), ("mamba", "dp2xtp2"), ("hybrid", "dp2xtp2"), ("mamba", "cp2"), ("mamba", "cp2xtp2"),
-        ("hybrid", "cp2")]
+# tp2 and cp2 alone are covered by the 4-rank mixes (kept in CONFIGS for local runs); CI time is the budget
+RUNS = [("mamba", "dp2xtp2"), ("hybrid", "dp2xtp2"), ("mamba", "cp2xtp2"), ("hybrid", "cp2")]
 
 
 def make(name: str) -> torch.nn.Module:
