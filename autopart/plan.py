@@ -247,6 +247,12 @@ class Plan:
         lines.append("")
         lines.append("costs are node costs (compute, output gathers) summed over tied layers; edge conversions are "
                      "priced separately and shared with the neighbours")
+        sol = self.solver
+        if "gap" in sol:  # how sure the choice is: the solve that made it, and every solve behind the plan
+            lines.append(f"decided by {sol.get('backend')} ({sol.get('status')}): objective "
+                         f"{_fmt_time(sol.get('objective', 0))}, best bound {_fmt_time(sol.get('bound', 0))}, "
+                         f"optimality gap {sol['gap']:.2%}")
+        lines += _ilp_lines(sol)
         return "\n".join(lines)
 
     def diff(self, other: Plan) -> str:

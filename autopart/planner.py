@@ -903,25 +903,30 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             src_fixed = [tuple(spec_ids.setdefault((sp[i],), len(spec_ids)) if isinstance(sp[i], Shard) else -1
                                for i in fixed_axes) for sp in srcs]
             regathers = [ao.tag == "zero3" for ao in uopts]
+            src_keys = list(zip(src_ids, regathers))
+            fixed_kinds = set(src_fixed) if fixed_axes else set()
             for bi, bo in enumerate(vopts):
                 dst = bo.inputs[j]
                 dst_id = spec_ids.setdefault(dst, len(spec_ids))
                 dst_fixed = tuple(spec_ids.setdefault((dst[i],), len(spec_ids)) for i in fixed_axes)
                 split = tuple(is_split(bo, i) for i in range(len(mesh)))
-                banned = any(not isinstance(dst[i], Replicate) for i in data_axes)
-                for ai in range(len(uopts)):
-                    if banned:  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
-                        mat[ai, bi] = math.inf
+                if any(not isinstance(dst[i], Replicate) for i in data_axes):
+                    mat[:, bi] = math.inf  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
+                    continue
+                # tp axis: weights stay sharded in use; dp: the batch stays split
+                clash = {sf for sf in fixed_kinds if any(s != -1 and s != d for s, d in zip(sf, dst_fixed))}
+                known = cache.setdefault((vkey, dst_id, split), {})  # by (source spec id, regathered)
+                col = []
+                for ai, sk in enumerate(src_keys):
+                    if clash and src_fixed[ai] in clash:
+                        col.append(math.inf)
                         continue
-                    if any(s != -1 and s != d for s, d in zip(src_fixed[ai], dst_fixed)):
-                        mat[ai, bi] = math.inf  # tp axis: weights stay sharded in use; dp: the batch stays split
-                        continue
-                    ck = (vkey, src_ids[ai], dst_id, split, regathers[ai])
-                    t = cache.get(ck)
+                    t = known.get(sk)
                     if t is None:
-                        t = cache[ck] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
+                        t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                         regather=regathers[ai])
-                    mat[ai, bi] = t
+                    col.append(t)
+                mat[:, bi] = col
             scale = scales[gv]
             edges[key] = edges.get(key, 0) + mat * scale
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,

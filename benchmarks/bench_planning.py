@@ -10,6 +10,7 @@ rewriting (not part of planning: "-"); total = strategies+costs + solve (+ Plan 
 cpu = the process's CPU time over the same span (``time.process_time``: what a shared machine inflates least);
 recipes / search = the two parts of ``make_plan`` (scoring the standard recipes; the free search with pipeline
 stages); ILP solves / max gap = every solve made while planning and the largest optimality gap among them.
+``--breakdown`` prints the CPU time of every sharding problem solved on the way.
 Global batch: one sequence per device of the first mesh axis (at least 8), full context length of the model.
 """
 
@@ -100,6 +101,27 @@ def _row(r: dict) -> str:
             f"{r['status']} | {_f(r['gap'], '{:.2%}')} | {_f(r['step_s'], '{:.3f}')} | {_f(r['mem_gib'], '{:.1f}')} |")
 
 
+def _print_each_solve() -> None:
+    """Wrap ``planner._sharding_plan`` (every sharding problem a plan solves: recipes, stage meshes, re-solves)."""
+    from autopart import planner
+
+    inner = planner._sharding_plan
+
+    def timed(traced, cluster, axis_names, opts):
+        c0, err = time.process_time(), ""
+        try:
+            return inner(traced, cluster, axis_names, opts)
+        except Exception as exc:
+            err = type(exc).__name__
+            raise
+        finally:
+            print(f"  solve mesh {cluster.mesh_shape} roles {opts.roles or '-'} zero {opts.zero} "
+                  f"{'2-block' if opts.virtual_layers else 'whole graph'} memory_limit {opts.memory_limit} "
+                  f"cpu {time.process_time() - c0:.2f} s {err}", flush=True)
+
+    planner._sharding_plan = timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
@@ -107,6 +129,8 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per plan (s)")
     ap.add_argument("--cluster", default="a100-80gb", help="cluster preset (autopart.preset)")
     ap.add_argument("--repeat", type=int, default=1, help="plan each configuration this many times (one export)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print the CPU time of every sharding problem solved (planner._sharding_plan) as it ends")
     ap.add_argument("--sharding-only", action="store_true",
                     help="decide shardings (ZeRO placements included) but no checkpointing or offload variants")
     a = ap.parse_args()
@@ -121,6 +145,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cluster {a.cluster}; seq {SEQ}")
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
+    if a.breakdown:
+        _print_each_solve()
     extra = {"checkpoint": "none", "offload": "none"} if a.sharding_only else {}
     print("decisions:", "shardings only" if a.sharding_only else "all (shardings, ZeRO, checkpointing, offload)")
     bench(models, meshes, a.time_limit, extra, a.cluster, a.repeat)

@@ -295,6 +295,7 @@ def test_search_warm_started_from_best_recipe_and_gap_reported(plan_3layer_spied
             assert sol.objective <= sol.hint_objective * (1 + 1e-9)
     text = str(p)
     assert "largest optimality gap (best bound vs objective)" in text and "warm starts (the search from recipe" in text
+    assert f"optimality gap {s['gap']:.2%}" in p.explain(next(iter(p.params)))
 
 
 def test_shared_work_gives_the_same_plan(plan_3layer_spied, traced_3layer, monkeypatch):
