@@ -217,7 +217,8 @@ def test_forced_checkpoint_and_zero_recorded():
         autopart.plan(_gpt(), (2,), (IDS,), {"labels": IDS}, checkpoint="sometimes")
 
 
-def test_solver_reports_hint_and_gap():
+@pytest.mark.parametrize("backend", ["highs", "cp-sat"])
+def test_solver_reports_hint_and_gap(backend):
     """A warm start reaches the MIP backend, the solution says so with the hint's objective, and never ends worse
     than where it started; bound and gap come with every solution."""
     import numpy as np
@@ -227,20 +228,20 @@ def test_solver_reports_hint_and_gap():
     rng = np.random.default_rng(0)
     n, k = 6, 3
     cost = [rng.uniform(1, 2, k) for _ in range(n)]
-    mem = [rng.uniform(1, 3, k) for _ in range(n)]
+    mem = [rng.uniform(1e6, 3e6, k) for _ in range(n)]  # bytes
     edges = [(i, (i + 1) % n, rng.uniform(0, 1, (k, k))) for i in range(n)]  # a cycle: not the tree DP
     prob = Problem(names=[f"g{i}" for i in range(n)], node_cost=cost, node_memory=mem, edges=edges,
-                   memory_limit=12.0)
+                   memory_limit=12e6)
     hint = [int(np.argmin(m)) for m in mem]  # the least memory: fits
-    cold = solve(prob, SolverOptions(relative_gap=0.0))
+    cold = solve(prob, SolverOptions(relative_gap=0.0, backend=backend))
     assert cold.hint == "none" and cold.hint_objective is None
-    warm = solve(Problem(**{**prob.__dict__, "hint": hint}), SolverOptions(relative_gap=0.0))
+    warm = solve(Problem(**{**prob.__dict__, "hint": hint}), SolverOptions(relative_gap=0.0, backend=backend))
     assert warm.hint == "used"
     assert warm.hint_objective == pytest.approx(prob.evaluate(hint)[0])
     assert warm.objective <= warm.hint_objective + 1e-9
     assert warm.objective == pytest.approx(cold.objective) and warm.bound <= warm.objective + 1e-9
     assert warm.gap == pytest.approx((warm.objective - warm.bound) / warm.objective)
-    over = solve(Problem(**{**prob.__dict__, "hint": [int(np.argmax(m)) for m in mem]}), SolverOptions())
+    over = solve(Problem(**{**prob.__dict__, "hint": [int(np.argmax(m)) for m in mem]}), SolverOptions(backend=backend))
     assert over.hint == "infeasible" and over.objective == pytest.approx(cold.objective, rel=1e-4)
 
 
