@@ -197,7 +197,25 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
     return units, unit_of
 
 
+_REDUCED: dict = {}
+
+
 def reduce_blocks(traced: Traced, keep: int = 2) -> tuple[Traced, int] | None:
+    """``_reduce_blocks`` memoised for the last few graphs: one reduction serves the search, its candidates and the
+    recipes, so the solves on it share one graph (and ``planner._Session`` finds them by it)."""
+    import weakref
+
+    key = (id(traced.gm), keep)
+    hit = _REDUCED.get(key)
+    if hit is None or hit[0]() is not traced.gm:  # the same object, not a new one at a reused address
+        hit = (weakref.ref(traced.gm), _reduce_blocks(traced, keep))
+        if len(_REDUCED) >= 4:
+            _REDUCED.pop(next(iter(_REDUCED)))
+        _REDUCED[key] = hit
+    return hit[1]
+
+
+def _reduce_blocks(traced: Traced, keep: int = 2) -> tuple[Traced, int] | None:
     """The graph with only its first ``keep`` of L identical consecutive blocks (users of a dropped block's nodes
     read the same node of the last kept block), and L; None when the graph is not that shape. Solved with
     ``PlanOptions.virtual_layers = L``, its tied groups are priced as L blocks: the sharding problem of the whole
@@ -399,8 +417,8 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
 
     reduced = reduce_blocks(traced)
 
-    def stage_candidate(stage_cluster, stage_mesh, axis, p, recipe):
-        pipe = run(stage_cluster, stage_mesh, axis, p, recipe, reduced)
+    def stage_candidate(stage_cluster, stage_mesh, axis, p, recipe, warm=None):
+        pipe = run(stage_cluster, stage_mesh, axis, p, recipe, reduced, warm=warm)
         if pipe is not None and (state["best"] is None or pipe.step_s < state["best"].step_s):
             state["best"] = pipe
         return pipe
@@ -426,20 +444,22 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
             stage_mesh = tuple(n // p if i == axis else n for i, n in enumerate(mesh))
             stage_cluster = dataclasses.replace(cluster, mesh_shape=stage_mesh)
             pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, recipes[0])
-            ranking.append((pipe.step_s if pipe is not None else math.inf, axis, p, stage_cluster, stage_mesh))
+            ranking.append((pipe.step_s if pipe is not None else math.inf, axis, p, stage_cluster, stage_mesh,
+                            pipe.plan if pipe is not None else None))
             if pipe is not None and (best is None or pipe.step_s < best.step_s):
                 best = pipe
     if len(recipes) > 1:
         # the free stage sharding (a bigger ILP, ~2 s for a 70B model) only for the degrees the recipe ranks best
-        for _, axis, p, stage_cluster, stage_mesh in sorted(ranking, key=lambda r: r[0])[:FREE_DEGREES]:
-            pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, False)
+        # warm-started from the recipe's stage sharding (feasible there: the recipe only restricts options)
+        for _, axis, p, stage_cluster, stage_mesh, warm in sorted(ranking, key=lambda r: r[0])[:FREE_DEGREES]:
+            pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, False, warm)
             if pipe is not None and (best is None or pipe.step_s < best.step_s):
                 best = pipe
     if best is not None and reduced is not None:
         # ranked on the 2-block graph (the same ILP, tied blocks priced L times: identical per-block costs);
         # the winner is solved again on the whole graph, whose nodes the plan records
         stage_cluster, stage_mesh, axis, p, recipe, sub_limit = best.key
-        final = run(stage_cluster, stage_mesh, axis, p, recipe, None, (sub_limit,))
+        final = run(stage_cluster, stage_mesh, axis, p, recipe, None, (sub_limit,), warm=best.plan)
         if final is None:
             raise AssertionError(f"pipeline candidate p={p} fits on the 2-block graph but not on the whole graph")
         final.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), winner re-solved on the whole graph"
@@ -451,7 +471,7 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
     """One stage mesh: solve its shardings (fastest; if nothing then fits, memory-bounded) and the best pipeline.
     ``reduced``: (2-block graph, block count) to solve on instead of the whole graph (``reduce_blocks``)."""
 
-    def run(stage_cluster, stage_mesh, axis, p, recipe, reduced=None, limits=None):
+    def run(stage_cluster, stage_mesh, axis, p, recipe, reduced=None, limits=None, warm=None):
         from autopart.planner import Pruned
 
         pipe = None
@@ -460,7 +480,7 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
             # and micro-batch): a stage problem whose cheapest nodes already exceed p x the best step is skipped
             cutoff = state["best"].step_s * p if state["best"] is not None and limits is None else None
             try:
-                sub = solve_stage(stage_cluster, sub_limit, recipe, reduced, cutoff)
+                sub = solve_stage(stage_cluster, sub_limit, recipe, reduced, cutoff, warm)
             except Pruned as e:
                 errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: pruned (bound "
                               f"{e.args[0] / p:.4g} s >= best {state['best'].step_s:.4g} s)")

@@ -29,6 +29,25 @@ def _fmt_time(s: float) -> str:
     return f"{s * 1e6:.1f} us"
 
 
+def _ilp_lines(sol: dict) -> list[str]:
+    """Every ILP solve behind the plan (``planner.solve_summary``): statuses, the largest optimality gap, warm
+    starts (the hinted assignment's objective and where the solver ended)."""
+    ilp = sol.get("ilp")
+    if not ilp:
+        return []
+    lines = [f"ILP solves while planning: {ilp['solves']} ({ilp['optimal']} optimal, {ilp['reused']} more answered "
+             f"from problems already solved), {ilp['solve_s']:.2f} s; largest optimality gap (best bound vs "
+             f"objective) {ilp['max_gap']:.2%}"]
+    warm = ilp.get("warm_started", [])
+    if warm:
+        src = f" (the search from recipe {sol['warm_start_from']})" if sol.get("warm_start_from") else ""
+        used = [w for w in warm if w["hint"] == "used"]
+        lines.append(f"warm starts{src}: {len(used)} of {len(warm)} hinted solves took the hint; hint -> objective: "
+                     + ", ".join(f"{_fmt_time(w['hint_objective'])} -> {_fmt_time(w['objective'])}"
+                                 for w in used[:6]))
+    return lines
+
+
 @dataclass
 class Plan:
     fingerprint: str
@@ -125,6 +144,7 @@ class Plan:
             f"bound {_fmt_time(sol.get('bound', 0))}, gap {sol.get('gap', 0):.2%}, {sol.get('wall_time_s', 0):.2f} s, "
             f"{sol.get('groups')} decision groups ({sol.get('graph_nodes')} nodes, {sol.get('tied_layers')} tied "
             f"layers), {sol.get('num_variables')} variables",
+            *_ilp_lines(sol),
             "",
         ]
         by_layer: dict[str, list[str]] = defaultdict(list)
@@ -227,6 +247,12 @@ class Plan:
         lines.append("")
         lines.append("costs are node costs (compute, output gathers) summed over tied layers; edge conversions are "
                      "priced separately and shared with the neighbours")
+        sol = self.solver
+        if "gap" in sol:  # how sure the choice is: the solve that made it, and every solve behind the plan
+            lines.append(f"decided by {sol.get('backend')} ({sol.get('status')}): objective "
+                         f"{_fmt_time(sol.get('objective', 0))}, best bound {_fmt_time(sol.get('bound', 0))}, "
+                         f"optimality gap {sol['gap']:.2%}")
+        lines += _ilp_lines(sol)
         return "\n".join(lines)
 
     def diff(self, other: Plan) -> str:

@@ -84,6 +84,9 @@ class PlanOptions:
     # attention, in its layout (heads split by tensor parallelism split it too), read once per decoding step
     kv_cache_tokens: int = 0
     memory_margin: float = 0.0  # memory_limit is the user's budget less this share (api.MEMORY_MODEL_MARGIN)
+    # internal: a Plan of the same graph (or its 2-block reduction) and mesh whose choices seed the ILP
+    # (a recipe's plan for the search, the 2-block solution for the whole-graph re-solve)
+    warm_start: Any = None
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -307,12 +310,13 @@ def _analyzed(traced: Traced, mesh: tuple[int, ...]) -> Graphinfo:
     import weakref
 
     key = (id(traced.gm), mesh)
-    hit = _ANALYZED.get(key)
+    store = _SESSION.analyzed if _SESSION is not None else _ANALYZED  # a make_plan call keeps all of its own
+    hit = store.get(key)
     if hit is None or hit[0]() is not traced.gm:  # the same object, not a new one at a reused address
         hit = (weakref.ref(traced.gm), analyze(traced, mesh))
-        if len(_ANALYZED) >= 4:
-            _ANALYZED.pop(next(iter(_ANALYZED)))
-        _ANALYZED[key] = hit
+        if len(store) >= 4 and store is _ANALYZED:
+            store.pop(next(iter(store)))
+        store[key] = hit
     info = hit[1]
     return dataclasses.replace(info, options=dict(info.options))
 
@@ -788,8 +792,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         if info.kind[n.name] == "op" and info.layer[n.name]:
             seen_layer[info.layer[n.name]] = n.name
     last_of_layer = set(seen_layer.values())
-    cache: dict = {}
-    spec_ids: dict = {}
+    # conversion times by (value, source, target, ...): shared by every problem of a make_plan call on this cluster
+    cache, spec_ids = _SESSION.pricing(cluster) if _SESSION is not None else ({}, {})
     out_nodes = set()
     for o in traced.graph.find_nodes(op="output"):
         for a in torch.utils._pytree.tree_leaves(o.args):
@@ -899,25 +903,30 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             src_fixed = [tuple(spec_ids.setdefault((sp[i],), len(spec_ids)) if isinstance(sp[i], Shard) else -1
                                for i in fixed_axes) for sp in srcs]
             regathers = [ao.tag == "zero3" for ao in uopts]
+            src_keys = list(zip(src_ids, regathers))
+            fixed_kinds = set(src_fixed) if fixed_axes else set()
             for bi, bo in enumerate(vopts):
                 dst = bo.inputs[j]
                 dst_id = spec_ids.setdefault(dst, len(spec_ids))
                 dst_fixed = tuple(spec_ids.setdefault((dst[i],), len(spec_ids)) for i in fixed_axes)
                 split = tuple(is_split(bo, i) for i in range(len(mesh)))
-                banned = any(not isinstance(dst[i], Replicate) for i in data_axes)
-                for ai in range(len(uopts)):
-                    if banned:  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
-                        mat[ai, bi] = math.inf
+                if any(not isinstance(dst[i], Replicate) for i in data_axes):
+                    mat[:, bi] = math.inf  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
+                    continue
+                # tp axis: weights stay sharded in use; dp: the batch stays split
+                clash = {sf for sf in fixed_kinds if any(s != -1 and s != d for s, d in zip(sf, dst_fixed))}
+                known = cache.setdefault((vkey, dst_id, split), {})  # by (source spec id, regathered)
+                col = []
+                for ai, sk in enumerate(src_keys):
+                    if clash and src_fixed[ai] in clash:
+                        col.append(math.inf)
                         continue
-                    if any(s != -1 and s != d for s, d in zip(src_fixed[ai], dst_fixed)):
-                        mat[ai, bi] = math.inf  # tp axis: weights stay sharded in use; dp: the batch stays split
-                        continue
-                    ck = (vkey, src_ids[ai], dst_id, split, regathers[ai])
-                    t = cache.get(ck)
+                    t = known.get(sk)
                     if t is None:
-                        t = cache[ck] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
+                        t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                         regather=regathers[ai])
-                    mat[ai, bi] = t
+                    col.append(t)
+                mat[:, bi] = col
             scale = scales[gv]
             edges[key] = edges.get(key, 0) + mat * scale
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
@@ -945,34 +954,160 @@ def _outs(o: OpOption) -> tuple:
     return o.output if o.output and isinstance(o.output[0], tuple) else (o.output,)
 
 
+def warm_start_choice(plan, prob: Problem) -> list[int] | None:
+    """The option index per group of ``prob`` that ``plan`` chose for the group's first node (matched by the option
+    as it prints), or None when some group has no counterpart there (the solver then starts cold). ``plan`` is a
+    sharding plan of the same graph or of its 2-block reduction (whose tied groups start with the same nodes)."""
+    if plan is None:
+        return None
+    out = []
+    for members in prob.groups:
+        rec = plan.nodes.get(members[0])
+        alt = plan.alternatives.get(str(rec["group"])) if rec is not None else None
+        if alt is None:
+            return None
+        want = alt["options"][alt["chosen"]]
+        idx = next((i for i, o in enumerate(prob.info.options[members[0]]) if str(o) == want), None)
+        if idx is None:
+            return None
+        out.append(idx)
+    return out
+
+
+class _Session:
+    """Work shared by the solves of one ``make_plan`` call: the search, its pipeline candidates and the recipes
+    solve many of the same sharding problems (a stage mesh with the Megatron roles for the search and again for the
+    ``megatron-1f1b`` recipe; the same 2-block graph), so each problem is solved once (``sharding_plan``)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[tuple, Any] = {}
+        self.hits = 0
+        self.analyzed: dict = {}  # planner._analyzed's store
+        self.transitions: dict = {}  # cluster -> (conversion times, spec ids) for build_problem
+        self.keep: list = []  # the graphs the keys name by id, alive while the session is
+
+    @staticmethod
+    def _key(traced: Traced, cluster: Cluster, axis_names, opts: PlanOptions) -> tuple:
+        # the cutoff only prunes, the warm start only seeds and ``recipes`` is read by make_plan alone: none of
+        # them changes the plan a problem solves to
+        o = dataclasses.replace(opts, objective_cutoff=None, warm_start=None, recipes=True, explain_infeasible=True)
+        return id(traced), cluster, tuple(axis_names), repr(o)
+
+    def pricing(self, cluster: Cluster) -> tuple[dict, dict]:
+        return self.transitions.setdefault(cluster, ({}, {}))
+
+    def sharding_plan(self, traced: Traced, cluster: Cluster, axis_names, opts: PlanOptions):
+        key = self._key(traced, cluster, axis_names, opts)
+        hit = self.plans.get(key)
+        if hit is None and opts.zero == 0 and opts.checkpoint is not None and opts.offload is not None:
+            # ZeRO-0 restricts the options of the same problem with ZeRO left to the solver: when that problem's
+            # optimum uses no ZeRO it is the restricted problem's optimum too (checkpoint and offload forced: one
+            # variant is solved, so the variant logic cannot tell the two apart)
+            wider = self.plans.get(self._key(traced, cluster, axis_names, dataclasses.replace(opts, zero=None)))
+            if wider is not None and not isinstance(wider[0], Exception) and _zero_free(wider[0], axis_names, opts):
+                hit = wider
+        if hit is not None and (not isinstance(hit[0], Exception) or hit[1] == opts.explain_infeasible):
+            self.hits += 1
+            if isinstance(hit[0], Exception):
+                raise hit[0]
+            return dataclasses.replace(hit[0], solver=dict(hit[0].solver))
+        try:
+            plan = _sharding_plan(traced, cluster, axis_names, opts)
+        except Pruned:
+            raise
+        except ValueError as e:
+            self.plans[key] = (e, opts.explain_infeasible)
+            self.keep.append(traced)
+            raise
+        self.plans[key] = (plan, opts.explain_infeasible)
+        self.keep.append(traced)
+        return dataclasses.replace(plan, solver=dict(plan.solver))
+
+
+def _zero_free(plan, axis_names, opts: PlanOptions) -> bool:
+    """No parameter of ``plan`` is sharded on a data-parallel axis or has ZeRO-1 states (ZeRO level 0 there)."""
+    dp = [axis_names.index(a) for a, r in opts.roles.items() if r == "dp"]
+    return not plan.zero and all(isinstance(parse_spec(s)[i], Replicate) for s in plan.params.values() for i in dp)
+
+
+_SESSION: _Session | None = None
+SHARE_WORK = True  # False: every problem solved anew, nothing shared between solves (the tests compare the two)
+
+
+def _shared_sharding_plan(traced: Traced, cluster: Cluster, axis_names, opts: PlanOptions):
+    """``_sharding_plan`` through the current ``make_plan`` session (solved once per problem), or directly."""
+    if _SESSION is None:
+        return _sharding_plan(traced, cluster, axis_names, opts)
+    return _SESSION.sharding_plan(traced, cluster, axis_names, opts)
+
+
 def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     """The fastest plan that fits: per-node shardings (the ILP), and, where a mesh axis allows it and it pays,
     pipeline stages, micro-batches and schedule around them (``autopart.pipelining``). When nothing is forced
     (no roles, ZeRO level, checkpointing, offload or pipeline given), the standard recipes (``autopart.recipes``:
     DDP, ZeRO-1, FSDP, Megatron TP x DP / FSDP / 1F1B) are scored under the same cost model, the plan is never
     slower than the best of them, and ``plan.solver["recipes"]`` reports the gain over each. Raises
-    ``ValueError`` if nothing fits."""
+    ``ValueError`` if nothing fits.
+
+    Order, for shared work: the recipes without stages first (on the 2-block reduction: quick), the best of them
+    warm-starts the search's plan without stages; then the search; then ``megatron-1f1b``, whose stage problems
+    the search mostly solved already (``_Session``). ``plan.solver["ilp"]`` sums up every ILP solve made."""
+    from autopart.solver.ilp import record_solves
+
+    global _SESSION
+    outer, _SESSION = _SESSION, _Session() if SHARE_WORK else None
+    t0 = time.perf_counter()
+    try:
+        with record_solves() as solves:
+            plan = _make_plan_with_recipes(traced, cluster, axis_names, opts)
+    finally:
+        session, _SESSION = _SESSION, outer
+    plan.solver["ilp"] = solve_summary(solves, session.hits if session is not None else 0)
+    plan.solver["planning_s"] = time.perf_counter() - t0
+    return plan
+
+
+def solve_summary(solves: list, reused: int = 0) -> dict:
+    """Statuses and optimality gaps (best bound vs objective) over ILP solves, and how warm starts went."""
+    hinted = [s for s in solves if s.hint != "none"]
+    return {
+        "solves": len(solves), "reused": reused,
+        "optimal": sum(s.status == "optimal" for s in solves),
+        "max_gap": max((s.gap for s in solves), default=0.0),
+        "solve_s": sum(s.wall_time_s for s in solves),
+        "warm_started": [{"hint": s.hint, "hint_objective": s.hint_objective, "objective": s.objective,
+                          "bound": s.bound, "gap": s.gap, "status": s.status} for s in hinted],
+    }
+
+
+def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     forced = (opts.roles or opts.zero is not None or opts.checkpoint is not None or opts.offload is not None
               or opts.pipeline is not None or opts.virtual_layers or opts.objective_cutoff is not None)
     if not opts.recipes or forced or math.prod(cluster.mesh_shape) == 1:
         return _make_plan(traced, cluster, axis_names, opts)
     from autopart import recipes
-
-    t0 = time.perf_counter()
-    plan, err = None, None
-    try:
-        plan = _make_plan(traced, cluster, axis_names, opts)
-    except ValueError as e:
-        err = e
-    t1 = time.perf_counter()
     from autopart.pipelining import reduce_blocks
 
-    rows = recipes.score(traced, cluster, axis_names, opts, _make_plan, reduce_blocks(traced))
+    reduced = reduce_blocks(traced)
+    t0 = time.perf_counter()
+    rows = recipes.score(traced, cluster, axis_names, opts, _make_plan, reduced, pipelined=False)
+    warm = min((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"], default=None)
+    t1 = time.perf_counter()
+    plan, err = None, None
+    try:
+        plan = _make_plan(traced, cluster, axis_names, dataclasses.replace(
+            opts, warm_start=(warm.get("warm_plan") or warm.get("plan")) if warm is not None else None))
+    except ValueError as e:
+        err = e
+    t2 = time.perf_counter()
+    rows += recipes.score(traced, cluster, axis_names, opts, _make_plan, reduced, pipelined=True)
+    rows.sort(key=lambda r: recipes.RECIPES.index(r["recipe"]))
     step = plan.predicted["step_time_s"] if plan is not None else math.inf
     for r in rows:  # a recipe scored on the 2-block graph that might win: solve it on the whole graph
         if r.get("fits") and "options" in r and r["step_time_s"] < step * 1.05:
             try:
-                r["plan"] = _make_plan(traced, cluster, axis_names, r["options"])
+                r["plan"] = _make_plan(traced, cluster, axis_names,
+                                       dataclasses.replace(r["options"], warm_start=r["warm_plan"]))
             except ValueError:
                 continue
             r["step_time_s"] = r["plan"].predicted["step_time_s"]
@@ -985,8 +1120,9 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     if plan is None:
         raise err
     plan.solver["recipes"] = recipes.report(rows, plan.predicted["step_time_s"], chosen)
-    plan.solver["recipes_s"] = time.perf_counter() - t1
-    plan.solver["search_s"] = t1 - t0
+    plan.solver["recipes_s"] = (t1 - t0) + (time.perf_counter() - t2)
+    plan.solver["search_s"] = t2 - t1
+    plan.solver["warm_start_from"] = warm["recipe"] if warm is not None else None
     return plan
 
 
@@ -1008,7 +1144,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
     if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
-        return _sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
+        return _shared_sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -1016,7 +1152,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         raise NotImplementedError("a per-layer checkpoint dict together with pipeline stages: pass a mode string "
                                   "('none' / 'full') or leave checkpoint=None for the pipeline search to choose")
 
-    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False, reduced=None, cutoff=None):
+    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False, reduced=None, cutoff=None, warm=None):
         # the stage DP decides per-layer full recompute; a forced mode applies to every layer of the stage plan.
         # Offload is not searched with stages (the forced one still applies): the stage DP is what frees memory
         roles_k = dict(stage_roles)
@@ -1025,11 +1161,11 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                 roles_k.setdefault(a, "tp" if i == len(axis_names) - 1 else "dp")
         o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
                                 offload=opts.offload if opts.offload is not None else "none",
-                                objective_cutoff=cutoff)
+                                objective_cutoff=cutoff, warm_start=warm)
         if reduced is not None:
-            return _sharding_plan(reduced[0], stage_cluster, axis_names,
-                                  dataclasses.replace(o, virtual_layers=reduced[1]))
-        return _sharding_plan(traced, stage_cluster, axis_names, o)
+            return _shared_sharding_plan(reduced[0], stage_cluster, axis_names,
+                                         dataclasses.replace(o, virtual_layers=reduced[1]))
+        return _shared_sharding_plan(traced, stage_cluster, axis_names, o)
 
     t0 = time.perf_counter()
     cand, tried, errors = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
@@ -1044,14 +1180,13 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         # its objective is the bound), and skipped when even its cheapest-options floor loses to the pipeline
         reduced = pipelining.reduce_blocks(traced)
         cutoff = cand.step_s if cand is not None else None
-        try:
+        try:  # warm-started from opts.warm_start (make_plan: the best recipe without stages, on the reduction)
             if reduced is not None:
-                free = _sharding_plan(reduced[0], cluster, axis_names,
-                                      dataclasses.replace(no_pp, memory_limit=math.inf, virtual_layers=reduced[1],
-                                                          objective_cutoff=cutoff))
+                free = _shared_sharding_plan(reduced[0], cluster, axis_names, dataclasses.replace(
+                    no_pp, memory_limit=math.inf, virtual_layers=reduced[1], objective_cutoff=cutoff))
             else:
-                free = _sharding_plan(traced, cluster, axis_names,
-                                      dataclasses.replace(no_pp, memory_limit=math.inf, objective_cutoff=cutoff))
+                free = _shared_sharding_plan(traced, cluster, axis_names, dataclasses.replace(
+                    no_pp, memory_limit=math.inf, objective_cutoff=cutoff))
         except Pruned as e:
             base_bound = e.args[0]
         except ValueError as e:
@@ -1059,14 +1194,14 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         else:
             limit0 = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
             if free.solver.get("free_memory_row_bytes", math.inf) <= limit0:
-                base = free if reduced is None else _sharding_plan(
-                    traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf))
+                base = free if reduced is None else _shared_sharding_plan(
+                    traced, cluster, axis_names, dataclasses.replace(no_pp, memory_limit=math.inf, warm_start=free))
             else:
                 base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
                     else free.solver["objective"]
     if base is None and base_bound is not None and (cand is None or cand.step_s >= base_bound):
         try:
-            base = _sharding_plan(traced, cluster, axis_names, no_pp)
+            base = _shared_sharding_plan(traced, cluster, axis_names, no_pp)
         except ValueError as e:
             base_err = e
     p1 = base.predicted["step_time_s"] if base is not None else base_bound
@@ -1112,6 +1247,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     errors: dict[str, InfeasibleError] = {}
 
     working = inference_working_bytes(info) if not any(info.needs_grad.values()) else 0.0
+    warm_hint = warm_start_choice(opts.warm_start, prob)
 
     def recompute_bytes(modes: dict[str, str], ckpt_mem: list[np.ndarray], choice) -> float:
         """During backward one checkpointed layer is recomputed at a time: its activations come back."""
@@ -1143,6 +1279,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
             elif bounded and sol0 is not None:  # repair the free optimum greedily into the budget
                 hint = repair_to_budget(list(sol0.choice), with_self, rows, edge_list, limit - base)
+            if hint is None:
+                hint = warm_hint
             for _ in range(3 if bounded else 1):
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,

@@ -50,31 +50,66 @@ def recipe_options(name: str, axis_names: tuple[str, ...], mesh: tuple[int, ...]
     roles = {a: ("tp" if i == n - 1 else "dp") for i, a in enumerate(axis_names)}
     if n == 1 and name == "megatron-fsdp":
         return None  # nothing left for data parallelism
+    if n == 1:  # no data-parallel axis to set a ZeRO level on (``zero=`` needs one)
+        return {"roles": roles, "pipeline": "off"}
     return {"roles": roles, "zero": 3 if name == "megatron-fsdp" else 0, "pipeline": "off"}
 
 
-def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=None) -> list[dict]:
-    """Plan every applicable recipe with ``plan_fn(traced, cluster, axis_names, opts)``; one row per recipe.
+def whole_states_bytes(traced) -> float:
+    """Bytes of every parameter and of the gradient of every trainable one, unsharded: what each device holds at
+    the end of backward under a recipe that keeps parameters whole on every device (DDP, ZeRO-1), whatever
+    checkpointing or offload (which moves optimizer states, not parameters or gradients) it is given."""
+    total = 0.0
+    for node in traced.graph.find_nodes(op="placeholder"):
+        if node.name not in traced.params or node.name in traced.tied:
+            continue
+        val = node.meta["val"]
+        nbytes = val.numel() * val.element_size()
+        total += nbytes * (2 if val.dtype.is_floating_point and traced.params[node.name] not in traced.frozen else 1)
+    return total
+
+
+def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=None,
+          pipelined: bool | None = None) -> list[dict]:
+    """Plan every applicable recipe with ``plan_fn(traced, cluster, axis_names, opts)``; one row per recipe
+    (``pipelined``: only the recipes with (True) or without (False) pipeline stages; None: all).
 
     ``reduced`` (``pipelining.reduce_blocks``: a 2-block graph and the block count): recipes without stages are
     solved on it, as the pipeline search ranks its candidates (the same ILP, tied blocks priced L times: its
     objective and memory rows are the whole graph's); such a row's step is that objective (``"scored_on"``) and
     carries the options to solve it again on the whole graph (``"options"``), which ``make_plan`` does when the
-    recipe might beat the search."""
+    recipe might beat the search, and the 2-block plan that warm-starts that solve and the search
+    (``"warm_plan"``). DDP and ZeRO-1 keep parameters and gradients whole on every device: when those alone exceed
+    the memory budget (``whole_states_bytes``) the recipe is reported as not fitting without a solve."""
+    from autopart.plan import _fmt_bytes
+
     rows = []
     trainable = any(fqn not in traced.frozen for fqn in traced.params.values())
+    limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
+    whole = None
     for name in RECIPES:
         kw = recipe_options(name, axis_names, cluster.mesh_shape)
         if kw is None or (name == "zero1" and not trainable):  # no optimizer state to slice in inference
             continue
+        if pipelined is not None and (kw["pipeline"] != "off") != pipelined:
+            continue
         t0 = time.perf_counter()
         row: dict[str, Any] = {"recipe": name}
         o = dataclasses.replace(opts, recipes=False, explain_infeasible=False, **kw)
+        if name in ("ddp", "zero1"):
+            whole = whole_states_bytes(traced) if whole is None else whole
+            if whole > limit:
+                row.update(fits=False, plan_s=time.perf_counter() - t0,
+                           why=f"parameters and gradients, whole on every device, are {_fmt_bytes(whole)} per device "
+                               f"alone, over the {_fmt_bytes(limit)} budget (bound, not solved)")
+                rows.append(row)
+                continue
         try:
             if reduced is not None and kw["pipeline"] == "off":
                 p = plan_fn(reduced[0], cluster, axis_names, dataclasses.replace(o, virtual_layers=reduced[1]))
                 row["options"] = o
                 row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
+                row["warm_plan"] = p
             else:
                 p = plan_fn(traced, cluster, axis_names, o)
         except ValueError as e:
@@ -96,7 +131,7 @@ def report(rows: list[dict], chosen_step: float, chosen_from: str) -> list[dict]
     """JSON-able rows for ``plan.solver["recipes"]``: the plan's predicted gain over each recipe."""
     out = []
     for r in rows:
-        r = {k: v for k, v in r.items() if k not in ("plan", "options")}
+        r = {k: v for k, v in r.items() if k not in ("plan", "options", "warm_plan")}
         if r.get("fits"):
             r["gain"] = r["step_time_s"] / chosen_step - 1.0
         r["chosen"] = r["recipe"] == chosen_from

@@ -1,11 +1,16 @@
-"""Planning time of autopart on this machine: models built on ``meta``, a100-80gb cluster preset.
+"""Planning time of autopart on this machine: models built on ``meta``, a cluster preset (a100-80gb by default).
 
     PYTHONPATH=. python benchmarks/bench_planning.py                      # all models x all meshes (minutes)
     PYTHONPATH=. python benchmarks/bench_planning.py --models gpt2-124m,llama-7b --meshes 8,8x8
+    PYTHONPATH=. python benchmarks/bench_planning.py --models llama-70b --meshes 128x8 --cluster h100-80gb --repeat 3
 
 Each model is exported once (``autopart.trace.trace``) and the export is reused for every mesh (``traced=``).
 Columns: trace = torch.export; strategies+costs = listing and pricing the options; solve = the ILP; passes = graph
-rewriting (not part of planning: "-"); total = strategies+costs + solve (+ Plan assembly), i.e. time after tracing.
+rewriting (not part of planning: "-"); total = strategies+costs + solve (+ Plan assembly), i.e. time after tracing;
+cpu = the process's CPU time over the same span (``time.process_time``: what a shared machine inflates least);
+recipes / search = the two parts of ``make_plan`` (scoring the standard recipes; the free search with pipeline
+stages); ILP solves / max gap = every solve made while planning and the largest optimality gap among them.
+``--breakdown`` prints the CPU time of every sharding problem solved on the way.
 Global batch: one sequence per device of the first mesh axis (at least 8), full context length of the model.
 """
 
@@ -35,7 +40,8 @@ def _seq_len(model) -> int:
     return min(SEQ, model.cfg.max_seq_len)
 
 
-def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict | None = None) -> list[dict]:
+def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict | None = None,
+          cluster: str = "a100-80gb", repeat: int = 1) -> list[dict]:
     extra = extra or {}
     rows = []
     for name in models:
@@ -53,25 +59,29 @@ def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict
                 traced[batch] = trace(model, (ids,), {"labels": ids})
             t = traced[batch]
             names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
-            t0 = time.perf_counter()
-            try:
-                p = autopart.plan(model, autopart.mesh(shape, names), (ids,), {"labels": ids},
-                                  cluster=autopart.preset("a100-80gb", shape), traced=t, time_limit_s=time_limit_s,
-                                  **extra)
-                err = None
-            except Exception as exc:  # noqa: BLE001 - reported in the table
-                p, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-            total = time.perf_counter() - t0
-            s = p.solver if p else {}
-            rows.append({
-                "model": name, "mesh": mname, "batch": batch, "nodes": s.get("graph_nodes", "-"),
-                "groups": s.get("groups", "-"), "trace_s": t.export_seconds,
-                "costs_s": s.get("strategies_and_costs_s"), "solve_s": s.get("solve_s"), "total_s": total,
-                "status": s.get("status", err), "gap": s.get("gap"),
-                "step_s": p.predicted["step_time_s"] if p else None,
-                "mem_gib": p.predicted["memory_bytes"]["total"] / 2**30 if p else None,
-            })
-            print(_row(rows[-1]), flush=True)
+            for _ in range(repeat):
+                t0, c0 = time.perf_counter(), time.process_time()
+                try:
+                    p = autopart.plan(model, autopart.mesh(shape, names), (ids,), {"labels": ids},
+                                      cluster=autopart.preset(cluster, shape), traced=t, time_limit_s=time_limit_s,
+                                      **extra)
+                    err = None
+                except Exception as exc:  # noqa: BLE001 - reported in the table
+                    p, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                total, cpu = time.perf_counter() - t0, time.process_time() - c0
+                s = p.solver if p else {}
+                ilp = s.get("ilp", {})
+                rows.append({
+                    "model": name, "mesh": mname, "batch": batch, "nodes": s.get("graph_nodes", "-"),
+                    "groups": s.get("groups", "-"), "trace_s": t.export_seconds,
+                    "costs_s": s.get("strategies_and_costs_s"), "solve_s": s.get("solve_s"), "total_s": total,
+                    "cpu_s": cpu, "recipes_s": s.get("recipes_s"), "search_s": s.get("search_s"),
+                    "solves": ilp.get("solves", "-"), "max_gap": ilp.get("max_gap"),
+                    "status": s.get("status", err), "gap": s.get("gap"),
+                    "step_s": p.predicted["step_time_s"] if p else None,
+                    "mem_gib": p.predicted["memory_bytes"]["total"] / 2**30 if p else None,
+                })
+                print(_row(rows[-1]), flush=True)
     return rows
 
 
@@ -80,13 +90,36 @@ def _f(x, fmt="{:.2f}") -> str:
 
 
 HEADER = ("| model | mesh | batch | graph nodes | decision groups | trace (export) s | strategies+costs s | solve s "
-          "| passes | planning total s (after trace) | solver status | gap | predicted step s | memory/device GiB |")
+          "| passes | planning total s (after trace) | cpu s | recipes s | search s | ILP solves | max gap "
+          "| solver status | gap | predicted step s | memory/device GiB |")
 
 
 def _row(r: dict) -> str:
     return (f"| {r['model']} | {r['mesh']} | {r['batch']} | {r['nodes']} | {r['groups']} | {_f(r['trace_s'])} | "
-            f"{_f(r['costs_s'])} | {_f(r['solve_s'])} | - | {_f(r['total_s'])} | {r['status']} | "
-            f"{_f(r['gap'], '{:.2%}')} | {_f(r['step_s'], '{:.3f}')} | {_f(r['mem_gib'], '{:.1f}')} |")
+            f"{_f(r['costs_s'])} | {_f(r['solve_s'])} | - | {_f(r['total_s'])} | {_f(r['cpu_s'])} | "
+            f"{_f(r['recipes_s'])} | {_f(r['search_s'])} | {r['solves']} | {_f(r['max_gap'], '{:.2%}')} | "
+            f"{r['status']} | {_f(r['gap'], '{:.2%}')} | {_f(r['step_s'], '{:.3f}')} | {_f(r['mem_gib'], '{:.1f}')} |")
+
+
+def _print_each_solve() -> None:
+    """Wrap ``planner._sharding_plan`` (every sharding problem a plan solves: recipes, stage meshes, re-solves)."""
+    from autopart import planner
+
+    inner = planner._sharding_plan
+
+    def timed(traced, cluster, axis_names, opts):
+        c0, err = time.process_time(), ""
+        try:
+            return inner(traced, cluster, axis_names, opts)
+        except Exception as exc:
+            err = type(exc).__name__
+            raise
+        finally:
+            print(f"  solve mesh {cluster.mesh_shape} roles {opts.roles or '-'} zero {opts.zero} "
+                  f"{'2-block' if opts.virtual_layers else 'whole graph'} memory_limit {opts.memory_limit} "
+                  f"cpu {time.process_time() - c0:.2f} s {err}", flush=True)
+
+    planner._sharding_plan = timed
 
 
 def main() -> None:
@@ -94,6 +127,10 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
     ap.add_argument("--meshes", default=",".join(MESHES), help=f"comma-separated subset of {list(MESHES)}")
     ap.add_argument("--time-limit", type=float, default=30.0, help="solver time limit per plan (s)")
+    ap.add_argument("--cluster", default="a100-80gb", help="cluster preset (autopart.preset)")
+    ap.add_argument("--repeat", type=int, default=1, help="plan each configuration this many times (one export)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="print the CPU time of every sharding problem solved (planner._sharding_plan) as it ends")
     ap.add_argument("--sharding-only", action="store_true",
                     help="decide shardings (ZeRO placements included) but no checkpointing or offload variants")
     a = ap.parse_args()
@@ -105,12 +142,14 @@ def main() -> None:
     for m in meshes:
         if m not in MESHES:
             ap.error(f"unknown mesh {m!r}; choose from {list(MESHES)}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cluster a100-80gb; seq {SEQ}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; cluster {a.cluster}; seq {SEQ}")
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
+    if a.breakdown:
+        _print_each_solve()
     extra = {"checkpoint": "none", "offload": "none"} if a.sharding_only else {}
     print("decisions:", "shardings only" if a.sharding_only else "all (shardings, ZeRO, checkpointing, offload)")
-    bench(models, meshes, a.time_limit, extra)
+    bench(models, meshes, a.time_limit, extra, a.cluster, a.repeat)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -207,6 +208,11 @@ class Solution:
     backend: str
     num_variables: int
     num_constraints: int
+    # the caller's warm start (``Problem.hint``): "none" (not given), "used" (handed to the MIP backend),
+    # "unusable" (an option presolve removed), "not needed" (no MIP left after presolve and the tree DP);
+    # its objective is what the solver started from
+    hint: str = "none"
+    hint_objective: float | None = None
 
     def __str__(self) -> str:
         return (
@@ -225,6 +231,8 @@ class Solution:
             "backend": self.backend,
             "num_variables": self.num_variables,
             "num_constraints": self.num_constraints,
+            "hint": self.hint,
+            "hint_objective": self.hint_objective,
         }
 
     @staticmethod
@@ -239,6 +247,8 @@ class Solution:
             backend=str(d["backend"]),
             num_variables=int(d["num_variables"]),
             num_constraints=int(d["num_constraints"]),
+            hint=str(d.get("hint", "none")),
+            hint_objective=d.get("hint_objective"),
         )
 
 
@@ -806,6 +816,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
     backend_used, num_vars, num_rows = "dp", 0, 0
     optimal, bound_extra = True, 0.0
     mip_groups = list(range(len(red.groups)))
+    hint_state = "none" if problem.hint is None else "not needed"
     if options.use_dp and red.memory_limit is None and red.groups:
         mip_groups = []
         for comp, edge_ids in _components(len(red.groups), red.edges):
@@ -834,6 +845,8 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         mip = _build_mip(sub, problem.names)
         hint = _reduced_hint(problem, sub)
         hint_vec = mip.hint_vector(sub, hint) if hint is not None else None
+        if problem.hint is not None:
+            hint_state = "used" if hint is not None else "unusable"
         time_left = options.time_limit_s - (time.perf_counter() - start)
         if backend_used == "cp-sat":
             raw, _ = _run_cpsat(mip, sub, options, time_left, hint_vec)
@@ -873,7 +886,13 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
     else:
         bound = objective
     gap = (objective - bound) / max(abs(objective), _TINY)
-    return Solution(
+    hint_objective = None
+    if problem.hint is not None:
+        hint_objective, hint_peak = problem.evaluate(problem.hint)
+        if not math.isfinite(hint_objective) or (problem.memory_limit is not None
+                                                 and hint_peak > problem.memory_limit * (1 + _MEMORY_REL_TOL)):
+            hint_state = "infeasible"  # a forbidden pair or over the memory limit: the backend starts cold
+    sol = Solution(
         choice=choice,
         status="optimal" if optimal else "feasible",
         objective=objective,
@@ -883,7 +902,29 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         backend=backend_used,
         num_variables=num_vars,
         num_constraints=num_rows,
+        hint=hint_state,
+        hint_objective=hint_objective,
     )
+    if _SOLVE_LOG is not None:
+        _SOLVE_LOG.append(sol)
+    return sol
+
+
+_SOLVE_LOG: list[Solution] | None = None
+
+
+@contextmanager
+def record_solves():
+    """Collect every ``Solution`` that ``solve`` returns inside the block (the planner reports their statuses and
+    optimality gaps: a plan rests on many solves -- candidates, recipes, variants -- not only the one it records)."""
+    global _SOLVE_LOG
+    outer, _SOLVE_LOG = _SOLVE_LOG, []
+    try:
+        yield _SOLVE_LOG
+    finally:
+        if outer is not None:
+            outer.extend(_SOLVE_LOG)
+        _SOLVE_LOG = outer
 
 
 def _objective_of(red: _Reduced, chosen: dict[int, int], positions: set[int]) -> float:

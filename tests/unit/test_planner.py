@@ -215,3 +215,104 @@ def test_forced_checkpoint_and_zero_recorded():
     assert p.predicted["compute_s"] > none.predicted["compute_s"]  # recompute costs forward time again
     with pytest.raises(ValueError, match="checkpoint mode"):
         autopart.plan(_gpt(), (2,), (IDS,), {"labels": IDS}, checkpoint="sometimes")
+
+
+@pytest.mark.parametrize("backend", ["highs", "cp-sat"])
+def test_solver_reports_hint_and_gap(backend):
+    """A warm start reaches the MIP backend, the solution says so with the hint's objective, and never ends worse
+    than where it started; bound and gap come with every solution."""
+    import numpy as np
+
+    from autopart.solver import Problem, SolverOptions, solve
+
+    rng = np.random.default_rng(0)
+    n, k = 6, 3
+    cost = [rng.uniform(1, 2, k) for _ in range(n)]
+    mem = [rng.uniform(1e6, 3e6, k) for _ in range(n)]  # bytes
+    edges = [(i, (i + 1) % n, rng.uniform(0, 1, (k, k))) for i in range(n)]  # a cycle: not the tree DP
+    prob = Problem(names=[f"g{i}" for i in range(n)], node_cost=cost, node_memory=mem, edges=edges,
+                   memory_limit=12e6)
+    hint = [int(np.argmin(m)) for m in mem]  # the least memory: fits
+    cold = solve(prob, SolverOptions(relative_gap=0.0, backend=backend))
+    assert cold.hint == "none" and cold.hint_objective is None
+    warm = solve(Problem(**{**prob.__dict__, "hint": hint}), SolverOptions(relative_gap=0.0, backend=backend))
+    assert warm.hint == "used"
+    assert warm.hint_objective == pytest.approx(prob.evaluate(hint)[0])
+    assert warm.objective <= warm.hint_objective + 1e-9
+    assert warm.objective == pytest.approx(cold.objective) and warm.bound <= warm.objective + 1e-9
+    assert warm.gap == pytest.approx((warm.objective - warm.bound) / warm.objective)
+    over = solve(Problem(**{**prob.__dict__, "hint": [int(np.argmax(m)) for m in mem]}), SolverOptions(backend=backend))
+    assert over.hint == "infeasible" and over.objective == pytest.approx(cold.objective, rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def traced_3layer():
+    from autopart.trace import trace
+
+    model = _gpt(n_layer=3)  # three blocks: the 2-block reduction, pipeline candidates and every recipe apply
+    return model, trace(model, (IDS,), {"labels": IDS})
+
+
+def _plan_3layer(traced_3layer):
+    model, t = traced_3layer
+    return autopart.plan(model, autopart.mesh((2, 2), ("a", "b")), (IDS,), {"labels": IDS}, traced=t)
+
+
+@pytest.fixture(scope="module")
+def plan_3layer_spied(traced_3layer):
+    """The unpinned plan, and every ILP solve made for it with whether it was given a hint."""
+    import autopart.solver as solver_pkg
+    import autopart.solver.ilp as ilp
+
+    seen = []
+    real = ilp.solve
+
+    def spy(problem, options=ilp.SolverOptions()):  # noqa: B008
+        sol = real(problem, options)
+        seen.append((problem.hint is not None, sol))
+        return sol
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ilp, "solve", spy)
+        mp.setattr(solver_pkg, "solve", spy)
+        p = _plan_3layer(traced_3layer)
+    return p, seen
+
+
+def test_search_warm_started_from_best_recipe_and_gap_reported(plan_3layer_spied):
+    p, seen = plan_3layer_spied
+    s = p.solver
+    # the search's plan without stages starts from the best recipe without stages (on the same 2-block graph)
+    assert s["warm_start_from"] in {r["recipe"] for r in s["recipes"] if r["fits"] and not r.get("pipeline")}
+    ilp_rec = s["ilp"]
+    assert ilp_rec["solves"] == len(seen) > 0  # every solve is counted, and the summary is the solves' own
+    assert ilp_rec["max_gap"] == max(sol.gap for _, sol in seen)
+    assert ilp_rec["optimal"] == sum(sol.status == "optimal" for _, sol in seen)
+    hinted = [sol for h, sol in seen if h]
+    assert len(ilp_rec["warm_started"]) == len(hinted) > 0
+    assert any(sol.hint == "used" for sol in hinted)
+    for sol in hinted:
+        if sol.hint == "used":
+            assert sol.objective <= sol.hint_objective * (1 + 1e-9)
+    text = str(p)
+    assert "largest optimality gap (best bound vs objective)" in text and "warm starts (the search from recipe" in text
+    assert f"optimality gap {s['gap']:.2%}" in p.explain(next(iter(p.params)))
+
+
+def test_shared_work_gives_the_same_plan(plan_3layer_spied, traced_3layer, monkeypatch):
+    """The session (each sharding problem solved once, pricing and analysis shared, ZeRO-0 recipe problems answered
+    by the search's) changes no decision: the same plan and the same recipe rows as solving every problem anew."""
+    import autopart.planner as planner
+
+    shared = plan_3layer_spied[0]
+    monkeypatch.setattr(planner, "SHARE_WORK", False)
+    alone = _plan_3layer(traced_3layer)
+    assert shared.solver["ilp"]["reused"] > 0 and alone.solver["ilp"]["reused"] == 0
+    assert shared.solver["ilp"]["solves"] < alone.solver["ilp"]["solves"]
+    assert shared.predicted["step_time_s"] == pytest.approx(alone.predicted["step_time_s"], rel=1e-9)
+    assert shared.params == alone.params and shared.pipeline.get("degree") == alone.pipeline.get("degree")
+    for a, b in zip(shared.solver["recipes"], alone.solver["recipes"], strict=True):
+        assert a["recipe"] == b["recipe"] and a["fits"] == b["fits"]
+        if a["fits"]:
+            assert a["step_time_s"] == pytest.approx(b["step_time_s"], rel=1e-9)
+            assert a["memory_bytes"] == pytest.approx(b["memory_bytes"], rel=1e-9)

@@ -47,3 +47,28 @@ def test_forced_options_skip_recipes_and_evaluate_scores_one():
     with pytest.raises(ValueError, match="unknown recipe"):
         recipe_options("zero7", ("dp",), (2,))
     assert recipe_options("megatron-fsdp", ("dp",), (2,)) is None
+
+
+def test_recipes_keeping_whole_states_are_bounded_without_a_solve():
+    """DDP and ZeRO-1 hold every parameter and gradient whole: when those alone exceed the budget the recipe is
+    reported as not fitting without a solve; the bound is below what the memory model gives DDP when it is solved."""
+    from autopart.recipes import whole_states_bytes
+    from autopart.trace import trace
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=512, max_seq_len=8, n_layer=2, n_head=4, d_model=64))
+    ids = torch.randint(0, 512, (4, 8))
+    t = trace(model, (ids,), {"labels": ids})
+    whole = whole_states_bytes(t)
+    n = sum(q.numel() for q in model.parameters())
+    assert whole == pytest.approx(2 * 4 * n)  # fp32 parameters and their gradients
+    ddp = autopart.evaluate(model, 4, (ids,), {"labels": ids}, recipe="ddp", gpus_per_node=4, traced=t)
+    assert ddp.predicted["memory_bytes"]["total"] >= whole
+    p = autopart.plan(model, autopart.mesh((4,), ("a",)), (ids,), {"labels": ids}, traced=t,
+                      memory_budget=whole)  # planned against 90% of it
+    rows = {r["recipe"]: r for r in p.solver["recipes"]}
+    for name in ("ddp", "zero1"):
+        assert not rows[name]["fits"] and "bound, not solved" in rows[name]["why"], rows[name]
+    assert rows["fsdp"]["fits"] and p.predicted["memory_bytes"]["total"] <= 0.9 * whole * (1 + 1e-6)
+    # a 1-D mesh has no data-parallel axis left for Megatron's ZeRO level: scored, not refused over ``zero=``
+    assert "zero=" not in rows["megatron"].get("why", "")
