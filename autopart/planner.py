@@ -835,6 +835,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         fwd = np.zeros(len(opts_r))
         icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
+        # no gathered copy is kept from forward to backward: a parameter sharded on a data axis is ZeRO-3 (gathered
+        # again for backward); ZeRO-1/2 keep it replicated (the "sharded + gathered copy" layout is gone)
         gath = np.zeros(len(opts_r))
         kfull = np.zeros(len(opts_r))
         ksel = np.zeros(len(opts_r))
@@ -873,11 +875,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole
-                gathered = [i for i in dp_axes if isinstance(o.output[i], Shard)]
-                if gathered and o.tag != "zero3":  # ZeRO-2: the gathered copy is saved from forward to backward
-                    full = tuple(Replicate() if i in gathered else p for i, p in enumerate(o.output))
-                    gath[a] = _local_bytes(val, full, mesh)
-                    mem[a] += gath[a]
         elif info.kind[rep.name] in ("buffer", "constant"):
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh)
