@@ -30,3 +30,9 @@ def dispatch_mode_class() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn`` when the backward pass now running ends (``Variable._execution_engine.queue_callback``, as
+    FSDP uses); call it from inside backward (a hook or an autograd Function's backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]

@@ -180,10 +180,12 @@ _COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_sc
 
 
 def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
-                    param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False) -> float:
+                    param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
+                    scatter_grad: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
     parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency).
-    ``regather``: a ZeRO-3 parameter, gathered again for backward."""
+    ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
+    gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring)."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -201,6 +203,8 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                     link = Link(0.0, link.beta)
                 # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
                 sent = nbytes / mesh[st.axis] if kind == "all_to_all" else nbytes
+                if scatter_grad and kind == "all_reduce" and st.fwd == "none":
+                    kind = "reduce_scatter"
                 total += collective_time(_COMM_KIND[kind], sent, mesh[st.axis], link)
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
@@ -254,15 +258,16 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
         out.append(OpOption((), tuple(combo)))
         if kind == "param" and dims:  # ZeRO-3 / FSDP: gathered for each use, freed, gathered again for backward
             out.append(OpOption((), tuple(combo), tag="zero3"))
-    if kind == "param":  # ZeRO-1 (distributed optimizer): replicated, optimizer states flat-sharded where replicated
-        out += [OpOption((), o.output, tag="zero1") for o in list(out)
-                if not o.tag and zero1_ways(o.output, mesh_shape) > 1]
+    if kind == "param":  # replicated; optimizer states (ZeRO-1), also gradients (ZeRO-2) flat-sliced where replicated
+        base = [o for o in out if not o.tag and zero1_ways(o.output, mesh_shape) > 1]
+        out += [OpOption((), o.output, tag=tag) for tag in ("zero1", "zero2") for o in base]
     return out
 
 
 def zero1_ways(spec, mesh) -> int:
-    """Over how many ranks a ZeRO-1 parameter's optimizer states are split: every mesh axis it is replicated on
-    (their gradients are equal there after reduction, so each rank can update its slice of the flat parameter)."""
+    """Over how many ranks a ZeRO-1/2 parameter's optimizer states (ZeRO-2: and gradient) are split: every mesh
+    axis it is replicated on (their gradients are equal there after reduction, so each rank can update its slice
+    of the flat parameter)."""
     return math.prod(n for p, n in zip(spec, mesh) if isinstance(p, Replicate) and n > 1)
 
 
@@ -525,8 +530,8 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         for axis, role in roles.items():
             if kind == "param":
                 p = o.output[axis]
-                if role == "dp" and not isinstance(p, Replicate) and zero == 0:
-                    ok = False
+                if role == "dp" and not isinstance(p, Replicate) and (zero == 0 or not o.tag):
+                    ok = False  # sharded on a data axis: only as ZeRO-3 (ZeRO-1/2 keep the parameter replicated)
                 if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any_shard[axis]:
                     ok = False
             if kind == "input" and role == "tp" and not isinstance(o.output[axis], Replicate):
@@ -540,10 +545,11 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
 
 def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[OpOption]:
     """Force a ZeRO level on the data-parallel axes: 0 keeps parameters replicated there with whole optimizer
-    states; 1 keeps them replicated with the optimizer states flat-sharded (the distributed optimizer: gradients
-    all-reduced, each rank updates its slice, the parameter all-gathered after the step; any size, no dimension
-    needs to divide); 2 shards parameters, gradients and optimizer states along a dimension (the gathered copy
-    lives from forward to backward); 3 also frees the gathered copy after each use."""
+    states; 1 keeps them replicated with the optimizer states flat-sliced (the distributed optimizer: gradients
+    reduce-scattered, each rank updates its slice, the parameter all-gathered after the step; any size, no
+    dimension needs to divide); 2 also keeps only the gradient's slice (the ZeRO paper's P_os+g: the whole
+    gradient lives until its bucket is reduce-scattered); 3 shards parameters along a dimension, gathered for each
+    use in forward and again in backward."""
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero}: ZeRO levels are 0, 1, 2, 3")
     if not dp_axes:
@@ -551,9 +557,9 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
 
     def ok(o: OpOption) -> bool:
         sharded = all(isinstance(o.output[i], Shard) for i in dp_axes)
-        if zero in (0, 1):
-            return not any(isinstance(o.output[i], Shard) for i in dp_axes) and o.tag == ("zero1" if zero else "")
-        return sharded and o.tag == ("zero3" if zero == 3 else "")
+        if zero < 3:
+            return not any(isinstance(o.output[i], Shard) for i in dp_axes) and o.tag == ("", "zero1", "zero2")[zero]
+        return sharded and o.tag == "zero3"
 
     keep = [o for o in opts if ok(o)]
     return keep or [o for o in opts if not o.tag and not any(isinstance(o.output[i], Shard) for i in dp_axes)]
@@ -611,17 +617,39 @@ def _region(node: fx.Node, info: Graphinfo, last_of_layer: set[str]) -> str:
 def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions, tag: str = "",
                       trainable: bool = True) -> tuple[float, float]:
     """(parameter, optimizer-state) bytes of one parameter's local shard under ``spec``; its gradient is the
-    parameter's size. ZeRO-1 (``tag="zero1"``) keeps a ``1/zero1_ways`` slice of the flat states (rounded up).
-    A frozen parameter (``trainable=False``) has no optimizer state."""
+    parameter's size (ZeRO-2's slice: ``param_grad_bytes``). ZeRO-1/2 (``tag`` "zero1"/"zero2") keep a
+    ``1/zero1_ways`` slice of the flat states (rounded up). A frozen parameter (``trainable=False``) has no
+    optimizer state."""
     local = _local_bytes(val, spec, mesh)
     if not trainable:
         return local, 0.0
     optim = local * opts.optimizer_bytes_per_param / val.dtype.itemsize
-    if tag == "zero1":
+    if tag in ("zero1", "zero2"):
         ways = zero1_ways(spec, mesh)
         numel = local / val.dtype.itemsize
         optim = math.ceil(numel / ways) * opts.optimizer_bytes_per_param
     return local, optim
+
+
+def param_grad_bytes(val: torch.Tensor, spec, mesh, tag: str = "") -> float:
+    """Bytes of one parameter's gradient kept to the optimizer step: its local shard's size; under ZeRO-2 this
+    rank's ``1/zero1_ways`` slice of it (rounded up; the whole gradient only passes through a reduction bucket)."""
+    local = _local_bytes(val, spec, mesh)
+    if tag != "zero2":
+        return local
+    return math.ceil(local / val.dtype.itemsize / zero1_ways(spec, mesh)) * val.dtype.itemsize
+
+
+def zero_grad_scatter_time(val: torch.Tensor, spec, axes: list[int], cluster: Cluster) -> float:
+    """ZeRO-1/2's reduce-scatter of a gradient into this rank's slice over the reduced ``axes`` (outer axis first,
+    each on what the previous left), bucketed: bandwidth only."""
+    mesh = cluster.mesh_shape
+    size = _local_bytes(val, spec, mesh)
+    t = 0.0
+    for i in axes:
+        t += collective_time("reduce_scatter", size, mesh[i], Link(0.0, cluster.link(i).beta))
+        size /= mesh[i]
+    return t
 
 
 def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster) -> float:
@@ -663,8 +691,8 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
             n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
             local = np.array([p for p, _ in pairs]) * n
             states = np.array([s for _, s in pairs]) * n
-            # the runtime's host-offload optimizer steps whole local parameters: no ZeRO-1 slices with it
-            zero1 = np.array([o.tag == "zero1" for o in popts])
+            # the runtime's host-offload optimizer steps whole local parameters: no ZeRO-1/2 slices with it
+            zero1 = np.array([o.tag in ("zero1", "zero2") for o in popts])
             cost[gid] = np.where(zero1, np.inf, cost[gid] + 2 * local / bw)
             if not on_cpu:
                 mem[gid] = mem[gid] - states
@@ -811,6 +839,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         fwd = np.zeros(len(opts_r))
         icomm = np.zeros(len(opts_r))
         mem = np.zeros(len(opts_r))
+        # no gathered copy is kept from forward to backward: a parameter sharded on a data axis is ZeRO-3 (gathered
+        # again for backward); ZeRO-1/2 keep it replicated (the "sharded + gathered copy" layout is gone)
         gath = np.zeros(len(opts_r))
         kfull = np.zeros(len(opts_r))
         ksel = np.zeros(len(opts_r))
@@ -844,16 +874,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             for a, o in enumerate(opts_r):
                 local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag, info.needs_grad[rep.name])
                 mem[a] = local + optim
-                if o.tag == "zero1" and info.needs_grad[rep.name]:
+                if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
                     icomm[a] = zero1_gather_time(val, o.output, cluster)
-                grad[a] = local if info.needs_grad[rep.name] else 0.0
+                grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
-                    bucket[a] = grad[a]  # replicated on a data axis: summed after backward in a flat bucket
-                gathered = [i for i in dp_axes if isinstance(o.output[i], Shard)]
-                if gathered and o.tag != "zero3":  # ZeRO-2: the gathered copy is saved from forward to backward
-                    full = tuple(Replicate() if i in gathered else p for i, p in enumerate(o.output))
-                    gath[a] = _local_bytes(val, full, mesh)
-                    mem[a] += gath[a]
+                    bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole
         elif info.kind[rep.name] in ("buffer", "constant"):
             for a, o in enumerate(opts_r):
                 mem[a] = _local_bytes(val, o.output, mesh)
@@ -903,7 +928,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             src_fixed = [tuple(spec_ids.setdefault((sp[i],), len(spec_ids)) if isinstance(sp[i], Shard) else -1
                                for i in fixed_axes) for sp in srcs]
             regathers = [ao.tag == "zero3" for ao in uopts]
-            src_keys = list(zip(src_ids, regathers))
+            scatters = [ao.tag in ("zero1", "zero2") for ao in uopts]  # gradient reduce-scattered into slices
+            src_keys = list(zip(src_ids, regathers, scatters))
             fixed_kinds = set(src_fixed) if fixed_axes else set()
             for bi, bo in enumerate(vopts):
                 dst = bo.inputs[j]
@@ -915,7 +941,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     continue
                 # tp axis: weights stay sharded in use; dp: the batch stays split
                 clash = {sf for sf in fixed_kinds if any(s != -1 and s != d for s, d in zip(sf, dst_fixed))}
-                known = cache.setdefault((vkey, dst_id, split), {})  # by (source spec id, regathered)
+                known = cache.setdefault((vkey, dst_id, split), {})  # by (source spec id, regathered, scattered)
                 col = []
                 for ai, sk in enumerate(src_keys):
                     if clash and src_fixed[ai] in clash:
@@ -924,7 +950,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     t = known.get(sk)
                     if t is None:
                         t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
-                                                        regather=regathers[ai])
+                                                        regather=regathers[ai], scatter_grad=scatters[ai])
                     col.append(t)
                 mat[:, bi] = col
             scale = scales[gv]
@@ -1433,10 +1459,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 params[alias] = spec_str(o.output)
             gathered = [i for i in range(len(mesh)) if isinstance(o.output[i], Shard) and n.users and all(
                 isinstance(chosen[u.name].inputs[tensor_inputs(u).index(n)][i], Replicate) for u in n.users)]
-            if gathered:
-                zero[fqn] = 3 if o.tag == "zero3" else 2
-            elif o.tag == "zero1":
-                zero[fqn] = 1
+            if gathered and o.tag == "zero3":
+                zero[fqn] = 3
+            elif o.tag in ("zero1", "zero2") and not gathered:
+                zero[fqn] = int(o.tag[-1])
             axes = param_reduced_axes(n, chosen, info, mesh)
             if any(axes):
                 reduced[fqn] = [i for i, x in enumerate(axes) if x]
@@ -1467,13 +1493,17 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
-    # gradient reduction of parameters after backward (priced as all-reduce per reduced axis)
+    # gradient reduction of parameters (priced as all-reduce per reduced axis; ZeRO-1/2: reduce-scatter into slices)
     from autopart.cost import collective_time
 
     buckets: dict[tuple[int, ...], float] = defaultdict(float)
     for fqn, axes in reduced.items():
         pname = next(k for k, v in traced.params.items() if v == fqn)
-        buckets[tuple(axes)] += _local_bytes(value_of(node_by_name[pname]), parse_spec(params[fqn]), mesh)
+        val, spec = value_of(node_by_name[pname]), parse_spec(params[fqn])
+        if zero.get(fqn) in (1, 2):
+            comm_total += zero_grad_scatter_time(val, spec, axes, cluster)
+            continue
+        buckets[tuple(axes)] += _local_bytes(val, spec, mesh)
     for axes, nbytes in buckets.items():
         for i in axes:
             comm_total += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))

@@ -118,7 +118,7 @@ class MemoryTracker:
                 self.track(p.grad, "gradients")
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda q: q.grad is not None and self.track(q.grad, "gradients")))
+                    lambda q: None if q.grad is None else self.track(q.grad, "gradients")))  # ZeRO-2 frees it
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now."""

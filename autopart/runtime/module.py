@@ -2,14 +2,15 @@
 
 Parameters are ``DTensor``s on the mesh with the plan's placements, so ``torch.optim``, gradient clipping and
 ``torch.distributed.checkpoint`` see ordinary (sharded) parameters. Each call feeds the graph the local shards
-(``DTensor.to_local``, differentiable), slices user inputs to the plan's input placements, and after backward
-sums the gradients the plan marks as reduced over their mesh axes, in one flat buffer per set of axes.
+(``DTensor.to_local``, differentiable) and slices user inputs to the plan's input placements; the gradients the
+plan marks as reduced are summed over their mesh axes in flat buckets launched during backward
+(``runtime/grads.py``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +21,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from autopart._torch_private import dtensor_local
 from autopart.placement import Shard, parse_spec, to_dtensor_placements
 from autopart.plan import Plan
 from autopart.runtime import collectives as C
 from autopart.runtime import context as RC
-
-BUCKET_BYTES = 25 * 2**20  # gradient all-reduce bucket, as DDP's default
+from autopart.runtime import grads as G
+from autopart.runtime.grads import BUCKET_BYTES  # noqa: F401 - where callers have read it from
 
 
 def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) -> torch.Tensor:
@@ -101,6 +103,8 @@ class HostOffloadOptimizer:
 
 
 class ParallelModule(nn.Module):
+    overlap_grads = True  # launch gradient reductions from backward (``runtime/grads.py``); pipelines do not
+
     def __init__(self, gm: fx.GraphModule, plan: Plan, model: nn.Module, mesh, *, params: dict[str, str],
                  buffers: dict[str, str], constants: dict[str, Any], tied: dict[str, str], user_inputs: list[str],
                  input_names: list[str], aliases: dict[str, list[str]],
@@ -141,6 +145,17 @@ class ParallelModule(nn.Module):
             self._key_of[fqn] = key
         self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
         self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items() if fqn in self._key_of}
+        first_use: list[str] = []  # parameter keys in the order forward first uses them
+        for node in gm.graph.nodes:
+            for a in node.all_input_nodes if node.op != "placeholder" else ():
+                fqn = params.get(tied.get(a.name, a.name)) if a.op == "placeholder" else None
+                key = self._key_of.get(fqn) if fqn is not None else None
+                if key is not None and key not in first_use:
+                    first_use.append(key)
+        self._grads = G.GradReducer(
+            dict(self._params.items()), {self._key_of[f]: axes for f, axes in self._reduced.items()},
+            {self._key_of[f]: lvl for f, lvl in plan.zero.items() if f in self._key_of}, first_use, self._groups,
+            self._coords, self._sizes, dm, overlap=self.overlap_grads and G.OVERLAP_WITH_BACKWARD)
         self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
                                                      input_names)}
         self._make_program = make_program
@@ -228,7 +243,8 @@ class ParallelModule(nn.Module):
         for node in prog.gm.graph.find_nodes(op="placeholder"):
             value = self._state_value(prog, node.name)
             feed.append(next(user) if value is None else value)
-        return RC.from_layout(self._call(prog, prog.gm, feed), prog.gm.meta.get("autopart.context"))
+        outs = self._grads.mark(self._call(prog, prog.gm, feed))  # its backward starts the gradient reduction
+        return RC.from_layout(outs, prog.gm.meta.get("autopart.context"))
 
     def forward(self, *args, **kwargs):
         outs = self._run(args, kwargs)
@@ -252,10 +268,9 @@ class ParallelModule(nn.Module):
 
     def forward_backward(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the global batch; gradients land in ``.grad`` of this rank's shards (added to
-        gradients already there, so several calls accumulate). The data-parallel gradient reduction runs after
-        backward in buckets of at most BUCKET_BYTES (not overlapped with backward: launching it from gradient hooks
-        while backward issues other collectives on the same gloo group aborted a run).
-        Returns the loss (detached), equal to the single-process loss of the same global batch."""
+        gradients already there, so several calls accumulate), reduced over the data-parallel axes in buckets
+        launched during backward (``runtime/grads.py``). Returns the loss (detached), equal to the single-process
+        loss of the same global batch."""
         held = {}
         for key in self._reduced_keys():
             p = self._params[key]
@@ -272,51 +287,60 @@ class ParallelModule(nn.Module):
     def _reduced_keys(self) -> list[str]:
         return [self._key_of[fqn] for fqn in self._reduced]
 
-    def _reduce(self, grads: list[torch.Tensor], axes: tuple[int, ...]) -> None:
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        for a in axes:
-            dist.all_reduce(flat, group=self._groups[a])
-        off = 0
-        for g in grads:
-            g.copy_(flat[off: off + g.numel()].view_as(g))
-            off += g.numel()
-
     def reduce_gradients(self) -> None:
-        """Sum the gradients the plan marks as reduced over their axes, in buckets of at most BUCKET_BYTES.
-        ``forward_backward`` calls it; loops that call ``loss.backward()`` themselves call it once per backward."""
-        by_axes: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
-        for fqn, axes in self._reduced.items():
-            p = self._params[self._key_of[fqn]]
-            if p.grad is not None:
-                by_axes[axes].append(p.grad._local_tensor)
-        for axes, grads in by_axes.items():
-            start = 0
-            while start < len(grads):  # at most BUCKET_BYTES per flat copy
-                end, size = start, 0
-                while end < len(grads) and (end == start or size + grads[end].nbytes <= BUCKET_BYTES):
-                    size += grads[end].nbytes
-                    end += 1
-                self._reduce(grads[start:end], axes)
-                start = end
+        """Sum the gradients the plan marks as reduced over their axes. Backward already did it when the reduction
+        overlaps it (the default; nothing to do then); otherwise (``grads.OVERLAP_WITH_BACKWARD`` off) it runs here,
+        in buckets of at most BUCKET_BYTES. ``forward_backward`` calls it; loops that call ``loss.backward()``
+        themselves call it once per backward."""
+        if not self._grads.overlap:
+            self._grads.post_backward()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of the whole model by their global norm (``torch.nn.utils.clip_grad_norm_`` over
-        this rank's DTensor parameters computes exactly that here); returns the norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type=norm_type, foreach=True)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        """Clip the gradients of the whole model by their global norm; returns the norm before clipping.
+        ``torch.nn.utils.clip_grad_norm_`` over this rank's DTensor parameters computes it, except for ZeRO-1/2
+        parameters with their optimizer, whose gradient is summed only on this rank's slice: their slices' norms
+        are combined over the mesh (every rank holds one slice of each distinct local tensor)."""
+        plain = [p for k, p in self._params.items() if p.grad is not None and not self._grads.sliced(k)]
+        slices = [g for k in self._params if (g := self._slice_grad(k)) is not None]
+        if not slices:
+            norm = torch.nn.utils.clip_grad_norm_(plain, max_norm, norm_type=norm_type, foreach=True)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm_type = float(norm_type)
+        total = torch.nn.utils.get_total_norm([p.grad for p in plain], norm_type, foreach=True) if plain else \
+            torch.zeros(())
+        total = (total.full_tensor() if isinstance(total, DTensor) else total).float()
+        inf = math.isinf(norm_type)
+        part = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in slices])
+        part = part.max() if inf else (part ** norm_type).sum()
+        for group in self._groups:  # over the whole mesh, axis by axis
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, part) if inf else (total ** norm_type + part) ** (1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in [p.grad for p in plain] + slices:
+            g.mul_(float(coef) if isinstance(g, DTensor) else coef.to(g.dtype))
+        return total
+
+    def _slice_grad(self, key: str) -> torch.Tensor | None:
+        """This rank's slice of a ZeRO-1/2 parameter's reduced gradient (None if not sliced or no gradient)."""
+        if not self._grads.sliced(key):
+            return None
+        s = self._grads._entries[key].slice
+        if self._grads.scattered(key):
+            return s.leaf.grad
+        g = self._params[key].grad
+        return None if g is None else dtensor_local(g).view(-1)[s.start:s.end]
 
     def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
         """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``
         (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound); when the
-        plan shards optimizer states ZeRO-1 style, ``cls`` over this rank's slices of those parameters
-        (``runtime/zero1.py``); when it offloads optimizer states, the same optimizer stepping on host copies."""
-        zero1 = any(level == 1 for level in self.plan.zero.values())
+        plan shards optimizer states ZeRO-1/2 style, ``cls`` over this rank's slices of those parameters
+        (``runtime/zero1.py``; their gradients are then reduce-scattered into the slices); when it offloads
+        optimizer states, the same optimizer stepping on host copies."""
+        zero1 = any(level in (1, 2) for level in self.plan.zero.values())
         if "optimizer" in self.plan.offload:
             if zero1:
-                raise NotImplementedError("a plan with both optimizer offload and ZeRO-1 parameters: the host-offload "
-                                          "optimizer steps whole local parameters; plan with zero=2 or offload='none'")
+                raise NotImplementedError("a plan with both optimizer offload and ZeRO-1/2 parameters: the host-offload"
+                                          " optimizer steps whole local parameters; plan with zero=3 or offload='none'")
             return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
         if "foreach" in inspect.signature(cls).parameters:
             kwargs.setdefault("foreach", True)  # one kernel per group instead of a DTensor dispatch per parameter

@@ -131,6 +131,8 @@ class _Stage(nn.Module):
 class PipelinedModule(ParallelModule):
     """A ``ParallelModule`` whose program runs as pipeline stages (see the module docstring)."""
 
+    overlap_grads = False  # the schedule runs several micro-batches' backward: reduce after it (runtime/grads.py)
+
     def __init__(self, *args, pipeline: dict, pp_group, p2p_group, pp_rank: int, stage_of_layer: dict[str, int],
                  world_mesh, **kwargs) -> None:
         self.pipeline = pipeline
@@ -277,11 +279,13 @@ class PipelinedModule(ParallelModule):
 
     # ---- gradients and state ---------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        super().reduce_gradients()
+        """A parameter held by several stages first sums its stages' gradients, then the data-parallel reduction
+        (which may keep only this rank's ZeRO slice of it) runs after the schedule, not overlapped."""
         for fqn, group in self._shared_groups:
             p = self._params[self._key_of[fqn]]
             if p.grad is not None:
                 dist.all_reduce(p.grad._local_tensor, group=group)
+        super().reduce_gradients()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global gradient norm over every stage (a parameter held by several stages counted once);

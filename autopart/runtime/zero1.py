@@ -1,11 +1,13 @@
-"""ZeRO-1: optimizer states sharded over the ranks holding a parameter replicated (Megatron-LM's distributed
-optimizer, DeepSpeed stage 1).
+"""ZeRO-1 and ZeRO-2: optimizer states (and, for ZeRO-2, gradients) sharded over the ranks holding a parameter
+replicated (Megatron-LM's distributed optimizer, DeepSpeed stages 1 and 2).
 
-A parameter the plan marks ZeRO-1 (``plan.zero[fqn] == 1``) stays replicated for forward and backward and its
-gradient is all-reduced as in data parallelism. Its optimizer state covers only this rank's slice of the flat local
-tensor: with ``D`` ranks over the mesh axes it is replicated on (``planner.zero1_ways``) and ``N`` elements, rank
-``r`` (its mixed-radix index over those axes, outer axis first) owns elements ``[r*S, min((r+1)*S, N))`` with
-``S = ceil(N / D)``. Any ``N`` works: no tensor dimension has to divide by ``D``, which is what lets a 4096-wide
+A parameter the plan marks ZeRO-1 or ZeRO-2 (``plan.zero[fqn]`` 1 or 2) stays replicated for forward and backward;
+its gradient is reduce-scattered so that each rank receives the sum of its slice only (``runtime/grads.py``):
+ZeRO-1 keeps the whole gradient buffer (valid on the slice), ZeRO-2 frees it and keeps the slice in the slice
+leaf's ``.grad``. Its optimizer state covers only this rank's slice of the flat local tensor: with ``D`` ranks
+over the mesh axes it is replicated on (``planner.zero1_ways``) and ``N`` elements, rank ``r`` (its mixed-radix
+index over those axes, outer axis first) owns elements ``[r*S, min((r+1)*S, N))`` with ``S = ceil(N / D)``. Any
+``N`` works: no tensor dimension has to divide by ``D``, which is what lets a 4096-wide
 layer be sharded 48 ways.
 
 The optimizer is the user's class itself (``torch.optim.AdamW``...), built over the parameters that are not ZeRO-1
@@ -13,9 +15,10 @@ plus one leaf per ZeRO-1 slice, in a second parameter group. A slice leaf is a v
 storage, so the optimizer updates the parameter in place; no copy of the weights is kept. Two optimizer hooks
 (torch's ``register_step_pre_hook`` / ``register_step_post_hook``) do the rest:
 
-* before ``step``: each slice leaf's gradient is the matching view of the (reduced) parameter gradient;
+* before ``step``: each slice leaf's gradient is the matching view of the (reduced) parameter gradient (ZeRO-2:
+  the reduce-scatter already put it there);
 * after ``step``: every slice is all-gathered back, axis by axis, innermost first, into the whole parameter, and
-  the ZeRO-1 parameters' gradients are released (``opt.zero_grad`` does not see them).
+  the ZeRO-1/2 parameters' gradients are released (``opt.zero_grad`` does not see them).
 
 Because it is a genuine ``torch.optim.Optimizer``, LR schedulers, ``state_dict`` and ``load_state_dict`` (of this
 rank's slices) work unchanged. Gradient clipping goes through the module (``pm.clip_grad_norm_``) before ``step``.
@@ -55,15 +58,17 @@ def zero1_slice(numel: int, coords: list[int], sizes: list[int], axes: list[int]
 
 
 def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimizer:
-    """``cls`` over ``module``'s parameters with the plan's ZeRO-1 parameters replaced by this rank's slices."""
+    """``cls`` over ``module``'s parameters with the plan's ZeRO-1/2 parameters replaced by this rank's slices;
+    the module's gradient reduction reduce-scatters their gradients into the slices from then on."""
     zero = module.plan.zero
     groups = module._groups
     coords, sizes = module._coords, module._sizes
     plain: list[nn.Parameter] = []
     slices: list[_Slice] = []
+    by_key: dict[str, _Slice] = {}
     for fqn, key in module._key_of.items():
         p = module._params[key]
-        if zero.get(fqn) != 1 or not p.requires_grad:
+        if zero.get(fqn) not in (1, 2) or not p.requires_grad:
             plain.append(p)
             continue
         local = p.data._local_tensor if isinstance(p.data, DTensor) else p.data
@@ -74,6 +79,7 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
         start, end, size = zero1_slice(local.numel(), coords, sizes, axes)
         leaf = nn.Parameter(local.view(-1)[start:end])  # aliases the parameter's storage
         slices.append(_Slice(p, leaf, start, end, size, axes))
+        by_key[key] = slices[-1]
     param_groups: list[dict[str, Any]] = []
     if plain:
         param_groups.append({"params": plain})
@@ -82,9 +88,13 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
     opt = cls(param_groups, **kwargs)  # kwargs as ParallelModule.optimizer defaults them (foreach)
     if not slices:
         return opt
+    module._grads.attach(by_key)
+    scattered = {id(s) for k, s in by_key.items() if module._grads.scattered(k)}
 
     def pre_step(optimizer, args, kw) -> None:
         for s in slices:
+            if id(s) in scattered:  # ZeRO-2: the reduce-scatter accumulated the slice into the leaf
+                continue
             g = s.param.grad
             if g is None:
                 s.leaf.grad = None

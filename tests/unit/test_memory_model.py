@@ -8,7 +8,7 @@ import torch
 import autopart
 from autopart.cost import megatron_activation_bytes_per_layer, model_state_bytes
 from autopart.models import GPT, GPTConfig
-from autopart.planner import PlanOptions, make_plan
+from autopart.planner import BUCKET_BYTES, PlanOptions, make_plan
 from autopart.trace import trace
 
 
@@ -51,23 +51,28 @@ def test_activation_bytes_per_layer_match_k22(h, a):
 @pytest.mark.parametrize("d", [4, 64])
 def test_model_states_match_zero_table(d):
     """Model states per device for mixed-precision Adam (2 + 2 + 12 bytes per parameter) with parameters
-    replicated (ZeRO-0: 16 Psi), optimizer states sliced (ZeRO-1: 4 Psi + 12 Psi / d) and fully sharded (ZeRO-3:
-    16 Psi / d), as in REFERENCE.md's ZeRO table."""
+    replicated (ZeRO-0: 16 Psi), optimizer states sliced (ZeRO-1: 4 Psi + 12 Psi / d), optimizer states and
+    gradients sliced (ZeRO-2: 2 Psi + 14 Psi / d) and fully sharded (ZeRO-3: 16 Psi / d), as in REFERENCE.md's
+    ZeRO table."""
     traced = _meta_gpt(256, 4, layers=2, s=64, dropout=0.0)
     psi = sum(v.meta["val"].numel() for k, v in
               ((n.name, n) for n in traced.graph.nodes if n.op == "placeholder") if k in traced.params)
     cluster = autopart.preset("a100-80gb", (d,))
-    for zero, level in ((0, 0), (1, 1), (3, 3)):
+    for zero, level in ((0, 0), (1, 1), (2, 2), (3, 3)):
         plan = make_plan(traced, cluster, ("dp",), PlanOptions(roles={"dp": "dp"}, zero=zero, memory_limit=1e15,
                                                                optimizer_bytes_per_param=12.0))
         mem = plan.predicted["memory_bytes"]
         states = mem["parameters"] + mem["gradients"] + mem["optimizer_states"]
         # ZeRO-0 keeps every parameter whole; ZeRO-3 shards the ones whose dim 0 divides by d (d=64: a few biases
         # and norms of size 256 do; embeddings' 1024 rows do) -> compare on the parameters the plan sharded
-        # ZeRO-1 slices the flat optimizer states of every parameter d ways (no dimension needs to divide)
-        expect = model_state_bytes(psi, d if level in (1, 3) else 1, level, bytes_param=2, bytes_grad=2,
-                                   bytes_optim=12)
+        # ZeRO-1/2 slice the flat optimizer states (and gradients) of every parameter d ways (no dimension needs
+        # to divide)
+        expect = model_state_bytes(psi, d if level else 1, level, bytes_param=2, bytes_grad=2, bytes_optim=12)
         assert states == pytest.approx(expect, rel=0.01), (zero, states / psi, expect / psi)
+        if level == 2:  # end of backward: the gradient slices and one bucket of whole gradients in flight
+            whole = sum(mem[k] for k in ("parameters", "gradients", "optimizer_states", "buffers")) + \
+                min(BUCKET_BYTES, 2 * psi)
+            assert mem["peak_backward"] == pytest.approx(whole, rel=1e-6), (mem["peak_backward"], whole)
 
 
 @pytest.mark.parametrize("recompute,t", [("full", 8), ("full", 1)])

@@ -1,0 +1,330 @@
+"""Data-parallel gradient reduction: flat buckets launched from backward, overlapped with the rest of it.
+
+The gradients the plan marks as reduced (``plan.reduced``: a parameter replicated on a mesh axis whose users split
+the batch there) are summed over those axes in flat buckets of at most ``BUCKET_BYTES``. Buckets follow backward
+order (the reverse of each parameter's first use in forward) and hold parameters reduced over the same axes the
+same way. Outside pipelines a bucket is launched (``async_op=True``) from the post-accumulate-grad hook of its last
+parameter, so it runs while backward computes the rest; the end of backward waits for all of them (a callback
+queued on the autograd engine), so ``loss.backward()`` returns with reduced gradients. The reductions run on
+process groups of their own, one per set of mesh axes: forward and backward issue their collectives on the mesh's
+groups, and two threads issuing on one gloo group aborted a run.
+
+ZeRO-1 / ZeRO-2 parameters (``plan.zero`` 1 or 2) whose optimizer is ``ParallelModule.optimizer`` (which slices
+their optimizer states, ``runtime/zero1.py``) are reduce-scattered instead: each rank receives only the sum of its
+flat slice (``zero1.zero1_slice``). ZeRO-1 keeps the whole gradient buffer (``.grad``, valid on the rank's slice
+after reduction); ZeRO-2 frees ``.grad`` as soon as it is copied into its bucket and accumulates the slice into the
+optimizer's slice leaf, so only gradient slices (plus the buckets in flight) remain at the end of backward. With
+any other optimizer those parameters' gradients are all-reduced whole, which every optimizer can step.
+
+Pipelined modules reduce after their schedule (``post_backward`` below, the mesh's own groups, not overlapped): a
+schedule runs several micro-batches' backward per step and their collectives are its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopart import _torch_private as P
+
+BUCKET_BYTES = 25 * 2**20  # at most this many gradient bytes per flat reduction, as DDP's default
+
+# What the runtime overlaps, for the cost model: outside pipelines, bucket k (buckets in backward order, at most
+# BUCKET_BYTES each) starts when its last gradient is produced and runs concurrently with the rest of backward; the
+# step waits for all of them at the end of backward. Pipelined modules reduce after the schedule, not overlapped.
+OVERLAP_WITH_BACKWARD = True
+OVERLAP_IN_PIPELINE = False
+
+# reductions launched from gradient hooks while backward was still running / at the end of backward or after it
+STATS = {"launched_in_backward": 0, "launched_at_end": 0}
+
+
+@dataclass
+class _Entry:
+    """One reduced parameter."""
+
+    key: str
+    param: nn.Parameter
+    axes: tuple[int, ...]  # mesh axes its gradient is summed over
+    order: int  # position in backward order
+    slice: object = None  # zero1._Slice when reduce-scattered into this rank's slice (an attached ZeRO optimizer)
+    level: int = 0  # plan.zero level
+
+
+@dataclass
+class _Bucket:
+    entries: list[_Entry]
+    axes: tuple[int, ...]
+    scatter: bool
+    ready: set[str] = field(default_factory=set)
+    launched: bool = False
+    work: object = None
+    flat: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    grads: list = field(default_factory=list)  # (entry, local gradient) as copied into ``flat``
+
+
+def axes_groups(dm, axes_sets) -> dict[tuple[int, ...], object]:
+    """A new process group per set of mesh axes (this rank's), over the ranks that differ only on those axes,
+    ordered as the mixed-radix index over them (outer axis first). Every rank calls ``new_group`` for every group
+    of every set, in the same order, as torch requires."""
+    mesh = dm.mesh
+    me = dist.get_rank()
+    out = {}
+    for axes in sorted(set(axes_sets)):
+        rest = [i for i in range(mesh.dim()) if i not in axes]
+        cells = mesh.permute(*rest, *axes).reshape(-1, math.prod(mesh.shape[i] for i in axes))
+        for row in cells.tolist():
+            g = dist.new_group(row)
+            if me in row:
+                if dist.get_group_rank(g, me) != row.index(me):  # torch orders a group's ranks by global rank
+                    raise RuntimeError(f"gradient group {row} does not rank its members in mesh order; the device "
+                                       f"mesh must list ranks row-major (init_device_mesh does)")
+                out[axes] = g
+    return out
+
+
+class GradReducer:
+    """The reduction of one module's gradients (see the module docstring). ``overlap``: launch from backward on
+    dedicated groups; otherwise ``post_backward`` reduces on ``groups`` (the mesh's, one per axis)."""
+
+    def __init__(self, params: dict[str, nn.Parameter], reduced: dict[str, tuple[int, ...]], zero: dict[str, int],
+                 first_use: list[str], groups: list, coords: list[int], sizes: list[int], dm=None,
+                 overlap: bool = True) -> None:
+        self._groups, self._coords, self._sizes = groups, coords, sizes
+        order = {k: i for i, k in enumerate(reversed(first_use))}  # backward order: reverse of first use
+        # ZeRO-2 parameters whose gradient needs no sum (the graph reduced it already) only keep their slice
+        keys = [k for k in params if (k in reduced or zero.get(k) == 2) and params[k].requires_grad]
+        keys.sort(key=lambda k: order.get(k, len(order)))
+        self._entries = {k: _Entry(k, params[k], tuple(reduced.get(k, ())), i, level=zero.get(k, 0))
+                         for i, k in enumerate(keys)}
+        self._buckets: list[_Bucket] | None = None
+        self._bucket_of: dict[str, _Bucket] = {}
+        self.overlap = overlap and bool(self._entries) and dm is not None
+        self._own = axes_groups(dm, [e.axes for e in self._entries.values() if e.axes]) if self.overlap else {}
+        self._in_backward = False
+        self._held: dict[str, torch.Tensor] = {}
+        for k, e in self._entries.items():
+            e.param.register_post_accumulate_grad_hook(lambda p, k=k: self._on_grad(k))
+
+    # ---- ZeRO ----------------------------------------------------------------------------------------------
+    def attach(self, slices: dict[str, object]) -> None:
+        """The ZeRO optimizer's slices (parameter key -> ``zero1._Slice``): those parameters' gradients are
+        reduce-scattered into the slices from now on."""
+        for k, s in slices.items():
+            e = self._entries.get(k)
+            if e is None:
+                continue
+            if not set(e.axes) <= set(s.axes):
+                raise RuntimeError(f"parameter {k} is reduced over mesh axes {e.axes} but sliced over {s.axes}: "
+                                   f"a ZeRO parameter must be replicated where its gradient is summed")
+            e.slice = s
+        self._buckets = None
+
+    def scattered(self, key: str) -> bool:
+        """Whether ``key``'s gradient lands in its optimizer slice leaf (ZeRO-2) rather than in ``.grad``."""
+        e = self._entries.get(key)
+        return e is not None and e.slice is not None and e.level == 2
+
+    def sliced(self, key: str) -> bool:
+        """Whether ``key``'s gradient is reduced only on this rank's slice (ZeRO-1 and ZeRO-2 with their
+        optimizer): ``.grad`` outside the slice is not the sum."""
+        e = self._entries.get(key)
+        return e is not None and e.slice is not None
+
+    # ---- buckets -------------------------------------------------------------------------------------------
+    def _build(self) -> list[_Bucket]:
+        """Buckets in the order their last gradient arrives; each entry joins the open bucket of its kind (axes,
+        all-reduce or reduce-scatter over the same slice axes), closed when the next would pass BUCKET_BYTES."""
+        open_: dict[tuple, _Bucket] = {}
+        done: list[tuple[int, _Bucket]] = []
+        size: dict[tuple, int] = {}
+        for e in sorted(self._entries.values(), key=lambda e: e.order):
+            kind = (e.axes, tuple(e.slice.axes) if e.slice is not None else None)
+            nbytes = _local(e.param).nbytes
+            b = open_.get(kind)
+            if b is not None and size[kind] + nbytes > BUCKET_BYTES:
+                done.append((b.entries[-1].order, b))
+                b = None
+            if b is None:
+                b = open_[kind] = _Bucket([], e.axes, e.slice is not None)
+                size[kind] = 0
+            b.entries.append(e)
+            size[kind] += nbytes
+        done += [(b.entries[-1].order, b) for b in open_.values()]
+        buckets = [b for _, b in sorted(done, key=lambda x: x[0])]
+        self._bucket_of = {e.key: b for b in buckets for e in b.entries}
+        return buckets
+
+    def buckets(self) -> list[_Bucket]:
+        if self._buckets is None:
+            self._buckets = self._build()
+        return self._buckets
+
+    # ---- backward ------------------------------------------------------------------------------------------
+    def mark(self, outs):
+        """``outs`` (the program's outputs) through an identity whose backward starts the reduction: it runs
+        before any parameter's gradient is accumulated."""
+        if not self.overlap or not torch.is_grad_enabled():
+            return outs
+        flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        idx = [i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not idx:
+            return outs
+        marked = _BackwardStart.apply(self, *(flat[i] for i in idx))
+        for i, m in zip(idx, marked):
+            flat[i] = m
+        return type(outs)(flat) if isinstance(outs, (tuple, list)) else flat[0]
+
+    def begin_backward(self) -> None:
+        if self._in_backward:  # several outputs of one backward (two forwards summed)
+            return
+        self._in_backward = True
+        for b in self.buckets():
+            b.ready, b.launched, b.work, b.flat, b.out, b.grads = set(), False, None, None, None, []
+        self._held = {}
+        for k, e in self._entries.items():  # reduce only this backward's gradients; add the earlier ones after
+            if e.param.grad is not None:
+                self._held[k], e.param.grad = e.param.grad, None
+        P.queue_backward_callback(self._end_backward)
+
+    def _on_grad(self, key: str) -> None:
+        if not self._in_backward:
+            return
+        b = self._bucket_of[key]
+        b.ready.add(key)
+        for nb in self._buckets:  # launch in bucket order on every rank: the collectives must match
+            if nb.launched:
+                continue
+            if len(nb.ready) < len(nb.entries):
+                break
+            self._launch(nb, async_op=True)
+            STATS["launched_in_backward"] += 1
+
+    def _end_backward(self) -> None:
+        try:
+            for b in self._buckets:
+                if not b.launched:
+                    self._launch(b, async_op=True)
+                    STATS["launched_at_end"] += 1
+            for b in self._buckets:
+                self._finish(b)
+            for k, g in self._held.items():
+                p = self._entries[k].param
+                p.grad = g if p.grad is None else p.grad + g
+        finally:
+            self._held = {}
+            self._in_backward = False
+
+    def post_backward(self) -> None:
+        """Reduce the gradients there now (pipelines: after the schedule), on the mesh's groups, axis by axis."""
+        for b in self.buckets():
+            b.ready, b.launched, b.work, b.flat, b.out, b.grads = set(), False, None, None, None, []
+            self._launch(b, async_op=False)
+            self._finish(b)
+
+    # ---- one bucket ----------------------------------------------------------------------------------------
+    def _launch(self, b: _Bucket, async_op: bool) -> None:
+        b.launched = True
+        entries = [e for e in b.entries if e.param.grad is not None]
+        if not entries or not (b.axes or b.scatter):  # nothing to sum, nothing to slice
+            return
+        if not b.scatter:
+            grads = [P.dtensor_local(e.param.grad) for e in entries]
+            b.flat = torch.cat([g.reshape(-1) for g in grads])
+            b.grads = list(zip(entries, grads))
+            if async_op:
+                b.work = dist.all_reduce(b.flat, group=self._own[b.axes], async_op=True)
+            else:
+                for a in b.axes:
+                    dist.all_reduce(b.flat, group=self._groups[a])
+            return
+        # reduce-scatter: block r of the flat (r the mixed-radix index over the reduced axes, outer first) holds,
+        # per entry, the slice of the rank whose coordinates are r on those axes and this rank's elsewhere
+        s0 = b.entries[0].slice
+        red = list(b.axes)
+        n_red = math.prod(self._sizes[a] for a in red)
+        per = sum(e.slice.size for e in entries)
+        b.flat = flat = torch.zeros(n_red * per, dtype=_local(entries[0].param).dtype,
+                                    device=_local(entries[0].param).device)
+        ranks = []  # per block r: the slice index (mixed radix over the slice axes) it holds
+        for r in range(n_red):
+            coords, rem = list(self._coords), r
+            for a in reversed(red):
+                coords[a] = rem % self._sizes[a]
+                rem //= self._sizes[a]
+            ranks.append(_mixed_radix(coords, self._sizes, s0.axes))
+        off = 0
+        for e in entries:
+            g = P.dtensor_local(e.param.grad).reshape(-1)
+            for r, rank in enumerate(ranks):
+                start = min(rank * e.slice.size, g.numel())
+                end = min(start + e.slice.size, g.numel())
+                flat[r * per + off: r * per + off + end - start].copy_(g[start:end])
+            off += e.slice.size
+            if e.level == 2:  # ZeRO-2: only the slice stays; the whole gradient is in the bucket now
+                e.param.grad = None
+        b.grads = [(e, None) for e in entries]
+        if not red:  # sliced only
+            b.out = flat
+            return
+        if async_op:
+            b.out = torch.empty(per, dtype=flat.dtype, device=flat.device)
+            b.work = dist.reduce_scatter_tensor(b.out, flat, group=self._own[b.axes], async_op=True)
+            return
+        cur = flat
+        for a in red:  # outer axis first: each step keeps this rank's share of the blocks
+            out = torch.empty(cur.numel() // self._sizes[a], dtype=cur.dtype, device=cur.device)
+            dist.reduce_scatter_tensor(out, cur, group=self._groups[a])
+            cur = out
+        b.out = cur
+
+    def _finish(self, b: _Bucket) -> None:
+        if b.work is not None:
+            b.work.wait()
+        if not b.scatter:
+            off = 0
+            for _, g in b.grads:
+                g.copy_(b.flat[off: off + g.numel()].view_as(g))
+                off += g.numel()
+        else:
+            off = 0
+            for e, _ in b.grads:
+                s = e.slice
+                part = b.out[off: off + s.end - s.start]
+                off += s.size
+                if e.level == 2:
+                    s.leaf.grad = part.clone() if s.leaf.grad is None else s.leaf.grad.add_(part)
+                else:  # ZeRO-1: the reduced slice back into the whole gradient buffer
+                    P.dtensor_local(e.param.grad).view(-1)[s.start:s.end].copy_(part)
+        b.work, b.flat, b.out, b.grads = None, None, None, []
+
+
+def _mixed_radix(coords: list[int], sizes: list[int], axes) -> int:
+    rank = 0
+    for a in axes:
+        rank = rank * sizes[a] + coords[a]
+    return rank
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return P.dtensor_local(p) if hasattr(p, "placements") else p
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the program's outputs; its backward runs first in backward and starts the reduction."""
+
+    @staticmethod
+    def forward(ctx, reducer: GradReducer, *outs: torch.Tensor):
+        ctx.reducer = reducer
+        ctx.set_materialize_grads(False)
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.reducer.begin_backward()
+        return (None, *grads)
