@@ -1399,18 +1399,32 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
-                     edges: list[tuple[int, int, np.ndarray]], limit, max_steps: int = 10_000
-                     ) -> list[int] | None:
+                     edges: list[tuple[int, int, np.ndarray]], limit, max_steps: int = 10_000,
+                     edge_memory: list[np.ndarray | None] | None = None) -> list[int] | None:
     """A feasible warm start for the memory-bounded solve: from ``choice``, repeatedly switch the one group whose
     switch removes excess memory at the least added time per byte (node cost and incident edges), until every
-    memory row fits. ``mem`` entries are (K,) or (K, R); ``limit`` a number or one per row. Returns None when it
-    gets stuck (the solver then starts cold)."""
+    memory row fits. ``mem`` entries are (K,) or (K, R); ``limit`` a number or one per row; ``edge_memory`` (one
+    per edge, (Ka, Kb, R) or None) the bytes that depend on an edge's pair of options, which a switch changes with
+    the neighbours' options held. Returns None when it gets stuck (the solver then starts cold)."""
     mem = [m[:, None] if m.ndim == 1 else m for m in mem]
     limit = np.broadcast_to(np.asarray(limit, dtype=float), (mem[0].shape[1],)) if mem else np.zeros(1)
     adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
-    for u, v, m in edges:
+    madj: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # group -> (other end, (K_g, K_other, R))
+    for e, (u, v, m) in enumerate(edges):
         adj[u].append((v, m, True))
         adj[v].append((u, m, False))
+        em = edge_memory[e] if edge_memory is not None else None
+        if em is not None:
+            em = em[:, :, None] if em.ndim == 2 else em
+            madj[u].append((v, em))
+            madj[v].append((u, em.transpose(1, 0, 2)))
+
+    def edge_mem_of(g: int) -> np.ndarray:
+        """(K_g, R): the edge memory incident to g for each of its options, neighbours as chosen."""
+        out = np.zeros_like(mem[g])
+        for other, em in madj[g]:
+            out = out + em[:, choice[other]]
+        return out
 
     def local_cost(g: int, a: int) -> float:
         t = float(cost[g][a])
@@ -1422,14 +1436,16 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
         return float(np.maximum(used - limit, 0.0).sum())
 
     used = sum(m[c] for m, c in zip(mem, choice))
+    for u, v, em in ((u, v, em) for (u, v, _), em in zip(edges, edge_memory or [None] * len(edges)) if em is not None):
+        used = used + (em[:, :, None] if em.ndim == 2 else em)[choice[u], choice[v]]
     for _ in range(max_steps):
         over = excess(used)
         if over <= 0:
             return choice
         best = None
         for g in range(len(choice)):
-            cur = mem[g][choice[g]]
-            delta = mem[g] - cur  # (K, R): the change of every row if g switched
+            full = mem[g] + edge_mem_of(g) if madj[g] else mem[g]
+            delta = full - full[choice[g]]  # (K, R): the change of every row if g switched
             gain = over - np.maximum(used + delta - limit, 0.0).sum(axis=1)
             better = np.nonzero(gain > 0)[0]
             if not len(better):
@@ -1445,7 +1461,8 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
         if best is None:
             return None
         _, g, a = best
-        used = used + mem[g][a] - mem[g][choice[g]]
+        full = mem[g] + edge_mem_of(g) if madj[g] else mem[g]
+        used = used + full[a] - full[choice[g]]
         choice[g] = a
     return None
 
