@@ -18,9 +18,13 @@ def sp_pins(name: str) -> dict[str, str]:
     from autopart.trace import trace
 
     ids = batches()[0]
-    t = trace(make_model(name), (ids,), {"labels": ids})
+    return sequence_pins(trace(make_model(name), (ids,), {"labels": ids}).graph)
+
+
+def sequence_pins(graph) -> dict[str, str]:
+    """``sp_pins`` of a traced graph (``benchmarks/bench_memory.py`` pins its GPT with it)."""
     pins = {}
-    for n in t.graph.nodes:
+    for n in graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         in_block = any(".blocks." in f".{path}." or path.startswith("blocks.") for path, _ in stack.values())
         op = str(n.target)
