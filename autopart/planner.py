@@ -25,7 +25,9 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
   reduced after backward in buckets instead (data-parallel gradient reduction), priced the same way.
 * memory per device: parameters + gradients + optimizer states (Adam: 2 states of the parameter's dtype... taken
   as ``optimizer_bytes_per_param``) for the local shard, plus the local bytes of every activation kept for
-  backward.
+  backward. An activation all-gathered for a user that saves it (S(d) -> R before a column-parallel matmul under
+  sequence parallelism) is kept as the shard and gathered again in backward (``regather_spec``): its bytes and the
+  backward all-gather depend on both ends' options, an edge memory term of the ILP and an edge cost.
 """
 
 from __future__ import annotations
