@@ -25,7 +25,9 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
   reduced after backward in buckets instead (data-parallel gradient reduction), priced the same way.
 * memory per device: parameters + gradients + optimizer states (Adam: 2 states of the parameter's dtype... taken
   as ``optimizer_bytes_per_param``) for the local shard, plus the local bytes of every activation kept for
-  backward.
+  backward. An activation all-gathered for a user that saves it (S(d) -> R before a column-parallel matmul under
+  sequence parallelism) is kept as the shard and gathered again in backward (``regather_spec``): its bytes and the
+  backward all-gather depend on both ends' options, an edge memory term of the ILP and an edge cost.
 """
 
 from __future__ import annotations
@@ -212,6 +214,33 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     return total
 
 
+def regather_spec(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape) -> tuple | None:
+    """The layout an activation is kept in for backward when its consumer saves it gathered: if the conversion
+    ``src -> dst`` ends in an all-gather (its last step that moves data), the runtime
+    (``runtime.collectives.all_gather_activation``) keeps that all-gather's input, this spec, and gathers again
+    in backward (Megatron sequence parallelism, K22 §4.2.2); None when the conversion ends otherwise."""
+    steps = conversion_steps(src, dst, split, needs_grad, mesh_shape)
+    moving = [st for st in steps or () if st.fwd != "none"]  # "none": a view of its input, the same storage
+    if not moving or moving[-1].fwd != "all_gather":
+        return None
+    spec = list(src)
+    for st in moving[:-1]:
+        spec[st.axis] = st.dst
+    return tuple(spec)
+
+
+def regather_time(val: torch.Tensor, kept, dst, cluster: Cluster) -> float:
+    """Backward's second all-gather of an activation kept as ``kept`` (``regather_spec``) for a consumer that
+    uses it as ``dst``: the last all-gather of the conversion again (the one axis where the two differ). The
+    runtime gathers once for all the users that save the one gathered tensor; callers share this time among the
+    value's saving users as they share its bytes (exact when they all take the same conversion)."""
+    axis = next(i for i, (a, b) in enumerate(zip(kept, dst)) if a != b)
+    full = list(kept)
+    full[axis] = Replicate()
+    return collective_time("all_gather", _local_bytes(val, full, cluster.mesh_shape), cluster.mesh_shape[axis],
+                           cluster.link(axis))
+
+
 @dataclass
 class Graphinfo:
     """Per node: options, whether real rules made them, whether its value needs a gradient, its layer."""
@@ -387,6 +416,16 @@ def _saves(node: fx.Node) -> tuple[bool, bool]:
     return (t in _SAVES_INPUTS or t not in _SAVES_OUTPUT), t in _SAVES_OUTPUT
 
 
+def regathered_input(node: fx.Node, j: int, info: Graphinfo) -> bool:
+    """Whether input ``j`` of ``node``, reaching it through an all-gather, is kept for backward as the all-gather's
+    input and gathered again there (``regather_spec``): an activation that needs a gradient, which the node saves
+    (cross-entropy's saved bytes are its own, see ``saved_bytes``)."""
+    a = tensor_inputs(node)[j]
+    u, _ = _producer(a)
+    return (info.kind.get(u.name) == "op" and info.needs_grad.get(u.name, False) and _saves(node)[0]
+            and node.target != aten.cross_entropy_loss.default and value_of(a).dtype.is_floating_point)
+
+
 def _saving_users(info: Graphinfo) -> dict[str, int]:
     """How many nodes save each value for backward (a value saved by three users is one tensor in memory; so is
     an output its producer saves and a user saves as its input, as attention's output and the projection after)."""
@@ -407,7 +446,9 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
     """Bytes this node's backward keeps from forward under ``option`` (the activation memory model).
 
     Inputs it saves count in the layout it consumes them in (a gathered input is saved gathered), shared among
-    the users that save the same value; parameters are not counted here (model states are). Cross-entropy keeps
+    the users that save the same value; parameters are not counted here (model states are). An activation the
+    runtime keeps sharded and gathers again in backward (``regather_spec``) depends on its producer's option too:
+    the difference is an edge term (``Problem.edge_saved``). Cross-entropy keeps
     its log-probabilities and, at the start of backward where the peak is, two more logits-sized temporaries.
     """
     save_in, save_out = _saves(node)
@@ -597,6 +638,11 @@ class Problem:
     # what full / selective recompute still keeps of a node's saved bytes: inputs from outside the layer / region
     keep_full: list[np.ndarray] = field(default_factory=list)
     keep_selective: list[np.ndarray] = field(default_factory=list)
+    # per edge (u group, v group) whose consumer keeps a gathered activation as its shard (``regather_spec``):
+    # (shard bytes, gathered bytes the consumer's node term counts), both (Ku, Kv) and scaled like the edge cost, and
+    # whether the value is kept under full / selective recompute of the consumer's layer (it comes from outside
+    # the recomputed region); ``edge_memory_rows`` turns them into the ILP's edge memory
+    edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = field(default_factory=dict)
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -725,19 +771,49 @@ def apply_checkpoint(prob: Problem, modes: dict[str, str]) -> tuple[list[np.ndar
     Tied groups are scaled by the share of their members' layers in each mode."""
     cost = [c.copy() for c in prob.node_cost]
     mem = [m.copy() for m in prob.node_memory]
-    for gid, members in enumerate(prob.groups):
-        reg = prob.region[gid]
-        if not reg or reg == "layer_output":
-            continue
-        k = len(members)
-        full = sum(1 for n in members if modes.get(prob.info.layer[n]) == "full") / k
-        sel = sum(1 for n in members if modes.get(prob.info.layer[n]) == "selective" and reg == "attention") / k
+    for gid in range(len(prob.groups)):
+        full, sel = _checkpoint_shares(prob, gid, modes)
         if full or sel:
             keep_f = prob.keep_full[gid] if prob.keep_full else 0.0
             keep_s = prob.keep_selective[gid] if prob.keep_selective else 0.0
             mem[gid] = mem[gid] * (1 - full - sel) + keep_f * full + keep_s * sel
             cost[gid] = cost[gid] + prob.fwd_compute[gid] * (full + sel)
     return cost, mem
+
+
+def _checkpoint_shares(prob: Problem, gid: int, modes: dict[str, str]) -> tuple[float, float]:
+    """The shares of group ``gid``'s members recomputed under full / selective checkpointing (``modes``)."""
+    reg = prob.region[gid]
+    if not modes or not reg or reg == "layer_output":
+        return 0.0, 0.0
+    members = prob.groups[gid]
+    full = sum(1 for n in members if modes.get(prob.info.layer[n]) == "full") / len(members)
+    sel = sum(1 for n in members if modes.get(prob.info.layer[n]) == "selective" and reg == "attention") \
+        / len(members)
+    return full, sel
+
+
+def edge_memory_rows(prob: Problem, keys: list[tuple[int, int]], modes: dict[str, str], offload: frozenset,
+                     cluster: Cluster) -> list[np.ndarray | None]:
+    """Per edge of ``keys``, its bytes on ``MEMORY_ROWS`` as (Ku, Kv, 2), or None: an activation the consumer
+    keeps as its shard and gathers again in backward (``Problem.edge_saved``) holds the shard where the consumer's
+    node term counted it gathered, at the end of forward. Under checkpointing this applies as far as the consumer
+    still keeps the value (``apply_checkpoint``'s shares); with activations offloaded the node term is gone and the
+    shard stays on the device (the runtime's saved-tensor hook keeps it rather than offload it)."""
+    out: list[np.ndarray | None] = []
+    offloaded = "activations" in offload and cluster.device.name != "cpu"
+    for key in keys:
+        rec = prob.edge_saved.get(key)
+        if rec is None:
+            out.append(None)
+            continue
+        shard, gathered, outside_full, outside_sel = rec
+        full, sel = _checkpoint_shares(prob, key[1], modes)
+        kept = (1 - full - sel) + full * outside_full + sel * outside_sel
+        em = np.zeros(shard.shape + (len(MEMORY_ROWS),))
+        em[:, :, 0] = (shard if offloaded else shard - gathered) * kept
+        out.append(em)
+    return out
 
 
 def _tie_groups(info: Graphinfo, enabled: bool) -> tuple[list[list[str]], dict[str, int], int]:
@@ -901,6 +977,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         keep_selective.append(ksel * k)
         region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
+    edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
     for v in info.nodes:
         if info.kind[v.name] != "op":
             continue
@@ -931,6 +1008,10 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             scatters = [ao.tag in ("zero1", "zero2") for ao in uopts]  # gradient reduce-scattered into slices
             src_keys = list(zip(src_ids, regathers, scatters))
             fixed_kinds = set(src_fixed) if fixed_axes else set()
+            kept_sharded = regathered_input(v, j, info)
+            if kept_sharded:
+                shard_b, gathered_b = np.zeros_like(mat), np.zeros_like(mat)
+                share = max(1, saving_users.get(a.name, 1))
             for bi, bo in enumerate(vopts):
                 dst = bo.inputs[j]
                 dst_id = spec_ids.setdefault(dst, len(spec_ids))
@@ -951,12 +1032,29 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     if t is None:
                         t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                         regather=regathers[ai], scatter_grad=scatters[ai])
+                    if kept_sharded:  # saved as its shard, gathered again in backward
+                        rk = (vkey, src_ids[ai], dst_id, split, "regather")
+                        hit = cache.get(rk)
+                        if hit is None:
+                            kept = regather_spec(srcs[ai], dst, split, g, mesh)
+                            hit = cache[rk] = (0.0, 0.0, 0.0) if kept is None else (
+                                regather_time(val, kept, dst, cluster), _local_bytes(val, kept, mesh),
+                                _local_bytes(val, dst, mesh))
+                        t += hit[0] / share
+                        shard_b[ai, bi], gathered_b[ai, bi] = hit[1] / share, hit[2] / share
                     col.append(t)
                 mat[:, bi] = col
             scale = scales[gv]
             edges[key] = edges.get(key, 0) + mat * scale
+            if kept_sharded and gathered_b.any():
+                lay = info.layer.get(v.name)
+                outside_full = bool(lay) and info.layer.get(u.name) != lay
+                outside_sel = bool(lay) and (info.layer.get(u.name) != lay or
+                                             _region(u, info, last_of_layer) != "attention")
+                s0, g0, _, _ = edge_saved.get(key, (0.0, 0.0, False, False))
+                edge_saved[key] = (s0 + shard_b * scale, g0 + gathered_b * scale, outside_full, outside_sel)
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region, grad_memory, bucket_memory, scales, gathered_memory, keep_full, keep_selective)
+                   region, grad_memory, bucket_memory, scales, gathered_memory, keep_full, keep_selective, edge_saved)
 
 
 # The two moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
@@ -1261,7 +1359,21 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     names = [",".join(g[:2]) + (f",+{len(g) - 2}" if len(g) > 2 else "") for g in groups]
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     edge_list = [(u, v, m) for (u, v), m in prob.edges.items() if u != v]
+    edge_keys = [(u, v) for (u, v) in prob.edges if u != v]
     self_edges = [(u, np.diag(m)) for (u, v), m in prob.edges.items() if u == v]
+    self_keys = [(u, v) for (u, v) in prob.edges if u == v and (u, v) in prob.edge_saved]
+
+    def memory_model(modes: dict[str, str], offload: frozenset, mem: list[np.ndarray]):
+        """The ILP's node memory rows (self-edges' terms on their diagonal) and edge memory for these modes."""
+        rows = memory_rows(prob, mem)
+        for key, em in zip(self_keys, edge_memory_rows(prob, self_keys, modes, offload, cluster), strict=True):
+            rows[key[0]] = rows[key[0]] + em[np.arange(len(em)), np.arange(len(em))]
+        return rows, edge_memory_rows(prob, edge_keys, modes, offload, cluster)
+
+    def edge_bytes(emem: list[np.ndarray | None], choice) -> np.ndarray:
+        """Edge memory of a choice on every row."""
+        return sum((em[choice[u], choice[v]] for (u, v, _), em in zip(edge_list, emem, strict=True)
+                    if em is not None), np.zeros(len(MEMORY_ROWS)))
     layers = sorted({lay for lay in info.layer.values() if lay})
     forced = _forced_checkpoint(opts, info)
     forced_off = _forced_offload(opts)
@@ -1297,26 +1409,27 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             # two memory rows, the two moments the plan's peak is the larger of: the end of forward (states,
             # gathered parameters, saved activations, one recomputed layer) and the end of backward (states,
             # gradients, one reduction bucket)
-            rows = memory_rows(prob, mem)
+            rows, emem = memory_model(modes, offload, mem)
             base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0])
             base[0] += working  # forward-only: the live inputs and output of the largest op (nothing is saved)
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
             elif bounded and sol0 is not None:  # repair the free optimum greedily into the budget
-                hint = repair_to_budget(list(sol0.choice), with_self, rows, edge_list, limit - base)
+                hint = repair_to_budget(list(sol0.choice), with_self, rows, edge_list, limit - base,
+                                        edge_memory=emem)
             if hint is None:
                 hint = warm_hint
             for _ in range(3 if bounded else 1):
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
-                                       hint=hint, memory_labels=list(MEMORY_ROWS)), sopts)
+                                       hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
                 grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
                 need = np.array([recompute_of(sol.choice), min(BUCKET_BYTES, grads)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
                 base = np.maximum(base, need)
-            results[label] = (sol, modes, cost, mem, offload, ckpt_mem)
+            results[label] = (sol, modes, cost, mem, offload, ckpt_mem, edge_bytes(emem, sol.choice))
         except InfeasibleError as exc:
             errors[label] = exc
 
@@ -1333,9 +1446,9 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"for batch-sharded values): {', '.join(unsupported)}; register one with "
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
-    sol0, modes0, _, mem0, _, ckpt0 = results[first]
+    sol0, modes0, _, mem0, off0, ckpt0, ebytes0 = results[first]
     bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
-    row0 = max(sum(r[c] for r, c in zip(memory_rows(prob, mem0), sol0.choice)) +
+    row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
                np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0]))
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
@@ -1386,7 +1499,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             f"roles that shard more (zero=3, a tensor-parallel axis)."
         ) from exc
     label = min(results, key=lambda k: results[k][0].objective)
-    sol, modes, cost, mem, offload, ckpt_mem = results[label]
+    sol, modes, cost, mem, offload, ckpt_mem, ebytes = results[label]
     chosen: dict[str, OpOption] = {}
     for gid, members in enumerate(groups):
         for name in members:
@@ -1397,6 +1510,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                                compute_cost=[c + (cost[g] - prob.node_cost[g])
                                              for g, c in enumerate(prob.compute_cost)])
     timings["checkpoint_choice"] = label
+    timings["regathered_bytes"] = float(ebytes[0])  # edge memory: shards kept for backward less what nodes count
     return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload, recompute)
 
 
@@ -1429,7 +1543,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             memory["activations" if kind == "op" else "buffers"] += m
     comm_total = 0.0
     collectives = []
-    seen_conversions: set = set()
+    seen_conversions: dict = {}
+    users = _saving_users(info)
+    offloaded = "activations" in offload and cluster.device.name != "cpu"
     for n in info.nodes:
         o = chosen[n.name]
         gid = prob.group_of[n.name]
@@ -1479,9 +1595,25 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             pr = param_reduced_axes(u, chosen, info, mesh) if info.kind[u.name] == "param" else ()
             g = info.needs_grad[u.name]
             key = (a.name, spec_str(o.inputs[j]), split if g else None)
+            kept = regather_spec(src, o.inputs[j], split, g, mesh) if regathered_input(n, j, info) else None
+            if kept is not None:  # n keeps the shard; its backward gathers again (priced apart from the record)
+                share = max(1, users.get(a.name, 1))
+                rg_t = regather_time(value_of(a), kept, o.inputs[j], cluster) / share
+                comm_total += rg_t
+                held = _local_bytes(value_of(a), kept, mesh) / share
+                counted = _local_bytes(value_of(a), o.inputs[j], mesh) / share
+                mode, reg = checkpoint.get(info.layer[n.name]), prob.region[gid]
+                if (mode == "full" and reg not in ("", "layer_output")) or (mode == "selective" and reg == "attention"):
+                    ureg = prob.region[prob.group_of[u.name]]
+                    held, counted = (held, counted) if info.layer[u.name] != info.layer[n.name] or (
+                        mode == "selective" and ureg != "attention") else (0.0, 0.0)
+                nodes[n.name]["memory_bytes"] += held - (0.0 if offloaded else counted)
             if key in seen_conversions:  # the runtime converts a value once per distinct target and reuses it
+                if kept is not None:
+                    seen_conversions[key]["regather"] = seen_conversions[key].get("regather", 0) + 1
+                    seen_conversions[key]["regather_s"] = seen_conversions[key].get("regather_s", 0.0) + rg_t
                 continue
-            seen_conversions.add(key)
+            seen_conversions[key] = {}
             steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
             t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
                                 regather=chosen[u.name].tag == "zero3")
@@ -1489,6 +1621,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
                                     "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t})
+                seen_conversions[key] = collectives[-1]
+                if kept is not None:  # how many users keep the shard and gather it again in backward, and the time
+                    collectives[-1] |= {"regather": 1, "regather_s": rg_t}
     # collectives inside nodes' own lowerings and on graph outputs (vocab-parallel cross-entropy's all-reduces,
     # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
@@ -1534,6 +1669,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         memory["activations"] -= memory["kv_cache"]
     if not any(info.needs_grad.values()):
         memory["activations"] += inference_working_bytes(info)
+    # shards kept for backward in place of the gathered activations the node terms count (the ILP's edge memory)
+    memory["activations"] += timings.get("regathered_bytes", 0.0)
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
         memory.get("kv_cache", 0.0)
     bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
@@ -1567,18 +1704,32 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
-                     edges: list[tuple[int, int, np.ndarray]], limit, max_steps: int = 10_000
-                     ) -> list[int] | None:
+                     edges: list[tuple[int, int, np.ndarray]], limit, max_steps: int = 10_000,
+                     edge_memory: list[np.ndarray | None] | None = None) -> list[int] | None:
     """A feasible warm start for the memory-bounded solve: from ``choice``, repeatedly switch the one group whose
     switch removes excess memory at the least added time per byte (node cost and incident edges), until every
-    memory row fits. ``mem`` entries are (K,) or (K, R); ``limit`` a number or one per row. Returns None when it
-    gets stuck (the solver then starts cold)."""
+    memory row fits. ``mem`` entries are (K,) or (K, R); ``limit`` a number or one per row; ``edge_memory`` (one
+    per edge, (Ka, Kb, R) or None) the bytes that depend on an edge's pair of options, which a switch changes with
+    the neighbours' options held. Returns None when it gets stuck (the solver then starts cold)."""
     mem = [m[:, None] if m.ndim == 1 else m for m in mem]
     limit = np.broadcast_to(np.asarray(limit, dtype=float), (mem[0].shape[1],)) if mem else np.zeros(1)
     adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
-    for u, v, m in edges:
+    madj: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # group -> (other end, (K_g, K_other, R))
+    for e, (u, v, m) in enumerate(edges):
         adj[u].append((v, m, True))
         adj[v].append((u, m, False))
+        em = edge_memory[e] if edge_memory is not None else None
+        if em is not None:
+            em = em[:, :, None] if em.ndim == 2 else em
+            madj[u].append((v, em))
+            madj[v].append((u, em.transpose(1, 0, 2)))
+
+    def edge_mem_of(g: int) -> np.ndarray:
+        """(K_g, R): the edge memory incident to g for each of its options, neighbours as chosen."""
+        out = np.zeros_like(mem[g])
+        for other, em in madj[g]:
+            out = out + em[:, choice[other]]
+        return out
 
     def local_cost(g: int, a: int) -> float:
         t = float(cost[g][a])
@@ -1590,14 +1741,16 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
         return float(np.maximum(used - limit, 0.0).sum())
 
     used = sum(m[c] for m, c in zip(mem, choice))
+    for u, v, em in ((u, v, em) for (u, v, _), em in zip(edges, edge_memory or [None] * len(edges)) if em is not None):
+        used = used + (em[:, :, None] if em.ndim == 2 else em)[choice[u], choice[v]]
     for _ in range(max_steps):
         over = excess(used)
         if over <= 0:
             return choice
         best = None
         for g in range(len(choice)):
-            cur = mem[g][choice[g]]
-            delta = mem[g] - cur  # (K, R): the change of every row if g switched
+            full = mem[g] + edge_mem_of(g) if madj[g] else mem[g]
+            delta = full - full[choice[g]]  # (K, R): the change of every row if g switched
             gain = over - np.maximum(used + delta - limit, 0.0).sum(axis=1)
             better = np.nonzero(gain > 0)[0]
             if not len(better):
@@ -1613,7 +1766,8 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
         if best is None:
             return None
         _, g, a = best
-        used = used + mem[g][a] - mem[g][choice[g]]
+        full = mem[g] + edge_mem_of(g) if madj[g] else mem[g]
+        used = used + full[a] - full[choice[g]]
         choice[g] = a
     return None
 

@@ -52,6 +52,10 @@ CONFIGS = {
     "dp2+ckpt-sel": ((2,), ("dp",), {"dp": "dp"}, {"checkpoint": "selective"}),
     "tp2+ckpt-full": ((2,), ("tp",), {"tp": "tp"}, {"checkpoint": "full"}),
     "tp2+ckpt-sel": ((2,), ("tp",), {"tp": "tp"}, {"checkpoint": "selective"}),
+    # Megatron sequence parallelism: norms and residual adds of every block pinned S(1) ("pins": "sp", resolved
+    # on the traced graph by tests/multiproc/test_sequence_parallel.sequence_pins)
+    "tp2+sp": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp"}),
+    "tp2+sp+ckpt-sel": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp", "checkpoint": "selective"}),
     "dp2+zero1": ((2,), ("dp",), {"dp": "dp"}, {"zero": 1}),
     "dp2+zero2": ((2,), ("dp",), {"dp": "dp"}, {"zero": 2}),
     "dp2+zero3": ((2,), ("dp",), {"dp": "dp"}, {"zero": 3}),
@@ -102,6 +106,12 @@ def _rank(name: str, detail: bool, plan_json: str | None = None, budget: float |
     else:
         shape, names, roles, kw = CONFIGS[name]
     model, ids = _model_and_ids()
+    if kw.get("pins") == "sp":
+        from test_sequence_parallel import sequence_pins
+
+        from autopart.trace import trace
+
+        kw = {**kw, "pins": sequence_pins(trace(model, (ids,), {"labels": ids}).graph)}
     try:
         pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, roles=roles, **kw)
     except (TypeError, ValueError, NotImplementedError) as exc:

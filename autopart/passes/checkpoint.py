@@ -18,8 +18,9 @@ Policy (``_regions``), which nodes a layer's region holds:
   ``self_attn``, ``attention``, ...; ``attn_norm`` is not one). That run holds the q/k/v/o projections as well as
   the core attention (Korthikanti et al. 2022 recompute only the core): it saves the projections' outputs too, at
   the price of recomputing their matmuls. Conversions feeding the first attention node (e.g. the tensor-parallel
-  copy before the q projection) lie before the run and stay outside; the all-reduce after the o projection belongs
-  to its user, the residual add, and stays outside too.
+  copy before the q projection) lie before the run and stay outside, except a sequence-parallel all-gather used
+  only by the run, which joins it (the region keeps its shard, not the gathered input); the all-reduce after the o
+  projection belongs to its user, the residual add, and stays outside too.
 
 Mechanism: ``torch.fx.passes.utils.fuser_utils.fuse_as_graphmodule`` extracts each region (its outside users become
 the region's outputs); the region's place in the graph takes a ``call_function`` to ``checkpointed`` (plus a
@@ -97,7 +98,13 @@ def _regions(gm: fx.GraphModule, plan) -> list[tuple[str, list[fx.Node]]]:
         mode = plan.checkpoint.get(lay) if lay else None
         if mode == "selective":
             idx = [i for i, n in enumerate(nodes) if _is_attention(n)]
-            nodes = nodes[idx[0]: idx[-1] + 1] if idx else []
+            lo = idx[0] if idx else 0
+            # a sequence-parallel all-gather feeding only the run joins it: the region then keeps the shard and
+            # gathers again as it recomputes, as the all-gather alone would (planner.regather_spec)
+            while idx and lo > 0 and nodes[lo - 1].target is C.all_gather_activation and \
+                    set(nodes[lo - 1].users) <= set(nodes[lo: idx[-1] + 1]):
+                lo -= 1
+            nodes = nodes[lo: idx[-1] + 1] if idx else []
         elif mode != "full":
             nodes = []
         if nodes:

@@ -40,6 +40,9 @@ def _emit(graph: fx.Graph, value: fx.Node, src: Spec, dst: Spec, split, needs_gr
             cur = graph.call_function(C.grad_all_reduce, (cur, st.axis))
         elif st.fwd == "all_gather" and value.meta.get("autopart.regather"):
             cur = graph.call_function(C.all_gather_param, (cur, st.axis, a.dim, st.bwd))
+        elif st.fwd == "all_gather" and needs_grad and value.op == "call_function":
+            # an activation: a user that saves it gathered keeps the shard (autopart.planner.regather_spec)
+            cur = graph.call_function(C.all_gather_activation, (cur, st.axis, a.dim, st.bwd))
         elif st.fwd == "all_gather":
             cur = graph.call_function(C.all_gather, (cur, st.axis, a.dim, st.bwd))
         elif st.fwd == "all_reduce":

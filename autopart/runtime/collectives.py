@@ -172,30 +172,58 @@ def all_gather(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
     return _AllGather.apply(x, axis, dim, bwd)
 
 
-_REGATHER: dict[int, tuple] = {}  # id(gathered tensor) -> (shard, axis, dim) while the gathered tensor lives
+class _Kept:
+    """The shard of one gathered tensor, shared by every saved use of it. Activations (``shared``) are gathered
+    once in backward for all their saved uses (Q, K and V projections of one input): the first unpack gathers, the
+    gathered tensor is held until the last of the ``uses`` packed is unpacked (a use never unpacked keeps it until
+    the graph is freed)."""
+
+    __slots__ = ("shard", "ax", "dim", "stat", "shared", "uses", "full")
+
+    def __init__(self, shard, ax, dim, stat, shared) -> None:
+        self.shard, self.ax, self.dim, self.stat, self.shared = shard, ax, dim, stat, shared
+        self.uses, self.full = 0, None
+
+
+_REGATHER: dict[int, _Kept] = {}  # storage of a gathered tensor -> its shard, while the gathered tensor lives
+
+
+def _regathered(x: torch.Tensor, axis: int, dim: int, bwd: str, stat: str) -> torch.Tensor:
+    """``all_gather`` whose output, if autograd saves it (or a view of it) for backward, ``saved_tensor_hooks``
+    keeps as the shard ``x`` and gathers again when backward needs it."""
+    out = _AllGather.apply(x, axis, dim, bwd)
+    if torch.is_grad_enabled():
+        key = out.untyped_storage().data_ptr()  # views of it (a transposed weight) share the storage
+        _REGATHER[key] = _Kept(x.detach(), Ax(axis), dim, stat, shared=stat == "activations")
+        weakref.finalize(out, _REGATHER.pop, key, None)
+    return out
 
 
 def all_gather_param(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
     """``all_gather`` of a ZeRO-3 parameter shard: when autograd saves the gathered tensor for backward,
     ``saved_tensor_hooks`` keeps the shard instead and gathers again when backward needs it."""
-    out = _AllGather.apply(x, axis, dim, bwd)
-    if torch.is_grad_enabled():
-        key = out.untyped_storage().data_ptr()  # views of it (a transposed weight) share the storage
-        _REGATHER[key] = (x.detach(), Ax(axis), dim)
-        weakref.finalize(out, _REGATHER.pop, key, None)
-    return out
+    return _regathered(x, axis, dim, bwd, "packed")
+
+
+def all_gather_activation(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
+    """``all_gather`` of an activation shard (Megatron sequence parallelism, K22 §4.2.2: the input of a
+    column-parallel matmul, split along the sequence): a user that saves the gathered tensor for backward keeps
+    the shard instead, gathered again in backward (``autopart.planner.regather_spec`` prices both)."""
+    return _regathered(x, axis, dim, bwd, "activations")
 
 
 class _Regathered:
-    """A saved ZeRO-3 parameter (or a view of one, e.g. the transposed weight a matmul saves) held as its shard."""
+    """A saved ZeRO-3 parameter or gathered activation (or a view of one, e.g. the transposed weight a matmul
+    saves) held as its shard."""
 
-    __slots__ = ("shard", "ax", "dim", "view")
+    __slots__ = ("kept", "view")
 
-    def __init__(self, shard, ax, dim, view) -> None:
-        self.shard, self.ax, self.dim, self.view = shard, ax, dim, view
+    def __init__(self, kept: _Kept, view) -> None:
+        self.kept, self.view = kept, view
 
 
-REGATHER_STATS = {"packed": 0, "offloaded": 0}
+# saved tensors held as parameter / activation shards; all-gathers backward ran for activations; offloaded tensors
+REGATHER_STATS = {"packed": 0, "activations": 0, "activation_gathers": 0, "offloaded": 0}
 
 
 class _OnHost:
@@ -208,8 +236,9 @@ class _OnHost:
 def _pack(t: torch.Tensor):
     rec = _REGATHER.get(t.untyped_storage().data_ptr()) if _REGATHER and t.device.type != "meta" else None
     if rec is not None:
-        REGATHER_STATS["packed"] += 1
-        return _Regathered(*rec, (tuple(t.shape), t.stride(), t.storage_offset()))
+        REGATHER_STATS[rec.stat] += 1
+        rec.uses += 1
+        return _Regathered(rec, (tuple(t.shape), t.stride(), t.storage_offset()))
     if _STATE_OFFLOAD.on and t.dtype.is_floating_point:
         REGATHER_STATS["offloaded"] += 1
         host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=t.is_cuda)
@@ -220,7 +249,17 @@ def _pack(t: torch.Tensor):
 
 def _unpack(obj):
     if isinstance(obj, _Regathered):
-        return _gather(obj.shard, obj.ax, obj.dim).as_strided(*obj.view)  # the layout forward gathered into
+        k = obj.kept
+        if not k.shared:
+            return _gather(k.shard, k.ax, k.dim).as_strided(*obj.view)  # the layout forward gathered into
+        if k.full is None:
+            REGATHER_STATS["activation_gathers"] += 1
+            k.full = _gather(k.shard, k.ax, k.dim)
+        full = k.full
+        k.uses -= 1
+        if k.uses <= 0:  # the last saved use: drop the gathered tensor once its backward is done with it
+            k.full = None
+        return full.as_strided(*obj.view)
     if isinstance(obj, _OnHost):
         return obj.t.to(obj.device, non_blocking=obj.t.is_pinned())
     return obj
@@ -235,7 +274,8 @@ _STATE_OFFLOAD = _Offload()
 
 @contextlib.contextmanager
 def saved_tensor_hooks(offload_activations: bool = False):
-    """Saved-tensor hooks: ZeRO-3 parameters are kept as their shards and gathered again for backward; with
+    """Saved-tensor hooks: ZeRO-3 parameters and sequence-parallel activations are kept as their shards and
+    gathered again for backward; with
     ``offload_activations`` every other floating-point tensor saved for backward goes to host memory (pinned on
     CUDA) and comes back for backward, as ``torch.autograd.graph.save_on_cpu`` does."""
     old = _STATE_OFFLOAD.on

@@ -10,7 +10,9 @@ Data: groups :math:`i \in V` with options :math:`k \in K_i`, node cost :math:`c_
 forbidden options :math:`c_{ik} = \infty` and forbidden pairs :math:`C^{uv}_{ab} = \infty`; memory base :math:`B`
 and limit :math:`L`. Memory may have several rows :math:`r` (``node_memory`` entries of shape (K, R)), each a
 moment of the step whose live bytes must fit: the planner uses two, the end of forward (states + saved activations)
-and the end of backward (states + gradients). One row summing both would refuse budgets that plans meet.
+and the end of backward (states + gradients). One row summing both would refuse budgets that plans meet. An edge may
+also hold memory :math:`M^{uv}_{abr}` (``edge_memory``): bytes that depend on the pair of options, such as an
+activation saved sharded for backward and gathered again there only when the producer's option is sharded.
 
 Variables: :math:`x_{ik} \in \{0, 1\}` for every allowed option, :math:`e^{uv}_{ab} \in [0, 1]` (continuous) for
 every allowed pair. Forbidden options and pairs get no variable.
@@ -21,12 +23,15 @@ every allowed pair. Forbidden options and pairs get no variable.
     \text{choose}_i:            \; & \sum_k x_{ik} = 1                          & \forall i \in V       \\
     \text{tie\_src}_{uv,a}:     \; & \sum_b e^{uv}_{ab} = x_{ua}                & \forall (u,v), a      \\
     \text{tie\_dst}_{uv,b}:     \; & \sum_a e^{uv}_{ab} = x_{vb}                & \forall (u,v), b      \\
-    \text{memory}_r:            \; & B_r + \sum_{i, k} m_{ikr} x_{ikr} \le L        & \forall r
+    \text{memory}_r:            \; & B_r + \sum_{i, k} m_{ikr} x_{ik}
+                                    + \sum_{(u,v), a, b} M^{uv}_{abr} e^{uv}_{ab} \le L        & \forall r
 
 With integral :math:`x`, the two tie families pin :math:`e^{uv}` to the single pair :math:`(a, b)` chosen at the
 endpoints (the transportation polytope with unit marginals has one point), so :math:`e` needs no integrality and a
-forbidden pair, having no variable, forbids the combination. This "marginal" formulation has a much tighter LP
-relaxation than the product linearization (`e \ge x_a + x_b - 1`), which left 8.8-32 % gaps on this platform.
+forbidden pair, having no variable, forbids the combination; for the same reason the edge memory terms are exact at
+integral :math:`x` (the LP relaxation may spread :math:`e`, as it may :math:`x`). This "marginal" formulation has a
+much tighter LP relaxation than the product linearization (`e \ge x_a + x_b - 1`), which left 8.8-32 % gaps on this
+platform.
 
 Scaling happens in one place, `_scales`: objective coefficients are multiplied by a power of ten so the largest is
 about 1e3 (MIP) or rounded to integers with the largest about 1e8 (CP-SAT); the memory row is divided by its
@@ -36,14 +41,17 @@ are recomputed from the original seconds, never unscaled.
 Presolve (`_presolve`, all exact)
 ---------------------------------
 1. forbidden options (infinite node cost) and options with no allowed partner on some edge are removed;
-2. parallel edges are summed, self-loops moved onto the diagonal of node costs, and edges whose matrix is separable
-   (:math:`C_{ab} = r_a + s_b`, e.g. all zero) with no forbidden pair are folded into node costs and dropped;
-3. a group left with one option is fixed: its costs become a constant, its edge rows move onto its neighbours;
+2. parallel edges are summed (cost and memory), self-loops moved onto the diagonal of node costs and memory, and
+   edges whose cost matrix is separable (:math:`C_{ab} = r_a + s_b`, e.g. all zero) with no forbidden pair, and
+   whose memory matrix (if any) is separable on every row, are folded into node costs and memory and dropped;
+3. a group left with one option is fixed: its costs become a constant, its edge rows (cost and memory) move onto its
+   neighbours;
 4. option :math:`k` of group :math:`i` is dropped when another option :math:`j` is no worse in node cost, in memory
-   (when the memory row binds) and on every incident edge row, elementwise (strictly better somewhere, or equal with
-   lower index): replacing :math:`k` by :math:`j` in any solution keeps it feasible and does not raise its cost;
-5. a memory row is dropped when even the largest option everywhere fits, and the problem is reported infeasible
-   when even the smallest does not.
+   (when the memory row binds), on every incident edge row, and on every incident edge's memory row (a pair
+   forbidden to :math:`k` imposes nothing), elementwise (strictly better somewhere, or equal with lower index):
+   replacing :math:`k` by :math:`j` in any solution keeps it feasible and does not raise its cost;
+5. a memory row is dropped when even the largest option everywhere fits (each edge at its largest allowed pair),
+   and the problem is reported infeasible when even the smallest does not (each edge at its least allowed pair).
 
 Steps repeat until nothing changes. Without a memory row the groups split into connected components; a component
 that is a tree is solved exactly by dynamic programming in numpy (`_solve_tree`, backend "dp"), the rest by the MIP.
@@ -103,6 +111,10 @@ class Problem:
     memory_base: float | list[float] | np.ndarray = 0.0  # one per row
     hint: list[int] | None = None
     memory_labels: list[str] | None = None  # what each memory row is, for messages
+    # per edge (aligned with ``edges``): bytes on the memory rows that depend on the pair of options at its two
+    # ends, (Ka, Kb) for one row or (Ka, Kb, R); None (or a None entry) for none. Entries may be negative (a pair
+    # that keeps less than the node terms count), but node plus edge terms must describe real bytes
+    edge_memory: list[np.ndarray | None] | None = None
 
     @property
     def num_memory_rows(self) -> int:
@@ -113,6 +125,13 @@ class Problem:
         """Group i's memory as (K, R)."""
         m = np.asarray(self.node_memory[i], dtype=float)
         return m[:, None] if m.ndim == 1 else m
+
+    def edge_memory_matrix(self, e: int) -> np.ndarray | None:
+        """Edge e's memory as (Ka, Kb, R), or None when it has none."""
+        if self.edge_memory is None or self.edge_memory[e] is None:
+            return None
+        m = np.asarray(self.edge_memory[e], dtype=float)
+        return m[:, :, None] if m.ndim == 2 else m
 
     def base_vector(self) -> np.ndarray:
         b = np.atleast_1d(np.asarray(self.memory_base, dtype=float))
@@ -125,7 +144,12 @@ class Problem:
 
     def peaks(self, choice: tuple[int, ...] | list[int]) -> np.ndarray:
         """Bytes per device on every memory row for a choice."""
-        return self.base_vector() + sum(self.memory_matrix(i)[k] for i, k in enumerate(choice))
+        total = self.base_vector() + sum(self.memory_matrix(i)[k] for i, k in enumerate(choice))
+        for e, (u, v, _) in enumerate(self.edges):
+            em = self.edge_memory_matrix(e)
+            if em is not None:
+                total = total + em[choice[u], choice[v]]
+        return total
 
     def validate(self) -> None:
         """Raise ValueError naming the first malformed group or edge."""
@@ -159,6 +183,18 @@ class Problem:
                 )
             if np.isnan(mat).any() or (mat < 0).any():
                 raise ValueError(f"edge {self.names[u]!r} -> {self.names[v]!r}: costs must be >= 0 or inf.")
+        if self.edge_memory is not None:
+            if len(self.edge_memory) != len(self.edges):
+                raise ValueError(f"edge_memory has {len(self.edge_memory)} entries for {len(self.edges)} edges; give "
+                                 "one per edge (None where an edge has no memory term).")
+            for e, (u, v, _) in enumerate(self.edges):
+                em = self.edge_memory_matrix(e)
+                want = (len(self.node_cost[u]), len(self.node_cost[v]), rows)
+                if em is not None and (em.ndim != 3 or em.shape != want or not np.isfinite(em).all()):
+                    raise ValueError(
+                        f"edge {self.names[u]!r} -> {self.names[v]!r}: edge_memory shape "
+                        f"{np.shape(self.edge_memory[e])}, expected finite {want[:2]} or {want}."
+                    )
         if self.hint is not None and len(self.hint) != n:
             raise ValueError(f"hint has {len(self.hint)} entries for {n} groups.")
         if self.base_vector().shape != (rows,):
@@ -281,6 +317,10 @@ class _Reduced:
     memory_limit: float | None
     fixed: dict[int, int]
     replaced_by: dict[tuple[int, int], int] = field(default_factory=dict)
+    edge_memory: list[np.ndarray | None] = field(default_factory=list)  # aligned with edges: (Ka, Kb, R) or None
+
+    def edge_mem(self, e: int) -> np.ndarray | None:
+        return self.edge_memory[e] if self.edge_memory else None
 
 
 def _separable(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -302,14 +342,21 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
     cost = [np.asarray(c, dtype=float).copy() for c in problem.node_cost]
     mem = [problem.memory_matrix(i).copy() for i in range(n)]
     edges: dict[tuple[int, int], np.ndarray] = {}
-    for u, v, mat in problem.edges:
+    emem: dict[tuple[int, int], np.ndarray] = {}  # edge memory, (Ku, Kv, R), only for edges that have some
+    for e, (u, v, mat) in enumerate(problem.edges):
         mat = np.asarray(mat, dtype=float)
+        em = problem.edge_memory_matrix(e)
         if u == v:
             diag = np.diag(mat).copy()
             cost[u] = cost[u] + diag
+            if em is not None:
+                mem[u] = mem[u] + em[np.arange(len(diag)), np.arange(len(diag))]
             continue
         key, mat = ((u, v), mat) if u < v else ((v, u), mat.T)
         edges[key] = edges[key] + mat if key in edges else mat.copy()
+        if em is not None:
+            em = em if u < v else em.transpose(1, 0, 2)
+            emem[key] = emem[key] + em if key in emem else em.copy()
     adj: list[set[tuple[int, int]]] = [set() for _ in range(n)]
     for key in edges:
         adj[key[0]].add(key)
@@ -322,12 +369,26 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
         opts[i], cost[i], mem[i] = opts[i][mask], cost[i][mask], mem[i][mask]
         for key in adj[i]:
             edges[key] = edges[key][mask, :] if key[0] == i else edges[key][:, mask]
+            if key in emem:
+                emem[key] = emem[key][mask, :] if key[0] == i else emem[key][:, mask]
 
     def rows(i: int, key: tuple[int, int]) -> np.ndarray:
         return edges[key] if key[0] == i else edges[key].T
 
+    def mem_rows(i: int, key: tuple[int, int]) -> np.ndarray:
+        """Edge memory seen from group i: (K_i, K_other, R)."""
+        return emem[key] if key[0] == i else emem[key].transpose(1, 0, 2)
+
+    def edge_mem_range(agg) -> np.ndarray:
+        """Per memory row, the sum over edges of ``agg`` (np.min / np.max) of their memory over allowed pairs."""
+        total = np.zeros(len(base))
+        for key, em in emem.items():
+            total = total + agg(em[np.isfinite(edges[key])], axis=0)
+        return total
+
     def drop_edge(key: tuple[int, int]) -> None:
         del edges[key]
+        emem.pop(key, None)
         adj[key[0]].discard(key)
         adj[key[1]].discard(key)
 
@@ -367,20 +428,27 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
             if not enabled:
                 continue
             sep = _separable(edges[key]) if key in edges else None
-            if sep is not None:
+            msep = [_separable(emem[key][:, :, r]) for r in range(emem[key].shape[2])] if key in emem else []
+            if sep is not None and all(m is not None for m in msep):
                 cost[u] = cost[u] + sep[0]
                 cost[v] = cost[v] + sep[1]
+                if msep:  # edge memory r_a + s_b: node terms of either end
+                    mem[u] = mem[u] + np.stack([m[0] for m in msep], axis=1)
+                    mem[v] = mem[v] + np.stack([m[1] for m in msep], axis=1)
                 drop_edge(key)
                 changed = True
         if changed:
             continue
         if limit is not None and free:
-            if (base + sum(mem[i].min(axis=0) for i in free) > limit).any():
+            # edge terms bound by their least / largest allowed pair (a pair's ends may not both be chosen)
+            if (base + sum(mem[i].min(axis=0) for i in free) + edge_mem_range(np.min) > limit).any():
                 raise _memory_infeasible(problem, explain)
-            slack = base + sum(mem[i].max(axis=0) for i in free) <= limit
+            slack = base + sum(mem[i].max(axis=0) for i in free) + edge_mem_range(np.max) <= limit
             if slack.any():  # this row fits whatever is chosen: drop it
                 for i in range(n):
                     mem[i] = mem[i][:, ~slack]
+                for key in emem:
+                    emem[key] = emem[key][:, :, ~slack]
                 base = base[~slack]
                 if not base.size:
                     limit = None
@@ -392,6 +460,8 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
                 for key in list(adj[i]):
                     j = key[1] if key[0] == i else key[0]
                     cost[j] = cost[j] + rows(i, key)[0]
+                    if key in emem:
+                        mem[j] = mem[j] + mem_rows(i, key)[0]
                     drop_edge(key)
                     keep(j, np.isfinite(cost[j]))
                 offset += float(cost[i][0])
@@ -405,6 +475,11 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
             parts = [cost[i][:, None]] + [rows(i, key) for key in sorted(adj[i])]
             if limit is not None:
                 parts.append(mem[i])
+                # edge memory per partner option and row; a forbidden pair counts as +inf, so an option is only
+                # dominated by one that is allowed, and no larger, with every partner the dominated one allows
+                for key in sorted(adj[i] & emem.keys()):
+                    em = np.where(np.isinf(rows(i, key))[:, :, None], np.inf, mem_rows(i, key))
+                    parts.append(em.reshape(k, -1))
             feat = np.concatenate(parts, axis=1)
             le = (feat[:, None, :] <= feat[None, :, :]).all(axis=2)
             lt = (feat[:, None, :] < feat[None, :, :]).any(axis=2)
@@ -435,6 +510,7 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
         memory_limit=limit,
         fixed=fixed,
         replaced_by=replaced_by,
+        edge_memory=[emem.get(key) for key in edges],
     )
 
 
@@ -589,15 +665,26 @@ class _Mip:
             )
 
     def add_memory_constraint(self, red: _Reduced) -> None:
-        """memory_r:  sum_{i,k} m_{ikr} x_{ik} <= L - B_r  (bytes per device), one row per binding moment r."""
+        """memory_r:  sum_{i,k} m_{ikr} x_{ik} + sum_{uv,a,b} M^{uv}_{abr} e^{uv}_{ab} <= L - B_r  (bytes per
+        device), one row per binding moment r. Edge terms are exact at integral x, where e is the chosen pair.
+        Requires ``add_edge_tie_constraints`` to have made the e variables."""
         if red.memory_limit is None:
             return
         mem = np.concatenate(red.memory, axis=0)
         for r in range(mem.shape[1]):
             self.memory_rows.append(len(self.row_names))
             nz = np.flatnonzero(mem[:, r])
+            cols, vals = [nz], [mem[nz, r]]
+            for e, (_, _, a, b, start) in enumerate(self.edge_pairs):
+                em = red.edge_mem(e)
+                if em is not None:
+                    v = em[a, b, r]
+                    hit = np.flatnonzero(v)
+                    cols.append(start + hit)
+                    vals.append(v[hit])
+            cols, vals = np.concatenate(cols), np.concatenate(vals)
             self._add_rows([f"memory[{r}]"], -math.inf, red.memory_limit - float(red.memory_base[r]),
-                           np.zeros(len(nz), dtype=int), nz, mem[nz, r])
+                           np.zeros(len(cols), dtype=int), cols, vals)
 
     def arrays(self, cost_scale: float, memory_scale: float):
         """Assembled (objective, integer, row lb, row ub, rows, cols, vals) with scaling applied, rows sorted."""
@@ -758,8 +845,17 @@ def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleErro
     rows = problem.num_memory_rows
     mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
     base = problem.base_vector()
+    # edge memory over allowed pairs, (n_allowed, R) per edge; its least entries (a bound) and each edge's
+    # memory shifted by them, a non-negative edge cost for the probes below
+    emins, eshift = np.zeros(rows), []
+    for e, (_, _, mat) in enumerate(problem.edges):
+        em = problem.edge_memory_matrix(e)
+        ok = np.isfinite(np.asarray(mat, dtype=float))
+        lo = em[ok].min(axis=0) if em is not None and ok.any() else np.zeros(rows)
+        emins = emins + lo
+        eshift.append(None if em is None else em - lo)
     if not explain:
-        low = base + sum(m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
+        low = base + emins + sum(m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
         r = int(np.argmax(low))
         return InfeasibleError(
             f"no sharding choice fits the memory limit of {(problem.memory_limit or 0.0) / _GIB:.3g} GiB per "
@@ -772,12 +868,13 @@ def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleErro
             names=problem.names,
             node_cost=[np.where(np.isfinite(c), m @ w, np.inf) for c, m in zip(problem.node_cost, mats, strict=True)],
             node_memory=[np.zeros(len(c)) for c in problem.node_cost],
-            edges=[(u, v, np.where(np.isfinite(mat), 0.0, np.inf)) for u, v, mat in problem.edges],
+            edges=[(u, v, np.where(np.isfinite(mat), 0.0 if sh is None else np.maximum(sh @ w, 0.0), np.inf))
+                   for (u, v, mat), sh in zip(problem.edges, eshift, strict=True)],
         )
         sol = solve(probe, SolverOptions(relative_gap=0.0, time_limit_s=60.0))
         peaks = problem.peaks(sol.choice)
         if w.sum() == 1:
-            lower = max(lower, float((base @ w) + sol.bound))
+            lower = max(lower, float((base @ w) + (emins @ w) + sol.bound))
         if best is None or peaks.max() < best[1].max():
             best = (sol.choice, peaks)
     choice, peaks = best
@@ -839,6 +936,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
             memory_limit=red.memory_limit,
             fixed={},
             replaced_by=red.replaced_by,
+            edge_memory=[red.edge_mem(e) for e, (u, _, _) in enumerate(red.edges) if u in keep],
         )
         assert red.memory_limit is None or len(keep) == len(red.groups), "memory row couples every group"
         backend_used = "highs" if options.backend == "auto" else options.backend

@@ -93,3 +93,38 @@ def test_activation_bytes_other_k22_rows(recompute, t):
                     if r["layer"] == "blocks.0" and r["op"] not in ("param", "buffer", "constant", "input"))
     k22 = megatron_activation_bytes_per_layer(s, 1, h, a, t=t, sp=False, recompute=recompute)
     assert per_layer == pytest.approx(k22, rel=0.05), (per_layer / (s * h), k22 / (s * h))
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_bytes_sequence_parallel_k22_rows(recompute, t):
+    """K22's tensor + sequence parallel rows, 22B-model shapes, norms / dropouts / residuals split on the sequence
+    (t = 1 is not sequence parallel). The all-gathered input of each column-parallel matmul is kept as its
+    sequence shard and gathered again in backward (K22 §4.2.2), so every activation divides by t:
+
+    * no recompute, fused attention (no s x s scores kept: as in the TP test above, K22's selective row):
+      34 sbh / t, plus 2 sbh / t for the contiguous copy of the attention output K22 does not have (the
+      documented 36-vs-34 offset of the no-parallel row, here split t ways);
+    * selective recompute: autopart's attention region also recomputes the projections, so it keeps
+      34 sbh / t less K22's Q, K, V (6 sbh) and output-projection input (2 sbh), over t;
+    * full recompute: the layer input only, sequence-split: 2 sbh / t.
+    Within 5%; the bytes include the regather's edge terms (a gathered input counted gathered would add
+    2 sbh (1 - 1/t) per matmul input)."""
+    s, h, a = 2048, 6144, 64
+    traced = _meta_gpt(h, a, layers=2, s=s, dropout=0.1)
+    cluster = autopart.preset("a100-80gb", (t,))
+    pins = {n: "S(1)" for n in ("layer_norm", "layer_norm_1", "dropout_1", "dropout_2", "add_1", "add_2")}
+    plan = make_plan(traced, cluster, ("tp",), PlanOptions(roles={"tp": "tp"}, memory_limit=1e15, pins=pins,
+                                                           checkpoint=recompute, pipeline="off"))
+    per_layer = sum(r["memory_bytes"] for r in plan.nodes.values()
+                    if r["layer"] == "blocks.0" and r["op"] not in ("param", "buffer", "constant", "input"))
+    sbh = s * h
+    if recompute == "full":
+        k22 = megatron_activation_bytes_per_layer(s, 1, h, a, t=t, sp=True, recompute="full")
+    else:
+        k22 = megatron_activation_bytes_per_layer(s, 1, h, a, t=t, sp=True, recompute="selective")
+        k22 += 2 * sbh / t if recompute == "none" else -8 * sbh / t
+    assert per_layer == pytest.approx(k22, rel=0.05), (per_layer / sbh * t, k22 / sbh * t)
+    # both matmul inputs of the block (QKV, MLP up) are the ones kept sharded and gathered again
+    users = {c["user"] for c in plan.collectives if c.get("regather") and c["layer"] == "blocks.0"}
+    assert {plan.nodes[u]["op"] for u in users} == {"aten.linear.default"} and len(users) == 2, users

@@ -260,3 +260,92 @@ def test_random_two_row_problems_match_brute_force(seed):
             assert p.evaluate(sol.choice)[1] <= p.memory_limit * (1 + 1e-6)
             checked += 1
     assert checked > 10
+
+
+def _with_edge_memory(rng: np.random.Generator, p: Problem, rows: int = 1) -> Problem:
+    """``p`` with memory on about half its edges: a saved value kept whole (node term) that some option pairs keep
+    as a smaller shard (a negative edge term, whole bytes, no larger than what the consumer counts), plus pairs
+    that hold extra bytes (positive); node terms made (K, rows)."""
+    p.node_memory = [np.stack([np.asarray(m, dtype=float) if r == 0 else rng.integers(1, 100, size=len(m))
+                               .astype(float) for r in range(rows)], axis=1) for m in p.node_memory]
+    ems = []
+    for _, v, mat in p.edges:
+        if rng.random() < 0.5:
+            ems.append(None)
+            continue
+        em = np.zeros(mat.shape + (rows,))
+        em[..., 0] = -np.floor(rng.random(mat.shape) * p.node_memory[v][None, :, 0]) * (rng.random(mat.shape) < 0.5)
+        em[..., rows - 1] += rng.integers(0, 40, size=mat.shape) * (rng.random(mat.shape) < 0.3)
+        ems.append(em if rows > 1 else em[..., 0])
+    p.edge_memory = ems
+    lo = max(p.base_vector() + sum(m.min(axis=0) for m in p.node_memory))
+    hi = max(p.base_vector() + sum(m.max(axis=0) for m in p.node_memory))
+    p.memory_limit = float(lo + rng.uniform(0.0, 0.8) * (hi - lo))
+    return p
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_random_edge_memory_problems_match_brute_force(rows):
+    """Edge memory terms (bytes that depend on both ends' options) through presolve (folding, fixing, dominance,
+    row dropping) and every backend: the optimum and the peak agree with enumeration."""
+    rng = np.random.default_rng(200 + rows)
+    checked = infeasible = 0
+    for _ in range(40):
+        p = _with_edge_memory(rng, random_problem(rng), rows)
+        best = brute_force(p)
+        for options in (EXACT, MIP_ONLY, SolverOptions(backend="cp-sat", relative_gap=0.0, use_dp=False)):
+            if best is None:
+                with pytest.raises(InfeasibleError) as info:
+                    solve(p, options)
+                # the least peak reported is one some choice reaches (none: forbidden pairs everywhere)
+                least = min((max(p.peaks(c)) for c in itertools.product(*(range(len(x)) for x in p.node_cost))
+                             if math.isfinite(p.evaluate(c)[0])), default=math.inf)
+                assert info.value.min_memory >= least - 1e-9
+                infeasible += 1
+                continue
+            sol = solve(p, options)
+            assert sol.objective == pytest.approx(best[0], rel=1e-6, abs=1e-9), (options, sol, best)
+            assert p.evaluate(sol.choice)[1] <= p.memory_limit * (1 + 1e-6)
+            checked += 1
+    assert checked > 40 and infeasible > 0
+
+
+def test_edge_memory_binds_where_node_terms_alone_would_not():
+    """A pair that keeps more than its nodes: a zero-cost edge whose memory is not separable must not be folded
+    away by presolve, and the cheap pair (0, 0) that holds 50 bytes on it is refused at a 40-byte limit."""
+    em = np.array([[50.0, 0.0], [0.0, 0.0]])
+    p = Problem(["a", "b"], [np.array([0.0, 1.0]), np.array([0.0, 2.0])], [np.zeros(2), np.zeros(2)],
+                [(0, 1, np.zeros((2, 2)))], memory_limit=40.0, edge_memory=[em])
+    for options in (EXACT, MIP_ONLY, SolverOptions(backend="cp-sat", relative_gap=0.0)):
+        assert solve(p, options).choice == (1, 0)
+    assert p.peaks((0, 0)) == pytest.approx([50.0])
+    # a pair that keeps less than its nodes (a shard saved instead of the gathered value): (1, 1) fits only thanks
+    # to its edge term, and option 0 of b, cheaper but with no saving, does not
+    p = Problem(["a", "b"], [np.array([0.0, 1.0]), np.array([0.0, 1.0])], [np.zeros(2), np.array([30.0, 30.0])],
+                [(0, 1, np.array([[0.0, 5.0], [5.0, 0.0]]))], memory_limit=20.0,
+                edge_memory=[np.array([[0.0, 0.0], [0.0, -15.0]])])
+    for options in (EXACT, MIP_ONLY):
+        assert solve(p, options).choice == (1, 1)
+    with pytest.raises(ValueError, match="edge_memory"):
+        Problem(["a", "b"], [np.zeros(2), np.zeros(2)], [np.zeros(2), np.zeros(2)], [(0, 1, np.zeros((2, 2)))],
+                edge_memory=[np.zeros((2, 3))]).validate()
+
+
+def test_repair_to_budget_counts_edge_memory():
+    """The greedy warm start sees edge terms: from a choice over the limit only through its edge term, it switches
+    to a choice whose peak, edge terms included, fits."""
+    from autopart.planner import repair_to_budget
+
+    rng = np.random.default_rng(5)
+    repaired = 0
+    for _ in range(30):
+        p = _with_edge_memory(rng, random_problem(rng), 2)
+        start = [int(np.argmin(c)) for c in p.node_cost]
+        edges = [(u, v, m) for u, v, m in p.edges]
+        ems = [None if e is None else np.asarray(e) for e in p.edge_memory]
+        out = repair_to_budget(list(start), p.node_cost, p.node_memory, edges, p.memory_limit - p.base_vector(),
+                               edge_memory=ems)
+        if out is not None:
+            assert max(p.peaks(out)) <= p.memory_limit + 1e-9
+            repaired += max(p.peaks(start)) > p.memory_limit
+    assert repaired > 3
