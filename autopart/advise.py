@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopart.cost import Cluster, collective_time
+from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.placement import Replicate, Shard, parse_spec
@@ -332,21 +332,25 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
 
 
 def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
-    """(seconds, bus bytes) of the gradient all-reduce after backward, bucketed per set of reduced axes."""
+    """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1's reduce-scatter) per set of reduced axes,
+    all of it, overlapped or not (``plan.predicted["hidden_comm_s"]`` says how much backward hides)."""
+    from autopart.planner import grad_reduction_time
+
     mesh = cluster.mesh_shape
     node_of = {}
     for name, fqn in traced.params.items():
         node_of.setdefault(fqn, name)
     nodes = {n.name: n for n in traced.graph.nodes}
-    buckets: dict[tuple[int, ...], float] = defaultdict(float)
+    buckets: dict[tuple, float] = defaultdict(float)
     for fqn, axes in plan.reduced.items():
         val = nodes[node_of[fqn]].meta["val"]
-        buckets[tuple(axes)] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh)
+        buckets[(tuple(axes), plan.zero.get(fqn) == 1)] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh)
     secs = nbytes = 0.0
-    for axes, size in buckets.items():
-        for i in axes:
-            secs += collective_time("all_reduce", size, mesh[i], cluster.link(i))
-            nbytes += _bus_bytes("all_reduce", size, mesh[i])
+    for (axes, zero1), size in buckets.items():
+        secs += grad_reduction_time(size, axes, zero1, cluster)  # ZeRO-1: reduce-scatters
+        for i in sorted(axes):
+            nbytes += _bus_bytes("reduce_scatter" if zero1 else "all_reduce", size, mesh[i])
+            size = size / mesh[i] if zero1 else size
     return secs, nbytes
 
 

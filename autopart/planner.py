@@ -42,7 +42,16 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopart.cost import Cluster, Link, backward_flops, collective_time, node_bytes, node_flops, roofline_time
+from autopart.cost import (
+    Cluster,
+    Link,
+    backward_flops,
+    collective_time,
+    exposed_after,
+    node_bytes,
+    node_flops,
+    roofline_time,
+)
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
@@ -630,6 +639,69 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster) -> float:
         size *= mesh[i]
         t += collective_time("all_gather", size, mesh[i], cluster.link(i))
     return t
+
+
+def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
+    """The data-parallel reduction of ``nbytes`` of a rank's gradients over mesh ``axes``: an all-reduce per axis;
+    for ZeRO-1 parameters a reduce-scatter per axis, outermost first, each leaving 1/n (the mirror of
+    ``zero1_gather_time``: the rank keeps the slice of the summed gradient its optimizer states cover)."""
+    mesh = cluster.mesh_shape
+    t = 0.0
+    for i in sorted(axes):
+        if zero1:
+            t += collective_time("reduce_scatter", nbytes, mesh[i], cluster.link(i))
+            nbytes /= mesh[i]
+        else:
+            t += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+    return t
+
+
+def gradient_reduction(traced: Traced, info: Graphinfo, nodes: dict, reduced: dict, zero: dict,
+                       cluster: Cluster) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced``.
+
+    As the runtime runs it: per set of reduced axes, gradients in backward order (a parameter's is final when
+    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each launched as its last gradient is produced.
+    A set's time (``grad_reduction_time`` of its bytes: one latency per set, as before buckets were modelled) is
+    shared among its buckets by bytes. Where the device overlaps communication with compute
+    (``Device.comm_overlap``) the buckets run behind the backward compute still to come
+    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
+    order = {n.name: i for i, n in enumerate(info.nodes)}
+    bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"] if info.kind[n.name] == "op" else 0.0
+           for n in info.nodes]
+    after = np.concatenate([np.cumsum(bwd[::-1])[::-1], [0.0]])  # backward time of node i and all later nodes
+    window = float(after[0])
+    mesh = cluster.mesh_shape
+    node_by_fqn = {}
+    for ph, fqn in traced.params.items():
+        node_by_fqn.setdefault(fqn, ph)
+    node_of = {n.name: n for n in info.nodes}
+    by_set: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    for fqn, axes in reduced.items():
+        ph = node_by_fqn[fqn]
+        n = node_of[ph]
+        users = [order[u.name] for u in n.users if u.name in order]
+        ready = float(after[min(users)]) if users else window
+        nbytes = _local_bytes(value_of(n), parse_spec(nodes[ph]["output"]), mesh)
+        by_set[(tuple(axes), zero.get(fqn) == 1)].append((ready, nbytes))
+    launches, total = [], 0.0
+    for (axes, zero1), grads in by_set.items():
+        size = sum(b for _, b in grads)
+        t = grad_reduction_time(size, axes, zero1, cluster)
+        total += t
+        grads.sort()
+        start = 0
+        while start < len(grads):  # at most BUCKET_BYTES per bucket, as the runtime fills them
+            end, nb = start, 0.0
+            while end < len(grads) and (end == start or nb + grads[end][1] <= BUCKET_BYTES):
+                nb += grads[end][1]
+                end += 1
+            launches.append((grads[end - 1][0], t * nb / size if size else 0.0))
+            start = end
+    if not cluster.device.comm_overlap:
+        return total, total
+    launches.sort()
+    return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
 
 
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
@@ -1329,16 +1401,11 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
-    # gradient reduction of parameters after backward (priced as all-reduce per reduced axis)
-    from autopart.cost import collective_time
-
-    buckets: dict[tuple[int, ...], float] = defaultdict(float)
-    for fqn, axes in reduced.items():
-        pname = next(k for k, v in traced.params.items() if v == fqn)
-        buckets[tuple(axes)] += _local_bytes(value_of(node_by_name[pname]), parse_spec(params[fqn]), mesh)
-    for axes, nbytes in buckets.items():
-        for i in axes:
-            comm_total += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+    # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1), overlapped with backward where the
+    # device overlaps communication: ``hidden`` of it runs behind backward compute and is not in the step
+    reduction, exposed = gradient_reduction(traced, info, nodes, reduced, zero, cluster)
+    comm_total += reduction
+    hidden = reduction - exposed
     out_specs = {}
     for o in traced.graph.find_nodes(op="output"):
         for a in torch.utils._pytree.tree_leaves(o.args):
@@ -1388,8 +1455,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         alternatives=alternatives,
         solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
                                 "graph_nodes": len(info.nodes)} | timings,
-        predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
-                   "internal_comm_s": internal_comm,
+        predicted={"step_time_s": compute + comm_total - hidden, "compute_s": compute, "comm_s": comm_total,
+                   "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

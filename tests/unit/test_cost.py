@@ -15,6 +15,7 @@ from autopart.cost import (
     all_to_all_time,
     backward_flops,
     collective_time,
+    exposed_after,
     gpt_params,
     gpt_train_flops,
     matmul_flops,
@@ -51,6 +52,39 @@ def test_all_gather_reduce_scatter_all_to_all():
 def test_all_reduce():
     assert all_reduce_time(S, 4, LINK) == pytest.approx(2 * 3 * 1e-5 + 2 * 0.75 * 8e6 * 1e-9)
     assert all_reduce_time(S, 8, LINK) == pytest.approx(14e-5 + 1.75 * 8e-3)
+
+
+def test_all_reduce_tree_latency():
+    # NCCL's tree: 2 ceil(log2 n) latency steps against the ring's 2(n-1); the bandwidth term is the ring's
+    tree = Link(alpha=1e-5, beta=1e-9, tree=True)
+    assert all_reduce_time(S, 8, tree) == pytest.approx(2 * 3 * 1e-5 + 1.75 * 8e-3)
+    assert all_reduce_time(S, 48, tree) == pytest.approx(2 * 6 * 1e-5 + 2 * 47 / 48 * 8e-3)
+    assert all_reduce_time(S, 2, tree) == all_reduce_time(S, 2, LINK)  # 1 step either way
+    assert all_reduce_time(S, 3, tree) == all_reduce_time(S, 3, LINK)  # ring 2 steps, tree ceil(log2 3) = 2
+    assert all_reduce_time(0.0, 1, tree) == 0.0
+    # a measured all-reduce keeps the ring parametrization it was fitted in; other collectives are rings anyway
+    measured = Link(alpha=1e-5, beta=1e-9, tree=True, per_collective=(("all_reduce", 2e-5, 1e-9),))
+    assert all_reduce_time(S, 8, measured) == pytest.approx(2 * 7 * 2e-5 + 1.75 * 8e-3)
+    assert all_gather_time(S, 8, tree) == all_gather_time(S, 8, LINK)
+    # nccl-tests bus bandwidth (doc/PERFORMANCE.md: busBw = S/t * 2(n-1)/n) of a large all-reduce on the GPU
+    # presets' links, which have the tree: still the link's bandwidth (450 GB/s NVLink 4, 50 GB/s per GPU NDR IB)
+    h100 = preset("h100-80gb", (16, 8))
+    for axis, n, bw in ((1, 8, 450e9), (0, 16, 50e9)):
+        big = 8 * 2**30
+        bus = big / all_reduce_time(big, n, h100.link(axis)) * 2 * (n - 1) / n
+        assert bus == pytest.approx(bw, rel=1e-3)
+        assert h100.link(axis).tree
+    assert not preset("cpu", (4,)).link(0).tree  # gloo: rings
+
+
+def test_exposed_after():
+    # one stream, in order: a collective starts at max(ready, previous end); exposed = end - window
+    assert exposed_after([], [], 1.0) == 0.0
+    assert exposed_after([0.2, 0.5, 1.0], [0.1, 0.1, 0.1], 1.0) == pytest.approx(0.1)  # only the last
+    assert exposed_after([0.0, 0.0, 1.0], [0.6, 0.6, 0.1], 1.0) == pytest.approx(0.3)  # 1.2 busy, then the last
+    assert exposed_after([0.1, 0.2], [0.1, 0.1], 1.0) == 0.0  # all hidden
+    with pytest.raises(ValueError, match="2 ready times for 1"):
+        exposed_after([0.0, 0.1], [0.1], 1.0)
 
 
 def test_send_recv():
@@ -101,6 +135,9 @@ def test_presets_numbers():
     assert h200.memory_budget == h200.device.memory_bytes - h200.reserve_bytes
     cpu = preset("cpu", (2, 2))
     assert cpu.link(0) == cpu.link(1) and cpu.link(0).alpha == 50e-6
+    # NCCL overlaps collectives with compute; gloo on the cpu preset's 2 cores competes with it
+    assert not cpu.device.comm_overlap and h100.device.comm_overlap and h200.device.comm_overlap
+    assert preset("a100-80gb", (8,)).device.comm_overlap
     for name in PRESETS:
         assert 0.5 <= preset(name, (8,)).device.mfu <= 1.0
 
