@@ -547,6 +547,10 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "stage_shardings_searched": "Megatron recipe inside the stage for every degree; free shardings for the "
                                     f"{FREE_DEGREES} best degree(s) of that ranking (all degrees when axes are pinned)",
     }
+    # ZeRO-1's all-gather after the step, of the rank gathering most; the rest of the tail is the exposed reduction
+    gather = max(sum(u.gather_s for u, c in zip(units, stages) if c % o.stages == r) for r in range(o.stages))
+    pipeline["param_gather_s"] = gather
+    pipeline["gradient_reduction_s"] = max(0.0, cand.reduce_s - gather)
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)
     comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below

@@ -188,7 +188,9 @@ _COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_sc
 def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
                     param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
-    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency).
+    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency, and in
+    full: what backward hides of it, where the device overlaps communication, is not linear in the choices;
+    ``gradient_reduction`` prices it in the plan's step, which recipes and pipeline candidates are compared by).
     ``regather``: a ZeRO-3 parameter, gathered again for backward."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
@@ -1402,9 +1404,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1), overlapped with backward where the
-    # device overlaps communication: ``hidden`` of it runs behind backward compute and is not in the step
+    # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
+    # the exposed part, ``grad_reduction_s`` all of it
     reduction, exposed = gradient_reduction(traced, info, nodes, reduced, zero, cluster)
-    comm_total += reduction
+    comm_total += exposed
     hidden = reduction - exposed
     out_specs = {}
     for o in traced.graph.find_nodes(op="output"):
@@ -1455,7 +1458,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         alternatives=alternatives,
         solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
                                 "graph_nodes": len(info.nodes)} | timings,
-        predicted={"step_time_s": compute + comm_total - hidden, "compute_s": compute, "comm_s": comm_total,
+        predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
                    "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,

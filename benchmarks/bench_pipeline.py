@@ -51,13 +51,11 @@ def megatron_flops(batch: int, layers: int, h: int, seq: int = SEQ, vocab: int =
 
 def comm_terms(p: autopart.Plan) -> dict:
     """Per rank and step: the gradient reduction (all, exposed) and ZeRO-1's parameter all-gather after the step."""
-    gather = sum(r["time_s"] - r["compute_s"] for r in p.nodes.values() if r["op"] == "param")
     pp = p.pipeline
-    if pp:  # the stage plan holds every stage's parameters; the tail holds the slowest rank's reduction and gather
-        gather /= pp["degree"]
-        red = p.predicted["sharding_only"]["grad_reduction_s"] / pp["degree"]
-        return {"reduction_s": red, "reduction_exposed_s": max(0.0, pp["gradient_reduction_s"] - gather),
-                "param_gather_s": gather}
+    if pp:  # the stage plan holds every stage's parameters; the pipeline record the slowest rank's tail
+        return {"reduction_s": p.predicted["sharding_only"]["grad_reduction_s"] / pp["degree"],
+                "reduction_exposed_s": pp["gradient_reduction_s"], "param_gather_s": pp["param_gather_s"]}
+    gather = sum(r["time_s"] - r["compute_s"] for r in p.nodes.values() if r["op"] == "param")
     return {"reduction_s": p.predicted["grad_reduction_s"],
             "reduction_exposed_s": p.predicted["grad_reduction_s"] - p.predicted["hidden_comm_s"],
             "param_gather_s": gather}
