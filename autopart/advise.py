@@ -332,9 +332,10 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
 
 
 def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
-    """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1's reduce-scatter) per set of reduced axes,
-    all of it, overlapped or not (``plan.predicted["hidden_comm_s"]`` says how much backward hides)."""
-    from autopart.planner import grad_reduction_time
+    """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1's reduce-scatter), all of it, overlapped
+    or not (``plan.predicted["hidden_comm_s"]`` says how much backward hides): the planner's buckets
+    (``planner.gradient_reduction``); the bytes per set of reduced axes."""
+    from autopart.planner import gradient_reduction
 
     mesh = cluster.mesh_shape
     node_of = {}
@@ -345,12 +346,12 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
     for fqn, axes in plan.reduced.items():
         val = nodes[node_of[fqn]].meta["val"]
         buckets[(tuple(axes), plan.zero.get(fqn) == 1)] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh)
-    secs = nbytes = 0.0
+    nbytes = 0.0
     for (axes, zero1), size in buckets.items():
-        secs += grad_reduction_time(size, axes, zero1, cluster)  # ZeRO-1: reduce-scatters
         for i in sorted(axes):
             nbytes += _bus_bytes("reduce_scatter" if zero1 else "all_reduce", size, mesh[i])
             size = size / mesh[i] if zero1 else size
+    secs, _ = gradient_reduction(traced, plan.nodes, plan.reduced, plan.zero, cluster)
     return secs, nbytes
 
 

@@ -658,39 +658,35 @@ def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> f
     return t
 
 
-def gradient_reduction(traced: Traced, info: Graphinfo, nodes: dict, reduced: dict, zero: dict,
-                       cluster: Cluster) -> tuple[float, float]:
-    """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced``.
+def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
+    axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
     As the runtime runs it: per set of reduced axes, gradients in backward order (a parameter's is final when
-    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each launched as its last gradient is produced.
-    A set's time (``grad_reduction_time`` of its bytes: one latency per set, as before buckets were modelled) is
-    shared among its buckets by bytes. Where the device overlaps communication with compute
-    (``Device.comm_overlap``) the buckets run behind the backward compute still to come
+    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
+    (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
+    communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
     (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
-    order = {n.name: i for i, n in enumerate(info.nodes)}
-    bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"] if info.kind[n.name] == "op" else 0.0
-           for n in info.nodes]
+    graph = [n for n in traced.graph.nodes if n.name in nodes]
+    order = {n.name: i for i, n in enumerate(graph)}
+    bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]
+           if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input") else 0.0 for n in graph]
     after = np.concatenate([np.cumsum(bwd[::-1])[::-1], [0.0]])  # backward time of node i and all later nodes
     window = float(after[0])
     mesh = cluster.mesh_shape
     node_by_fqn = {}
     for ph, fqn in traced.params.items():
         node_by_fqn.setdefault(fqn, ph)
-    node_of = {n.name: n for n in info.nodes}
+    node_of = {n.name: n for n in graph}
     by_set: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for fqn, axes in reduced.items():
-        ph = node_by_fqn[fqn]
-        n = node_of[ph]
+        n = node_of[node_by_fqn[fqn]]
         users = [order[u.name] for u in n.users if u.name in order]
         ready = float(after[min(users)]) if users else window
-        nbytes = _local_bytes(value_of(n), parse_spec(nodes[ph]["output"]), mesh)
+        nbytes = _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
         by_set[(tuple(axes), zero.get(fqn) == 1)].append((ready, nbytes))
-    launches, total = [], 0.0
+    launches = []
     for (axes, zero1), grads in by_set.items():
-        size = sum(b for _, b in grads)
-        t = grad_reduction_time(size, axes, zero1, cluster)
-        total += t
         grads.sort()
         start = 0
         while start < len(grads):  # at most BUCKET_BYTES per bucket, as the runtime fills them
@@ -698,8 +694,9 @@ def gradient_reduction(traced: Traced, info: Graphinfo, nodes: dict, reduced: di
             while end < len(grads) and (end == start or nb + grads[end][1] <= BUCKET_BYTES):
                 nb += grads[end][1]
                 end += 1
-            launches.append((grads[end - 1][0], t * nb / size if size else 0.0))
+            launches.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster)))
             start = end
+    total = sum(c for _, c in launches)
     if not cluster.device.comm_overlap:
         return total, total
     launches.sort()
@@ -1406,7 +1403,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1), overlapped with backward where the
     # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
     # the exposed part, ``grad_reduction_s`` all of it
-    reduction, exposed = gradient_reduction(traced, info, nodes, reduced, zero, cluster)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster)
     comm_total += exposed
     hidden = reduction - exposed
     out_specs = {}

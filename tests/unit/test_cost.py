@@ -295,8 +295,9 @@ def test_gradient_reduction_hidden_behind_backward_on_gpus_only():
     assert 0.5 * on["grad_reduction_s"] < on["hidden_comm_s"] < on["grad_reduction_s"]
     assert on["step_time_s"] == pytest.approx(on["compute_s"] + on["comm_s"])  # comm_s: what the step pays
     assert on["comm_s"] == pytest.approx(off["comm_s"] - on["hidden_comm_s"])
-    # ZeRO-1 reduce-scatters the same gradients: half the all-reduce's bytes
-    assert plans[False, 1]["grad_reduction_s"] == pytest.approx(off["grad_reduction_s"] / 2, rel=0.05)
+    # ZeRO-1 reduce-scatters the same gradients: half the all-reduce's bytes, but a ring's 15 latency steps per
+    # bucket where NCCL's all-reduce takes the tree's 2 x 4
+    assert off["grad_reduction_s"] / 2 < plans[False, 1]["grad_reduction_s"] < 0.7 * off["grad_reduction_s"]
 
 
 def test_megatron_h100_1p7b_row_within_15_percent():
