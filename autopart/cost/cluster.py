@@ -31,8 +31,9 @@ class Link:
     # measured (kind, alpha, beta) of single collectives (``autopart.calibrate``), in the ring parametrization of
     # ``autopart.cost.comm``; a collective not listed uses ``alpha`` and ``beta``
     per_collective: tuple[tuple[str, float, float], ...] = ()
-    # the collective library also runs all-reduce as a tree (NCCL's double binary tree: 2 log2(n) latency steps
-    # where the ring takes 2(n-1)) and picks the faster; gloo's all-reduce is a ring
+    # the collective library also runs all-reduce as a tree over this link and picks the faster: NCCL's double binary
+    # tree spans nodes, 2 log2(n) latency steps where the ring takes 2(n-1); inside a node its tree is a chain (as
+    # many steps as the ring), and gloo's all-reduce is a ring
     tree: bool = False
 
     def __post_init__(self) -> None:
@@ -232,7 +233,7 @@ _A100 = Preset(
         "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7,
         comm_overlap=True,
     ),
-    intra_node=Link(alpha=5e-6, beta=1 / 300e9, tree=True),
+    intra_node=Link(alpha=5e-6, beta=1 / 300e9),
     inter_node=Link(alpha=10e-6, beta=1 / 25e9, tree=True),
     devices_per_node=8,
     reserve_bytes=4 * GiB,
@@ -243,7 +244,7 @@ _H100 = Preset(
         "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65,
         comm_overlap=True,
     ),
-    intra_node=Link(alpha=5e-6, beta=1 / 450e9, tree=True),
+    intra_node=Link(alpha=5e-6, beta=1 / 450e9),
     inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True),
     devices_per_node=8,
     reserve_bytes=4 * GiB,
@@ -426,7 +427,8 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
       (H200 datasheet).
 
     GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation. Their
-    collectives are NCCL's: all-reduce takes the lower latency of ring and tree (``Link.tree``), and communication
+    collectives are NCCL's: all-reduce across nodes takes the lower latency of ring and tree (``Link.tree`` on the
+    inter-node link; NCCL's tree is a chain inside a node), and communication
     overlaps compute (``Device.comm_overlap``: the gradient buckets reduce while backward runs). The cpu preset has
     neither: gloo rings, and gloo on 2 cores competes with the ranks' compute for the cores.
     ``name`` may also be the path of a ``.json``/``.toml`` file describing another machine (``load_preset``), or

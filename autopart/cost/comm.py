@@ -10,7 +10,8 @@ the array being all-reduced, the full send buffer of an all-to-all. ``n`` is the
     send/recv                                α + S β
 
 NCCL runs all-reduce as a ring or a double binary tree and picks by size (NCCL's tuning model: a tree's latency
-grows with log2 of the ranks, a ring's linearly; docs "Environment Variables", NCCL_ALGO). Both move the same bytes
+grows with log2 of the nodes, a ring's linearly; inside a node the tree is a chain; docs "Environment Variables",
+NCCL_ALGO). ``Link.tree`` is set on the GPU presets' inter-node link only. Both move the same bytes
 per rank at large sizes (nccl-tests doc/PERFORMANCE.md reports one bus bandwidth, 2(n-1)/n of the algorithm's), so
 the tree changes only the latency term: ``min`` of the two, which is what NCCL's choice approximates.
 
