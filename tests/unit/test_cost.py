@@ -72,7 +72,7 @@ def test_all_reduce_tree_latency():
     for axis, n, bw in ((1, 8, 450e9), (0, 16, 50e9)):
         big = 8 * 2**30
         bus = big / all_reduce_time(big, n, h100.link(axis)) * 2 * (n - 1) / n
-        assert bus == pytest.approx(bw, rel=1e-3)
+        assert bus == pytest.approx(bw, rel=3e-3)  # the latency is 0.2% of 8 GiB's time on NVLink's ring
     # NCCL's tree spans nodes (inside one it is a chain, the ring's step count); gloo: rings
     assert h100.link(0).tree and not h100.link(1).tree and not preset("cpu", (4,)).link(0).tree
 
