@@ -318,3 +318,21 @@ def test_megatron_h100_1p7b_row_within_15_percent():
     assert flops / p["step_time_s"] / gpus / 1e12 == pytest.approx(408.8, rel=0.15)
     # the gradient reduce-scatter runs behind backward but for its last buckets (the embedding's gradient)
     assert 0.5 * p["grad_reduction_s"] < p["hidden_comm_s"] < p["grad_reduction_s"]
+
+
+def test_cluster_file_overlap_and_tree(tmp_path):
+    from autopart.cost.cluster import PRESETS, load_preset
+
+    path = tmp_path / "gloo-h100.toml"
+    path.write_text('name = "test-gloo-h100"\nbase = "h100-80gb"\n[device]\ncomm_overlap = false\n'
+                    '[inter_node]\ntree = false\n')
+    try:
+        c = preset(load_preset(str(path)), (4, 8))
+        assert not c.device.comm_overlap and not c.link(0).tree  # overridden
+        assert c.link(0).bandwidth == pytest.approx(50e9)  # the rest from the base
+        assert preset("h100-80gb", (4, 8)).link(0).tree
+        path.write_text('name = "test-bad-overlap"\nbase = "h100-80gb"\n[device]\ncomm_overlap = "yes"\n')
+        with pytest.raises(ValueError, match="comm_overlap must be true or false"):
+            load_preset(str(path))
+    finally:
+        PRESETS.pop("test-gloo-h100", None)
