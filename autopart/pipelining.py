@@ -11,7 +11,9 @@ per transformer block (the embedding folded into the first block, the head and l
 * ``act``: bytes saved for backward (proportional to the micro-batch), and what full recompute keeps (the block's
   output);
 * ``states``: parameters, gradients (they accumulate over the micro-batches) and optimizer states;
-* ``reduce``: the data-parallel gradient all-reduce after the pipeline flush (once per step);
+* ``reduce``: the data-parallel gradient reduction (once per step; overlapped with the last micro-batch's
+  backward where the device overlaps communication, ``solver.pipeline.reduction_tail``), and ZeRO-1's parameter
+  all-gather after the optimizer step (once per step, exposed);
 * the bytes of every value crossing each block boundary (what a stage sends: activations, and inputs such as
   labels or rotary tables that later stages use).
 
@@ -19,7 +21,7 @@ The ILP ran at the traced batch :math:`B`; a micro-batch of :math:`b = B/m` scal
 :math:`1/m`. ``autopart.solver.pipeline.partition`` then chooses the stage boundaries and per-block
 checkpointing exactly for each micro-batch count and schedule (GPipe, 1F1B, interleaved 1F1B with 2 chunks per
 rank), memory per stage under that schedule's activations in flight, and the step time with the bubble
-(``solver/pipeline.py``). The step adds the slowest stage's gradient reduction. The fastest candidate wins over
+(``solver/pipeline.py``). The step adds the slowest rank's exposed gradient reduction. The fastest candidate wins over
 the plan without pipeline (``p = 1``) only if faster, or if that plan does not fit.
 
 Approximation, stated: the per-node shardings are the ILP's at the traced batch on the stage mesh, scaled to the
@@ -44,8 +46,8 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
-from autopart.planner import _local_bytes
-from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline, stage_peak
+from autopart.planner import _local_bytes, grad_reduction_time
+from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline, reduction_tail, stage_peak
 from autopart.trace import Traced
 
 
@@ -63,6 +65,7 @@ class Unit:
     grad_bytes: float = 0.0
     transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
+    gather_s: float = 0.0  # ZeRO-1 parameter all-gather after the optimizer step, once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
     # the same, counting only nodes of the block itself (not the embedding or head folded into it)
@@ -75,6 +78,7 @@ class Unit:
     block_grad_bytes: float = 0.0
     block_transient_bytes: float = 0.0
     block_reduce_s: float = 0.0
+    block_gather_s: float = 0.0
 
     def cost(self, m: int) -> LayerCost:
         rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
@@ -123,8 +127,11 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         us = sorted(set(users_units.get(n.name, [])))
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
+            gather = nodes[n.name]["time_s"] - nodes[n.name]["compute_s"]  # ZeRO-1's all-gather after the step
             for u in us or [0]:
                 own = nodes[n.name]["layer"] == units[u].name
+                units[u].gather_s += gather
+                units[u].block_gather_s += gather * own
                 units[u].state_bytes += nodes[n.name]["memory_bytes"]
                 units[u].grad_bytes += nodes[n.name].get("grad_bytes", 0.0)
                 units[u].block_state_bytes += nodes[n.name]["memory_bytes"] * own
@@ -172,11 +179,10 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if ph is None or ph not in unit_of:
             continue
         nbytes = nodes[ph].get("grad_bytes", 0.0)
+        t = grad_reduction_time(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
         for u in sorted(set(users_units.get(ph, [])) or {0}):
-            for i in axes:
-                t = collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
-                units[u].reduce_s += t
-                units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)
+            units[u].reduce_s += t
+            units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)
     # bytes crossing each boundary: a value made in unit u and last used in unit w crosses boundaries u..w-1
     node_of = {n.name: n for n in order}
     for name, us in users_units.items():
@@ -278,7 +284,8 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
                                 fwd_s=second.block_fwd_s, act_bytes=second.block_act_bytes,
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
                                 state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,
-                                transient_bytes=second.block_transient_bytes, reduce_s=second.block_reduce_s)
+                                transient_bytes=second.block_transient_bytes, reduce_s=second.block_reduce_s,
+                                gather_s=second.block_gather_s)
     out = [first]
     for i in range(1, n_blocks - 1):
         out.append(dataclasses.replace(inner, name=f"{first.name.rsplit('.', 1)[0]}.{i}"))
@@ -400,16 +407,14 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 if log:
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
                 continue
-            stages = stage_of_units(list(pl.boundaries), len(units))
-            red = [0.0] * p
-            for ui, c in enumerate(stages):
-                red[c % p] += units[ui].reduce_s
-            step = pl.step_s + max(red)
+            tail = reduction_tail(pl, layer_costs, [u.reduce_s for u in units], cluster.device.comm_overlap,
+                                  [u.gather_s for u in units])
+            step = pl.step_s + tail
             if log:
                 tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,
                               "schedule": str(pl.options), "step_time_s": step})
             if found is None or step < found.step_s:
-                found = Candidate(axis, p, sub, units, pl, step, max(red), batch, batch // m)
+                found = Candidate(axis, p, sub, units, pl, step, tail, batch, batch // m)
         return found
 
     state = {"best": None, "n_blocks": math.inf}
@@ -562,6 +567,10 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "stage_shardings_searched": "Megatron recipe inside the stage for every degree; free shardings for the "
                                     f"{FREE_DEGREES} best degree(s) of that ranking (all degrees when axes are pinned)",
     }
+    # ZeRO-1's all-gather after the step, of the rank gathering most; the rest of the tail is the exposed reduction
+    gather = max(sum(u.gather_s for u, c in zip(units, stages) if c % o.stages == r) for r in range(o.stages))
+    pipeline["param_gather_s"] = gather
+    pipeline["gradient_reduction_s"] = max(0.0, cand.reduce_s - gather)
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)
     comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below

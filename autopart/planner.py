@@ -44,7 +44,16 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopart.cost import Cluster, Link, backward_flops, collective_time, node_bytes, node_flops, roofline_time
+from autopart.cost import (
+    Cluster,
+    Link,
+    backward_flops,
+    collective_time,
+    exposed_after,
+    node_bytes,
+    node_flops,
+    roofline_time,
+)
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
@@ -185,7 +194,9 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                     param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
                     scatter_grad: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
-    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency).
+    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency, and in
+    full: what backward hides of it, where the device overlaps communication, is not linear in the choices;
+    ``gradient_reduction`` prices it in the plan's step, which recipes and pipeline candidates are compared by).
     ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
     gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring)."""
     mesh = cluster.mesh_shape
@@ -708,6 +719,66 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster) -> float:
         size *= mesh[i]
         t += collective_time("all_gather", size, mesh[i], cluster.link(i))
     return t
+
+
+def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
+    """The data-parallel reduction of ``nbytes`` of a rank's gradients over mesh ``axes``: an all-reduce per axis;
+    for ZeRO-1 parameters a reduce-scatter per axis, outermost first, each leaving 1/n (the mirror of
+    ``zero1_gather_time``: the rank keeps the slice of the summed gradient its optimizer states cover)."""
+    mesh = cluster.mesh_shape
+    t = 0.0
+    for i in sorted(axes):
+        if zero1:
+            t += collective_time("reduce_scatter", nbytes, mesh[i], cluster.link(i))
+            nbytes /= mesh[i]
+        else:
+            t += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+    return t
+
+
+def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> tuple[float, float]:
+    """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
+    axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
+
+    As the runtime runs it: per set of reduced axes, gradients in backward order (a parameter's is final when
+    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
+    (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
+    communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
+    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
+    graph = [n for n in traced.graph.nodes if n.name in nodes]
+    order = {n.name: i for i, n in enumerate(graph)}
+    bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]
+           if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input") else 0.0 for n in graph]
+    after = np.concatenate([np.cumsum(bwd[::-1])[::-1], [0.0]])  # backward time of node i and all later nodes
+    window = float(after[0])
+    mesh = cluster.mesh_shape
+    node_by_fqn = {}
+    for ph, fqn in traced.params.items():
+        node_by_fqn.setdefault(fqn, ph)
+    node_of = {n.name: n for n in graph}
+    by_set: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    for fqn, axes in reduced.items():
+        n = node_of[node_by_fqn[fqn]]
+        users = [order[u.name] for u in n.users if u.name in order]
+        ready = float(after[min(users)]) if users else window
+        nbytes = _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
+        by_set[(tuple(axes), zero.get(fqn) in (1, 2))].append((ready, nbytes))  # ZeRO-1/2: reduce-scatter
+    launches = []
+    for (axes, zero1), grads in by_set.items():
+        grads.sort()
+        start = 0
+        while start < len(grads):  # at most BUCKET_BYTES per bucket, as the runtime fills them
+            end, nb = start, 0.0
+            while end < len(grads) and (end == start or nb + grads[end][1] <= BUCKET_BYTES):
+                nb += grads[end][1]
+                end += 1
+            launches.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster)))
+            start = end
+    total = sum(c for _, c in launches)
+    if not cluster.device.comm_overlap:
+        return total, total
+    launches.sort()
+    return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
 
 
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
@@ -1628,20 +1699,12 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
-    # gradient reduction of parameters (priced as all-reduce per reduced axis; ZeRO-1/2: reduce-scatter into slices)
-    from autopart.cost import collective_time
-
-    buckets: dict[tuple[int, ...], float] = defaultdict(float)
-    for fqn, axes in reduced.items():
-        pname = next(k for k, v in traced.params.items() if v == fqn)
-        val, spec = value_of(node_by_name[pname]), parse_spec(params[fqn])
-        if zero.get(fqn) in (1, 2):
-            comm_total += zero_grad_scatter_time(val, spec, axes, cluster)
-            continue
-        buckets[tuple(axes)] += _local_bytes(val, spec, mesh)
-    for axes, nbytes in buckets.items():
-        for i in axes:
-            comm_total += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
+    # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1/2), overlapped with backward where the
+    # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
+    # the exposed part, ``grad_reduction_s`` all of it
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster)
+    comm_total += exposed
+    hidden = reduction - exposed
     out_specs = {}
     for o in traced.graph.find_nodes(op="output"):
         for a in torch.utils._pytree.tree_leaves(o.args):
@@ -1694,7 +1757,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
                                 "graph_nodes": len(info.nodes)} | timings,
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
-                   "internal_comm_s": internal_comm,
+                   "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

@@ -10,11 +10,13 @@ tp inside, zero=0). Reported: time after tracing, split into the plan without pi
 
 ``megatron``: for each row of the Megatron-Core H100 table (shared/REFERENCE.md: GPT, seq 4096, vocab 131072, bf16
 weights; Adam with fp32 master weights = 12 optimizer bytes per parameter), the published (tp, pp, dp) scored by
-``autopart.evaluate`` (micro-batch of one sequence per data-parallel rank, 1F1B, zero=0: Megatron's distributed
-optimizer shards optimizer states only, while autopart's ZeRO-1 takes the ZeRO-2 layout, which gathers parameters
-again for every micro-batch and does not shard h=4096/8192 over 48 ranks) beside autopart's own
-plan for the same GPU count and batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8), nothing pinned). TFLOP/s per
-GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
+``autopart.evaluate`` (micro-batch of one sequence per data-parallel rank, 1F1B) with zero=1 (Megatron's
+distributed optimizer, as Megatron ran it: optimizer states flat-sliced over dp, gradients reduce-scattered, the
+parameters all-gathered after the step) and with zero=0, beside autopart's own plan for the same GPU count and
+batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8), nothing pinned). Reported per score: the data-parallel gradient
+reduction (all of it, and what backward does not hide) and ZeRO-1's parameter all-gather after the step (exposed:
+autopart's runtime does not overlap it with the next forward, Megatron does with --overlap-param-gather), per rank.
+TFLOP/s per GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ SEQ, VOCAB = 4096, 131072
 
 def megatron_flops(batch: int, layers: int, h: int, seq: int = SEQ, vocab: int = VOCAB) -> float:
     return 72 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
+
+
+def comm_terms(p: autopart.Plan) -> dict:
+    """Per rank and step: the gradient reduction (all, exposed) and ZeRO-1's parameter all-gather after the step."""
+    pp = p.pipeline
+    if pp:  # the stage plan holds every stage's parameters; the pipeline record the slowest rank's tail
+        return {"reduction_s": p.predicted["sharding_only"]["grad_reduction_s"] / pp["degree"],
+                "reduction_exposed_s": pp["gradient_reduction_s"], "param_gather_s": pp["param_gather_s"]}
+    gather = sum(r["time_s"] - r["compute_s"] for r in p.nodes.values() if r["op"] == "param")
+    return {"reduction_s": p.predicted["grad_reduction_s"],
+            "reduction_exposed_s": p.predicted["grad_reduction_s"] - p.predicted["hidden_comm_s"],
+            "param_gather_s": gather}
 
 
 def _config(p: autopart.Plan) -> str:
@@ -110,16 +124,23 @@ def megatron(args) -> list[dict]:
         common = dict(cluster="h100-80gb", traced=t, optimizer_bytes_per_param=12.0)
         rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
                "published_tflops": published, "export_s": export_s}
-        try:
-            ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=args.zero,
-                                   micro_batches=batch // dp if pp > 1 else None, **common)
-            rec["published_step_s"] = ev.predicted["step_time_s"]
-            rec["published_pred_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
-            rec["published_plan"] = _config(ev)
-        except ValueError as e:
-            rec["published_step_s"] = float("nan")
-            rec["published_pred_tflops"] = float("nan")
-            rec["published_plan"] = "does not fit: " + str(e).splitlines()[0][:120]
+        for zero in (1, 0):
+            key = f"zero{zero}"
+            try:
+                ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=zero,
+                                       micro_batches=batch // dp if pp > 1 else None, **common)
+                rec[f"{key}_step_s"] = ev.predicted["step_time_s"]
+                rec[f"{key}_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
+                rec[f"{key}_plan"] = _config(ev)
+                rec[f"{key}_terms"] = comm_terms(ev)
+            except ValueError as e:
+                rec[f"{key}_step_s"] = rec[f"{key}_tflops"] = float("nan")
+                rec[f"{key}_plan"] = "does not fit: " + str(e).splitlines()[0][:120]
+                rec[f"{key}_terms"] = {}
+        rec["error_zero1"] = rec["zero1_tflops"] / published - 1
+        if rec["zero1_terms"]:  # what the score would be with the all-gather hidden, as Megatron hides it
+            rec["zero1_tflops_gather_hidden"] = flops / (rec["zero1_step_s"] - rec["zero1_terms"]["param_gather_s"]) \
+                / gpus / 1e12
         shape = (gpus // 8, 8)
         t0 = time.perf_counter()
         try:
@@ -134,13 +155,20 @@ def megatron(args) -> list[dict]:
         rec["own_plan_s"] = time.perf_counter() - t0
         rows.append(rec)
         print(json.dumps(rec), flush=True)
-    print("\n| model | GPUs | batch | published (tp, pp, dp) | published TFLOP/s/GPU | autopart's score of it: "
-          "step (s), TFLOP/s/GPU | autopart's choice | its step (s), TFLOP/s/GPU | planning (s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| model | GPUs | published (tp, pp, dp) | published TFLOP/s/GPU | score, zero=1: step s, TFLOP/s/GPU, "
+          "error | its gradient reduction s (exposed) | its ZeRO-1 all-gather s | TFLOP/s/GPU, error with that "
+          "all-gather hidden | score, zero=0: step s, TFLOP/s/GPU | autopart's choice | its step s, TFLOP/s/GPU | "
+          "planning s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['gpus']} | {r['batch']} | {r['published']} | {r['published_tflops']} | "
-              f"{r['published_step_s']:.2f}, {r['published_pred_tflops']:.0f} | {r['own_plan']} | "
-              f"{r['own_step_s']:.2f}, {r['own_pred_tflops']:.0f} | {r['own_plan_s']:.1f} |")
+        t = r["zero1_terms"]
+        hid = r.get("zero1_tflops_gather_hidden", float("nan"))
+        terms = (f"{t['reduction_s']:.3f} ({t['reduction_exposed_s']:.3f}) | {t['param_gather_s']:.3f} | "
+                 f"{hid:.0f}, {100 * (hid / r['published_tflops'] - 1):+.1f}%" if t else " | | ")
+        print(f"| {r['model']} | {r['gpus']} | {r['published']} | {r['published_tflops']} | "
+              f"{r['zero1_step_s']:.3f}, {r['zero1_tflops']:.0f}, {100 * r['error_zero1']:+.1f}% | {terms} | "
+              f"{r['zero0_step_s']:.3f}, {r['zero0_tflops']:.0f} | {r['own_plan']} | "
+              f"{r['own_step_s']:.3f}, {r['own_pred_tflops']:.0f} | {r['own_plan_s']:.1f} |")
     return rows
 
 
@@ -149,9 +177,6 @@ def main() -> None:
     ap.add_argument("what", choices=["planning", "megatron"])
     ap.add_argument("--batch", type=int, default=128, help="planning: global batch of 2048-token sequences")
     ap.add_argument("--rows", default="", help="megatron: comma-separated model names (default: all)")
-    ap.add_argument("--zero", type=int, default=0, help="megatron: ZeRO level of the published configurations "
-                    "(0: whole optimizer states; 1: Megatron-LM's distributed optimizer, priced as autopart runs it: "
-                    "gradient all-reduce, then the parameter all-gather, neither overlapped with compute)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = planning(args) if args.what == "planning" else megatron(args)

@@ -11,6 +11,7 @@ from autopart.cost.comm import (
     all_reduce_time,
     all_to_all_time,
     collective_time,
+    exposed_after,
     reduce_scatter_time,
     send_recv_time,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "all_to_all_time",
     "backward_flops",
     "collective_time",
+    "exposed_after",
     "gpt_params",
     "gpt_train_flops",
     "matmul_flops",

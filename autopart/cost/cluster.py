@@ -31,6 +31,10 @@ class Link:
     # measured (kind, alpha, beta) of single collectives (``autopart.calibrate``), in the ring parametrization of
     # ``autopart.cost.comm``; a collective not listed uses ``alpha`` and ``beta``
     per_collective: tuple[tuple[str, float, float], ...] = ()
+    # the collective library also runs all-reduce as a tree over this link and picks the faster: NCCL's double binary
+    # tree spans nodes, 2 log2(n) latency steps where the ring takes 2(n-1); inside a node its tree is a chain (as
+    # many steps as the ring), and gloo's all-reduce is a ring
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if not self.alpha >= 0:
@@ -78,6 +82,10 @@ class Device:
     # seconds of framework time per graph op, forward and backward (dispatch, autograd, the runtime's Python;
     # kernel launches on a GPU), measured by ``autopart.calibrate`` on a model too small for its arithmetic to count
     op_latency: float = 0.0
+    # collectives run on their own stream concurrently with compute (NCCL on GPUs: copy engines and a few SMs), so
+    # the runtime's asynchronous gradient buckets hide behind the backward still to run. False where communication
+    # competes with compute for the same cores (gloo on CPU ranks): every collective then adds to the step
+    comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
@@ -222,20 +230,22 @@ _CPU = Preset(
 
 _A100 = Preset(
     device=Device(
-        "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7
+        "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7,
+        comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 300e9),
-    inter_node=Link(alpha=10e-6, beta=1 / 25e9),
+    inter_node=Link(alpha=10e-6, beta=1 / 25e9, tree=True),
     devices_per_node=8,
     reserve_bytes=4 * GiB,
 )
 
 _H100 = Preset(
     device=Device(
-        "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65
+        "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65,
+        comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 450e9),
-    inter_node=Link(alpha=10e-6, beta=1 / 50e9),
+    inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True),
     devices_per_node=8,
     reserve_bytes=4 * GiB,
 )
@@ -257,8 +267,8 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "attention_flops",
-                "math_bandwidth", "op_latency"}
-_LINK_KEYS = {"alpha", "beta", "bandwidth"}
+                "math_bandwidth", "op_latency", "comm_overlap"}
+_LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
 
 
 def _size(value: Any, where: str) -> float:
@@ -286,10 +296,11 @@ def load_preset(path: str) -> str:
         reserve_bytes = "4GiB"         # device memory a plan may not use
         [device]                       # peak_flops (dense FLOP/s of the training dtype), mem_bandwidth,
         peak_flops = 989e12            # memory_bytes, host_bandwidth (device<->host), mfu (fraction of
-        memory_bytes = "80GiB"         # peak large matmuls reach), name
+        memory_bytes = "80GiB"         # peak large matmuls reach), name, comm_overlap (collectives run
+        comm_overlap = true            # concurrently with compute: NCCL on GPUs; false for gloo on CPUs)
         [intra_node]                   # the link inside a node: alpha (s per message) and
-        alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte)
-        bandwidth = 450e9
+        alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
+        bandwidth = 450e9              # library also has a tree all-reduce (NCCL)
         [inter_node]                   # the link between nodes
         alpha = 10e-6
         bandwidth = 50e9
@@ -340,7 +351,7 @@ def load_preset(path: str) -> str:
         raise ValueError(f"cluster file {path!r}: unknown [device] keys {sorted(bad)}; allowed: "
                          f"{sorted(_DEVICE_KEYS)}")
     dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0,
-                                                              "op_latency": 0.0}
+                                                              "op_latency": 0.0, "comm_overlap": False}
     dev["name"] = name
     dev.update(dev_in)
     missing = _DEVICE_KEYS - set(dev)
@@ -349,6 +360,9 @@ def load_preset(path: str) -> str:
     for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "attention_flops", "math_bandwidth"):
         dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
     dev["memory_bytes"] = int(dev["memory_bytes"])
+    if not isinstance(dev["comm_overlap"], bool):
+        raise ValueError(f"cluster file {path!r}: [device] comm_overlap must be true or false, got "
+                         f"{dev['comm_overlap']!r}")
     device = Device(**dev)
 
     def link(section: str) -> Link:
@@ -367,7 +381,10 @@ def load_preset(path: str) -> str:
             beta = given.get("beta", old.beta if old else None)
         if alpha is None or beta is None:
             raise ValueError(f"cluster file {path!r}: [{section}] needs alpha and bandwidth (or beta)")
-        return Link(alpha=float(alpha), beta=float(beta))
+        tree = given.get("tree", old.tree if old else False)
+        if not isinstance(tree, bool):
+            raise ValueError(f"cluster file {path!r}: [{section}] tree must be true or false, got {tree!r}")
+        return Link(alpha=float(alpha), beta=float(beta), tree=tree)
 
     per_node = data.get("devices_per_node", start.devices_per_node if start is not None else None)
     if per_node is not None and (not isinstance(per_node, int) or per_node < 0):
@@ -409,7 +426,11 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
     - h200-141gb: HGX H200: the H100 compute and network with 141 GB HBM3e (nvidia-smi 143771 MiB) at 4.8 TB/s
       (H200 datasheet).
 
-    GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation.
+    GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation. Their
+    collectives are NCCL's: all-reduce across nodes takes the lower latency of ring and tree (``Link.tree`` on the
+    inter-node link; NCCL's tree is a chain inside a node), and communication
+    overlaps compute (``Device.comm_overlap``: the gradient buckets reduce while backward runs). The cpu preset has
+    neither: gloo rings, and gloo on 2 cores competes with the ranks' compute for the cores.
     ``name`` may also be the path of a ``.json``/``.toml`` file describing another machine (``load_preset``), or
     ``"calibrated"``: this machine as ``autopart.calibrate`` measured it for ``mesh_shape`` (``load_calibration``).
     """

@@ -5,14 +5,28 @@ the array being all-reduced, the full send buffer of an all-to-all. ``n`` is the
 ``link`` the link the group communicates over (``Cluster.link(axis)``). A group of one rank costs nothing.
 
     all-gather, reduce-scatter, all-to-all   (n-1) α + (n-1)/n · S β
-    all-reduce                               2(n-1) α + 2(n-1)/n · S β
+    all-reduce                               2(n-1) α + 2(n-1)/n · S β   (ring)
+                                             2⌈log2 n⌉ α + 2(n-1)/n · S β   (tree, ``Link.tree``: the lower wins)
     send/recv                                α + S β
 
+NCCL runs all-reduce as a ring or a double binary tree and picks by size (NCCL's tuning model: a tree's latency
+grows with log2 of the nodes, a ring's linearly; inside a node the tree is a chain; docs "Environment Variables",
+NCCL_ALGO). ``Link.tree`` is set on the GPU presets' inter-node link only. Both move the same bytes
+per rank at large sizes (nccl-tests doc/PERFORMANCE.md reports one bus bandwidth, 2(n-1)/n of the algorithm's), so
+the tree changes only the latency term: ``min`` of the two, which is what NCCL's choice approximates.
+
 A calibrated link (``autopart.calibrate``) carries α and β measured per collective (``Link.for_collective``):
-gloo and NCCL implement each collective with its own algorithm, so one pair does not fit them all.
+gloo and NCCL implement each collective with its own algorithm, so one pair does not fit them all. A measured
+all-reduce keeps the ring parametrization it was fitted in.
+
+``exposed_after`` prices collectives that run concurrently with compute (the data-parallel gradient buckets on a
+device whose collectives overlap, ``Device.comm_overlap``): what finishes after the compute window.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 from autopart.cost.cluster import Link
 
@@ -44,8 +58,15 @@ def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce (reduce-scatter then all-gather): 2(n-1) α + 2(n-1)/n · S β."""
-    return 2 * _ring(nbytes, n, link.for_collective("all_reduce"))
+    """Ring all-reduce (reduce-scatter then all-gather): 2(n-1) α + 2(n-1)/n · S β; on a link whose library also
+    has a tree all-reduce (``Link.tree``, NCCL) and no measured all-reduce, 2 min(n-1, ⌈log2 n⌉) α + 2(n-1)/n · S β."""
+    measured = link.for_collective("all_reduce")
+    if not link.tree or measured is not link:
+        return 2 * _ring(nbytes, n, measured)
+    _check(nbytes, n)
+    if n == 1:
+        return 0.0
+    return 2 * min(n - 1, math.ceil(math.log2(n))) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
@@ -74,3 +95,21 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if kind not in fns:
         raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
     return fns[kind](nbytes, n, link)
+
+
+def exposed_after(ready: Sequence[float], cost: Sequence[float], window: float) -> float:
+    """Seconds a chain of asynchronous collectives adds after ``window`` seconds of compute they overlap.
+
+    Collective ``k`` is launched when its input is ready, ``ready[k]`` seconds into the window, and runs after
+    collective ``k-1`` (one process group: in launch order), taking ``cost[k]``; the step waits for the last. This is
+    the runtime's data-parallel gradient reduction: buckets in backward order, each launched as its last gradient is
+    produced, concurrently with the rest of backward, all waited on at the end. Returns ``max(0, end - window)``:
+    at least the last bucket (ready only when backward ends), more when the reduction is slower than the backward
+    left to hide it.
+    """
+    if len(ready) != len(cost):
+        raise ValueError(f"exposed_after: {len(ready)} ready times for {len(cost)} collectives")
+    end = 0.0
+    for r, c in zip(ready, cost):
+        end = max(end, r) + c
+    return max(0.0, end - window)

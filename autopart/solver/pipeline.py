@@ -173,6 +173,50 @@ def schedule_step_time(stage_times: Sequence[float], opts: PipelineOptions) -> f
     return (opts.micro_batches * opts.virtual + opts.stages - 1) * max(stage_times)
 
 
+def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequence[float], overlap: bool,
+                   gather_s: Sequence[float] | None = None) -> float:
+    """Seconds the data-parallel gradient reduction, and ZeRO-1's parameter all-gather after the optimizer step
+    (``gather_s``, per layer: the runtime overlaps it with nothing), add after the pipeline flush: the slowest rank's.
+
+    ``reduce_s[l]`` is layer ``l``'s reduction, run by the rank holding it. Without ``overlap`` a rank reduces after
+    its last backward: the largest per-rank sum (the slack of ranks that finish early is not counted). With overlap
+    (NCCL: ``Device.comm_overlap``) a layer's gradients are final once the *last* micro-batch's backward passed it,
+    and its reduction is launched then, concurrently with the rest of that backward, one collective after the other
+    per rank (``autopart.cost.comm.exposed_after``). The last micro-batch's backward runs the chunks from the last to
+    the first, each layer in reverse (a checkpointed layer's forward recomputed first), a ``p2p_s / 2`` send between
+    chunks; what a rank's reduction leaves after that chain ends (chunk 0 on rank 0) is its tail. A later stage
+    therefore hides its reduction behind the earlier stages' backward of that micro-batch (1F1B's cool-down)."""
+    from autopart.cost.comm import exposed_after
+
+    gather_s = [0.0] * len(layers) if gather_s is None else gather_s
+    if not len(reduce_s) == len(gather_s) == len(layers):
+        raise ValueError(f"reduction_tail: {len(reduce_s)} reduction and {len(gather_s)} gather times for "
+                         f"{len(layers)} layers")
+    o = pl.options
+    ends = list(pl.boundaries[1:]) + [len(layers)]
+    chunk_of = [c for c, (i, j) in enumerate(zip(pl.boundaries, ends)) for _ in range(i, j)]
+    ranks = [chunk_of[lay] % o.stages for lay in range(len(layers))]
+    if not overlap:
+        per = [0.0] * o.stages
+        for lay, r in enumerate(ranks):
+            per[r] += reduce_s[lay] + gather_s[lay]
+        return max(per)
+    hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
+    ready, clock = [0.0] * len(layers), 0.0
+    for lay in reversed(range(len(layers))):  # the last micro-batch's backward, last layer first
+        if lay + 1 < len(layers) and chunk_of[lay + 1] != chunk_of[lay]:
+            clock += hop
+        x = layers[lay]
+        clock += x.bwd_s + (x.fwd_s if pl.checkpointed[lay] else 0.0)
+        ready[lay] = clock
+    tail = 0.0
+    for r in range(o.stages):
+        mine = sorted((ready[lay], reduce_s[lay]) for lay in range(len(layers)) if ranks[lay] == r)
+        gather = sum(gather_s[lay] for lay in range(len(layers)) if ranks[lay] == r)
+        tail = max(tail, exposed_after([t for t, _ in mine], [c for _, c in mine], clock) + gather)
+    return tail
+
+
 def _front_add(t: np.ndarray, s: np.ndarray, dt: float, ds: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Add one optional item to a Pareto front (times ascending, savings strictly ascending); return keep-order too."""
     nt, ns = np.concatenate([t, t + dt]), np.concatenate([s, s + ds])

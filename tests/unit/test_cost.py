@@ -15,6 +15,7 @@ from autopart.cost import (
     all_to_all_time,
     backward_flops,
     collective_time,
+    exposed_after,
     gpt_params,
     gpt_train_flops,
     matmul_flops,
@@ -51,6 +52,39 @@ def test_all_gather_reduce_scatter_all_to_all():
 def test_all_reduce():
     assert all_reduce_time(S, 4, LINK) == pytest.approx(2 * 3 * 1e-5 + 2 * 0.75 * 8e6 * 1e-9)
     assert all_reduce_time(S, 8, LINK) == pytest.approx(14e-5 + 1.75 * 8e-3)
+
+
+def test_all_reduce_tree_latency():
+    # NCCL's tree: 2 ceil(log2 n) latency steps against the ring's 2(n-1); the bandwidth term is the ring's
+    tree = Link(alpha=1e-5, beta=1e-9, tree=True)
+    assert all_reduce_time(S, 8, tree) == pytest.approx(2 * 3 * 1e-5 + 1.75 * 8e-3)
+    assert all_reduce_time(S, 48, tree) == pytest.approx(2 * 6 * 1e-5 + 2 * 47 / 48 * 8e-3)
+    assert all_reduce_time(S, 2, tree) == all_reduce_time(S, 2, LINK)  # 1 step either way
+    assert all_reduce_time(S, 3, tree) == all_reduce_time(S, 3, LINK)  # ring 2 steps, tree ceil(log2 3) = 2
+    assert all_reduce_time(0.0, 1, tree) == 0.0
+    # a measured all-reduce keeps the ring parametrization it was fitted in; other collectives are rings anyway
+    measured = Link(alpha=1e-5, beta=1e-9, tree=True, per_collective=(("all_reduce", 2e-5, 1e-9),))
+    assert all_reduce_time(S, 8, measured) == pytest.approx(2 * 7 * 2e-5 + 1.75 * 8e-3)
+    assert all_gather_time(S, 8, tree) == all_gather_time(S, 8, LINK)
+    # nccl-tests bus bandwidth (doc/PERFORMANCE.md: busBw = S/t * 2(n-1)/n) of a large all-reduce on the GPU
+    # presets' links: still the link's bandwidth (450 GB/s NVLink 4, 50 GB/s per GPU NDR IB), tree or not
+    h100 = preset("h100-80gb", (16, 8))
+    for axis, n, bw in ((1, 8, 450e9), (0, 16, 50e9)):
+        big = 8 * 2**30
+        bus = big / all_reduce_time(big, n, h100.link(axis)) * 2 * (n - 1) / n
+        assert bus == pytest.approx(bw, rel=3e-3)  # the latency is 0.2% of 8 GiB's time on NVLink's ring
+    # NCCL's tree spans nodes (inside one it is a chain, the ring's step count); gloo: rings
+    assert h100.link(0).tree and not h100.link(1).tree and not preset("cpu", (4,)).link(0).tree
+
+
+def test_exposed_after():
+    # one stream, in order: a collective starts at max(ready, previous end); exposed = end - window
+    assert exposed_after([], [], 1.0) == 0.0
+    assert exposed_after([0.2, 0.5, 1.0], [0.1, 0.1, 0.1], 1.0) == pytest.approx(0.1)  # only the last
+    assert exposed_after([0.0, 0.0, 1.0], [0.6, 0.6, 0.1], 1.0) == pytest.approx(0.3)  # 1.2 busy, then the last
+    assert exposed_after([0.1, 0.2], [0.1, 0.1], 1.0) == 0.0  # all hidden
+    with pytest.raises(ValueError, match="2 ready times for 1"):
+        exposed_after([0.0, 0.1], [0.1], 1.0)
 
 
 def test_send_recv():
@@ -101,6 +135,9 @@ def test_presets_numbers():
     assert h200.memory_budget == h200.device.memory_bytes - h200.reserve_bytes
     cpu = preset("cpu", (2, 2))
     assert cpu.link(0) == cpu.link(1) and cpu.link(0).alpha == 50e-6
+    # NCCL overlaps collectives with compute; gloo on the cpu preset's 2 cores competes with it
+    assert not cpu.device.comm_overlap and h100.device.comm_overlap and h200.device.comm_overlap
+    assert preset("a100-80gb", (8,)).device.comm_overlap
     for name in PRESETS:
         assert 0.5 <= preset(name, (8,)).device.mfu <= 1.0
 
@@ -232,3 +269,70 @@ def test_gpt3_params_and_flops():
     assert flops == pytest.approx(6 * 2048 * gpt_params(96, 12288, 51200, 2048), rel=0.05)  # ≈ 6·tokens·Ψ
     recompute = gpt_train_flops(1, 2048, 96, 12288, 51200, recompute=True)
     assert math.isclose(recompute / flops, 4 / 3, rel_tol=0.01)
+
+
+# the step's aggregation: the data-parallel gradient reduction overlapped with backward where the device overlaps
+
+
+def test_gradient_reduction_hidden_behind_backward_on_gpus_only():
+    import dataclasses
+
+    import autopart
+    from autopart.models import GPT, GPTConfig
+
+    with torch.device("meta"):  # several 25 MiB buckets, and a backward longer than their reduction; planned only
+        model = GPT(GPTConfig(vocab_size=4096, max_seq_len=512, n_layer=4, n_head=8, d_model=1024, bias=False))
+        ids = torch.randint(0, 4096, (1024, 512))
+    h100 = preset("h100-80gb", (16,))  # 2 nodes: the dp axis crosses InfiniBand
+    serial = dataclasses.replace(h100, device=dataclasses.replace(h100.device, comm_overlap=False))
+    plans = {(c.device.comm_overlap, zero): autopart.plan(
+        model, autopart.mesh((16,), ("dp",)), (ids,), {"labels": ids}, cluster=c, zero=zero, roles={"dp": "dp"},
+        recipes=False, pipeline="off").predicted for c, zero in ((h100, 0), (serial, 0), (serial, 1))}
+    on, off = plans[True, 0], plans[False, 0]
+    assert on["grad_reduction_s"] == pytest.approx(off["grad_reduction_s"]) and on["grad_reduction_s"] > 0
+    assert off["hidden_comm_s"] == 0.0 and off["step_time_s"] == pytest.approx(off["compute_s"] + off["comm_s"])
+    # most is hidden, not all: the last bucket (the embedding's gradient, final when backward ends) is exposed
+    assert 0.5 * on["grad_reduction_s"] < on["hidden_comm_s"] < on["grad_reduction_s"]
+    assert on["step_time_s"] == pytest.approx(on["compute_s"] + on["comm_s"])  # comm_s: what the step pays
+    assert on["comm_s"] == pytest.approx(off["comm_s"] - on["hidden_comm_s"])
+    # ZeRO-1 reduce-scatters the same gradients: half the all-reduce's bytes, but a ring's 15 latency steps per
+    # bucket where NCCL's all-reduce takes the tree's 2 x 4
+    assert off["grad_reduction_s"] / 2 < plans[False, 1]["grad_reduction_s"] < 0.7 * off["grad_reduction_s"]
+
+
+def test_megatron_h100_1p7b_row_within_15_percent():
+    # REFERENCE.md, Megatron-Core on H100: GPT 1.7B (h 2048, 16 heads, 24 layers), seq 4096, vocab 131072,
+    # tp 1, pp 1, dp 48, batch 192, distributed optimizer: 408.8 TFLOP/s per GPU by Megatron's count. The one row
+    # cheap enough for a unit test (benchmarks/bench_pipeline.py megatron scores them all)
+    import autopart
+    from autopart.models import GPT, GPTConfig
+
+    h, layers, seq, vocab, batch, gpus = 2048, 24, 4096, 131072, 192, 48
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=seq, n_layer=layers, n_head=16, d_model=h,
+                              bias=False)).to(torch.bfloat16)
+        ids = torch.randint(0, vocab, (batch, seq))
+    p = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, cluster="h100-80gb", tp=1, pp=1, zero=1,
+                          optimizer_bytes_per_param=12.0).predicted
+    flops = 72 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
+    assert flops / p["step_time_s"] / gpus / 1e12 == pytest.approx(408.8, rel=0.15)
+    # the gradient reduce-scatter runs behind backward but for its last buckets (the embedding's gradient)
+    assert 0.5 * p["grad_reduction_s"] < p["hidden_comm_s"] < p["grad_reduction_s"]
+
+
+def test_cluster_file_overlap_and_tree(tmp_path):
+    from autopart.cost.cluster import PRESETS, load_preset
+
+    path = tmp_path / "gloo-h100.toml"
+    path.write_text('name = "test-gloo-h100"\nbase = "h100-80gb"\n[device]\ncomm_overlap = false\n'
+                    '[inter_node]\ntree = false\n')
+    try:
+        c = preset(load_preset(str(path)), (4, 8))
+        assert not c.device.comm_overlap and not c.link(0).tree  # overridden
+        assert c.link(0).bandwidth == pytest.approx(50e9)  # the rest from the base
+        assert preset("h100-80gb", (4, 8)).link(0).tree
+        path.write_text('name = "test-bad-overlap"\nbase = "h100-80gb"\n[device]\ncomm_overlap = "yes"\n')
+        with pytest.raises(ValueError, match="comm_overlap must be true or false"):
+            load_preset(str(path))
+    finally:
+        PRESETS.pop("test-gloo-h100", None)

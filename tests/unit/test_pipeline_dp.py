@@ -203,3 +203,25 @@ def test_best_pipeline_prefers_throughput_and_skips_infeasible():
     assert max(plan.stage_memory) <= 200
     with pytest.raises(ValueError, match="no pipeline configuration fits"):
         best_pipeline(layers, 1, [2], [4], ["1f1b"])
+
+
+def test_reduction_tail_overlaps_the_last_backward():
+    from autopart.solver.pipeline import PipelinePlan, reduction_tail
+
+    layers = [LayerCost(fwd_s=1.0, bwd_s=2.0, act_bytes=0.0, state_bytes=0.0)] * 4
+    opts = PipelineOptions(2, 4, "1f1b", p2p_s=0.2)
+    pl = PipelinePlan((0, 2), (False,) * 4, 0.0, 0.0, (0.0, 0.0), (0.0, 0.0), opts)
+    red = [1.5, 1.5, 1.0, 1.0]
+    # no overlap: the slowest rank's sum
+    assert reduction_tail(pl, layers, red, overlap=False) == pytest.approx(3.0)
+    # the last micro-batch's backward: layer 3 done at 2, layer 2 at 4, a 0.1 s send, layer 1 at 6.1, layer 0 at 8.1.
+    # rank 1 (layers 2, 3): 2 -> 3, then 4 -> 5, hidden by 8.1; rank 0: 6.1 -> 7.6, then 8.1 -> 9.6: 1.5 s exposed
+    assert reduction_tail(pl, layers, red, overlap=True) == pytest.approx(1.5)
+    # a reduction slower than the backward left: rank 1's from t = 2 ends at 7, the next at 12: 3.9 s after 8.1
+    assert reduction_tail(pl, layers, [0.0, 0.0, 5.0, 5.0], overlap=True) == pytest.approx(12 - 8.1)
+    # a checkpointed layer recomputes its forward inside that backward: rank 0's layers end 1 s later, still the last
+    ck = PipelinePlan((0, 2), (True, False, False, False), 0.0, 0.0, (0.0, 0.0), (0.0, 0.0), opts)
+    assert reduction_tail(ck, layers, red, overlap=True) == pytest.approx(1.5)
+    # ZeRO-1's parameter all-gather after the step overlaps nothing: it adds to its rank's tail
+    assert reduction_tail(pl, layers, red, True, [0.0, 0.0, 2.0, 2.0]) == pytest.approx(4.0)  # rank 1: 0 + 4
+    assert reduction_tail(pl, layers, red, False, [0.5, 0.5, 0.0, 0.0]) == pytest.approx(4.0)
