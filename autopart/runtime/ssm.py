@@ -29,7 +29,7 @@ def _shift(buf: torch.Tensor, ax: C.Ax, forward: bool) -> torch.Tensor:
     """``buf`` of the previous rank on the axis (``forward``) or of the next one; zeros at the end of the line.
     Posted as one batch of a send and a receive around the ring (the wrapped-around message is dropped)."""
     dst, src = (1, -1) if forward else (-1, 1)
-    recv = torch.empty_like(buf)
+    recv = torch.empty_like(buf, memory_format=torch.contiguous_format)  # buf may be a strided slice
     STATS["halo_hops"] += 1
     ops = [dist.P2POp(dist.isend, buf.contiguous(), dist.get_global_rank(ax.group, (ax.coord + dst) % ax.n),
                       ax.group),
