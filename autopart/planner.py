@@ -23,6 +23,11 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
 
 * parameters whose every use needs the "R -> R, split user" backward all-reduce on an axis skip it there and are
   reduced after backward in buckets instead (data-parallel gradient reduction), priced the same way.
+* a value converted to one target for several users is converted once (and its gradient reduced once): each user
+  edge carries the conversion divided by the value's number of users. Exact when they all take that target (a
+  norm's output feeding q, k and v; a sequence-parallel residual feeding the norm and the add); when users take
+  different targets the ILP counts less than the runtime runs (a pairwise term cannot see the other users), and
+  the plan's record, one entry per conversion the runtime makes, is the truth.
 * memory per device: parameters + gradients + optimizer states (Adam: 2 states of the parameter's dtype... taken
   as ``optimizer_bytes_per_param``) for the local shard, plus the local bytes of every activation kept for
   backward. An activation all-gathered for a user that saves it (S(d) -> R before a column-parallel matmul under
@@ -978,6 +983,21 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
     edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
+    # The graph's edges by (producer group, consumer group, input index, output index): the instances of one tied
+    # pattern (one per layer inside a layer, one per layer boundary between layers, one into the first layer from
+    # outside) share a price, priced once and counted as often as the graph holds the edge; and the users of each
+    # value, among which one conversion is shared (the runtime converts a value once per target,
+    # ``passes.collectives``)
+    instances: dict[tuple, list[str]] = defaultdict(list)
+    converting_users: dict[str, int] = defaultdict(int)
+    for v in info.nodes:
+        if info.kind[v.name] == "op":
+            for j, a in enumerate(tensor_inputs(v)):
+                u, idx = _producer(a)
+                if u.name in info.options:
+                    instances[(group_of[u.name], group_of[v.name], j, idx)].append(v.name)
+                    converting_users[a.name] += 1
+    priced: set[tuple] = set()
     for v in info.nodes:
         if info.kind[v.name] != "op":
             continue
@@ -988,8 +1008,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 continue
             gu, gv = group_of[u.name], group_of[v.name]
             key = (gu, gv)
-            if key in edges and (len(groups[gu]) > 1 or len(groups[gv]) > 1) and v.name != groups[gv][0]:
-                continue  # tied: priced once on the representative, scaled by the layer count
+            if (gu, gv, j, idx) in priced:
+                continue  # tied: one price for every instance of the pattern
+            priced.add((gu, gv, j, idx))
             val = value_of(a)
             uopts = info.options[u.name]
             g = info.needs_grad[u.name]
@@ -1009,6 +1030,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             src_keys = list(zip(src_ids, regathers, scatters))
             fixed_kinds = set(src_fixed) if fixed_axes else set()
             kept_sharded = regathered_input(v, j, info)
+            users = converting_users[a.name]
             if kept_sharded:
                 shard_b, gathered_b = np.zeros_like(mat), np.zeros_like(mat)
                 share = max(1, saving_users.get(a.name, 1))
@@ -1032,6 +1054,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     if t is None:
                         t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                         regather=regathers[ai], scatter_grad=scatters[ai])
+                    t /= users  # one conversion for the users taking this target (exact when they all do)
                     if kept_sharded:  # saved as its shard, gathered again in backward
                         rk = (vkey, src_ids[ai], dst_id, split, "regather")
                         hit = cache.get(rk)
@@ -1044,7 +1067,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                         shard_b[ai, bi], gathered_b[ai, bi] = hit[1] / share, hit[2] / share
                     col.append(t)
                 mat[:, bi] = col
-            scale = scales[gv]
+            # how many edges of the whole model this one stands for: its instances in the graph; under virtual
+            # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
+            inst = instances[(gu, gv, j, idx)]
+            scale = len(inst) + (scales[gv] - len(groups[gv]) if len(groups[gv]) > 1 and groups[gv][-1] in inst
+                                 else 0)
             edges[key] = edges.get(key, 0) + mat * scale
             if kept_sharded and gathered_b.any():
                 lay = info.layer.get(v.name)
