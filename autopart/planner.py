@@ -23,11 +23,12 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
 
 * parameters whose every use needs the "R -> R, split user" backward all-reduce on an axis skip it there and are
   reduced after backward in buckets instead (data-parallel gradient reduction), priced the same way.
-* a value converted to one target for several users is converted once (and its gradient reduced once): each user
-  edge carries the conversion divided by the value's number of users. Exact when they all take that target (a
-  norm's output feeding q, k and v; a sequence-parallel residual feeding the norm and the add); when users take
-  different targets the ILP counts less than the runtime runs (a pairwise term cannot see the other users), and
-  the plan's record, one entry per conversion the runtime makes, is the truth.
+* a value converted to one target for several users is converted once by the runtime (and its gradient reduced
+  once), but each user edge carries the whole conversion: the ILP over-counts such conversions (the plan's
+  record, one entry per conversion the runtime makes, is the truth). A pairwise term cannot see the other users;
+  dividing the conversion among them is exact when they all take one target but under-counts when they do not,
+  and the solver then picks plans that gather a value for one user cheaply (MoE's router one-hot: 9% slower by
+  the record), so the safe side it is.
 * memory per device: parameters + gradients + optimizer states (Adam: 2 states of the parameter's dtype... taken
   as ``optimizer_bytes_per_param``) for the local shard, plus the local bytes of every activation kept for
   backward. An activation all-gathered for a user that saves it (S(d) -> R before a column-parallel matmul under
@@ -985,18 +986,14 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
     # The graph's edges by (producer group, consumer group, input index, output index): the instances of one tied
     # pattern (one per layer inside a layer, one per layer boundary between layers, one into the first layer from
-    # outside) share a price, priced once and counted as often as the graph holds the edge; and the users of each
-    # value, among which one conversion is shared (the runtime converts a value once per target,
-    # ``passes.collectives``)
+    # outside) share a price, priced once and counted as often as the graph holds the edge
     instances: dict[tuple, list[str]] = defaultdict(list)
-    converting_users: dict[str, int] = defaultdict(int)
     for v in info.nodes:
         if info.kind[v.name] == "op":
             for j, a in enumerate(tensor_inputs(v)):
                 u, idx = _producer(a)
                 if u.name in info.options:
                     instances[(group_of[u.name], group_of[v.name], j, idx)].append(v.name)
-                    converting_users[a.name] += 1
     priced: set[tuple] = set()
     for v in info.nodes:
         if info.kind[v.name] != "op":
@@ -1030,7 +1027,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             src_keys = list(zip(src_ids, regathers, scatters))
             fixed_kinds = set(src_fixed) if fixed_axes else set()
             kept_sharded = regathered_input(v, j, info)
-            users = converting_users[a.name]
             if kept_sharded:
                 shard_b, gathered_b = np.zeros_like(mat), np.zeros_like(mat)
                 share = max(1, saving_users.get(a.name, 1))
@@ -1054,7 +1050,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     if t is None:
                         t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                         regather=regathers[ai], scatter_grad=scatters[ai])
-                    t /= users  # one conversion for the users taking this target (exact when they all do)
                     if kept_sharded:  # saved as its shard, gathered again in backward
                         rk = (vkey, src_ids[ai], dst_id, split, "regather")
                         hit = cache.get(rk)
