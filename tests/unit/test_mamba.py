@@ -168,8 +168,8 @@ def test_ilp_objective_prices_what_the_sequence_parallel_plan_runs() -> None:
     conversion (its backward re-gather included), collectives inside nodes and the gradient all-reduce by
     bandwidth (the record adds the bucket's latency), except that a conversion several users take is priced once
     per user edge (``autopart.planner``'s docstring: the safe side of a pairwise model) while the runtime makes it
-    once. The ILP used to price edges into and between the tied blocks once per block: 1.6 ms over the record,
-    which made the solver keep the residual Partial with an extra all-reduce per block."""
+    once. The ILP used to price edges into and between the tied blocks once per block (0.99 ms more on this
+    plan), which made the solver keep the residual Partial with an extra all-reduce per block."""
     from autopart.cost import Link, collective_time
     from autopart.strategy import tensor_inputs
 
