@@ -23,6 +23,12 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
 
 * parameters whose every use needs the "R -> R, split user" backward all-reduce on an axis skip it there and are
   reduced after backward in buckets instead (data-parallel gradient reduction), priced the same way.
+* a value converted to one target for several users is converted once by the runtime (and its gradient reduced
+  once), but each user edge carries the whole conversion: the ILP over-counts such conversions (the plan's
+  record, one entry per conversion the runtime makes, is the truth). A pairwise term cannot see the other users;
+  dividing the conversion among them is exact when they all take one target but under-counts when they do not,
+  and the solver then picks plans that gather a value for one user cheaply (MoE's router one-hot: 9% slower by
+  the record), so the safe side it is.
 * memory per device: parameters + gradients + optimizer states (Adam: 2 states of the parameter's dtype... taken
   as ``optimizer_bytes_per_param``) for the local shard, plus the local bytes of every activation kept for
   backward. An activation all-gathered for a user that saves it (S(d) -> R before a column-parallel matmul under
@@ -1049,6 +1055,17 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         region.append(_region(rep, info, last_of_layer))
     edges: dict[tuple[int, int], np.ndarray] = {}
     edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = {}
+    # The graph's edges by (producer group, consumer group, input index, output index): the instances of one tied
+    # pattern (one per layer inside a layer, one per layer boundary between layers, one into the first layer from
+    # outside) share a price, priced once and counted as often as the graph holds the edge
+    instances: dict[tuple, list[str]] = defaultdict(list)
+    for v in info.nodes:
+        if info.kind[v.name] == "op":
+            for j, a in enumerate(tensor_inputs(v)):
+                u, idx = _producer(a)
+                if u.name in info.options:
+                    instances[(group_of[u.name], group_of[v.name], j, idx)].append(v.name)
+    priced: set[tuple] = set()
     for v in info.nodes:
         if info.kind[v.name] != "op":
             continue
@@ -1059,8 +1076,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 continue
             gu, gv = group_of[u.name], group_of[v.name]
             key = (gu, gv)
-            if key in edges and (len(groups[gu]) > 1 or len(groups[gv]) > 1) and v.name != groups[gv][0]:
-                continue  # tied: priced once on the representative, scaled by the layer count
+            if (gu, gv, j, idx) in priced:
+                continue  # tied: one price for every instance of the pattern
+            priced.add((gu, gv, j, idx))
             val = value_of(a)
             uopts = info.options[u.name]
             g = info.needs_grad[u.name]
@@ -1115,7 +1133,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                         shard_b[ai, bi], gathered_b[ai, bi] = hit[1] / share, hit[2] / share
                     col.append(t)
                 mat[:, bi] = col
-            scale = scales[gv]
+            # how many edges of the whole model this one stands for: its instances in the graph; under virtual
+            # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
+            inst = instances[(gu, gv, j, idx)]
+            scale = len(inst) + (scales[gv] - len(groups[gv]) if len(groups[gv]) > 1 and groups[gv][-1] in inst
+                                 else 0)
             edges[key] = edges.get(key, 0) + mat * scale
             if kept_sharded and gathered_b.any():
                 lay = info.layer.get(v.name)
