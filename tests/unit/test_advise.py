@@ -81,7 +81,8 @@ def test_cli_advise_table_and_plan_file(capsys, tmp_path) -> None:
     text = capsys.readouterr().out
     for word in ("strategy", "MFU", "memory per GPU", "communication per GPU per step", "optimizer_states"):
         assert word in text
-    assert autopart.Plan.load(str(out)).mesh_shape == (1, 8)
+    saved = autopart.Plan.load(str(out))  # a pipelined plan's mesh is its stage mesh: stages x stage mesh = 8 GPUs
+    assert math.prod(saved.mesh_shape) * int(saved.pipeline.get("degree", 1)) == 8, (saved.mesh_shape, saved.pipeline)
 
 
 def test_communication_reprices_the_recorded_collectives() -> None:
