@@ -83,3 +83,55 @@ def test_gather_bucket_one_collective_per_axis():
     out = gather_bucket([torch.ones(4), torch.ones(2), torch.ones(3)], [2, 3], all_gather)
     assert calls == [(0, 9), (1, 18)]
     assert [o.numel() for o in out] == [24, 12, 18]
+
+
+def test_gather_latency_once_per_bucket():
+    """The record's latency term fills buckets as the runtime does: per set of axes and dtype, in order, at most
+    BUCKET_BYTES gathered bytes (a larger parameter alone), each bucket one all-gather per axis."""
+    import autopart
+    from autopart.planner import BUCKET_BYTES, zero1_gather_latency
+
+    cluster = autopart.preset("h100-80gb", (2, 8))
+    alpha = [cluster.link(i).for_collective("all_gather").alpha for i in (0, 1)]
+    mib = 2**20
+    assert BUCKET_BYTES == 25 * mib
+    entries = [((1,), torch.bfloat16, 10 * mib)] * 5 + [((0, 1), torch.bfloat16, 30 * mib)] + \
+        [((1,), torch.float32, mib)]
+    # (1,) bf16: 10+10 | 10+10 | 10: 3 buckets over 8 ranks; (0, 1): one bucket, over both axes; (1,) fp32: one
+    expected = 3 * 7 * alpha[1] + (1 * alpha[0] + 7 * alpha[1]) + 7 * alpha[1]
+    assert zero1_gather_latency(entries, cluster) == pytest.approx(expected, rel=1e-12)
+    assert zero1_gather_latency([], cluster) == 0.0
+
+
+def test_plan_prices_gather_bandwidth_per_parameter_latency_per_bucket():
+    """ZeRO-1 on 4 data-parallel H100s: each parameter's node holds its all-gather's bandwidth only; the plan's
+    step adds one bucket's latency (the tiny model's parameters fill one bucket), and the record reports both."""
+    import autopart
+    from autopart.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=32))
+    ids = torch.randint(0, 64, (8, 16))
+    cluster = autopart.preset("h100-80gb", (4,))
+    p = autopart.plan(model, autopart.mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster,
+                      roles={"dp": "dp"}, zero=1, pipeline="off")
+    assert p.zero and set(p.zero.values()) == {1}
+    link = cluster.link(0).for_collective("all_gather")
+    gathered = [r for r in p.nodes.values() if r["op"] == "param" and "gather_latency_s" in r]
+    assert len(gathered) == len(p.zero) == sum(1 for _ in model.parameters())
+    bandwidth = 0.0
+    for rec in gathered:  # fp32, replicated: ZeRO-1 keeps the whole gradient, the parameter's size
+        padded = -(-rec["grad_bytes"] // 16) * 16  # 4 slices of whole fp32 elements
+        t = rec["time_s"] - rec["compute_s"]
+        assert t == pytest.approx(3 / 4 * padded * link.beta, rel=1e-9)  # no latency per parameter
+        bandwidth += t
+    latency = 3 * link.alpha  # one bucket, one ring all-gather over 4 ranks
+    assert p.predicted["param_gather_latency_s"] == pytest.approx(latency, rel=1e-9)
+    assert p.predicted["param_gather_s"] == pytest.approx(bandwidth + latency, rel=1e-9)
+    # the step's communication: conversions, node-internal collectives (the gathers' bandwidth among them), the
+    # gathers' bucket latency, the exposed gradient reduction
+    pr = p.predicted
+    edges = sum(c["time_s"] + c.get("regather_s", 0.0) for c in p.collectives)
+    assert pr["comm_s"] == pytest.approx(edges + pr["internal_comm_s"] + latency + pr["grad_reduction_s"] -
+                                         pr["hidden_comm_s"], rel=1e-9)
+    assert pr["internal_comm_s"] >= bandwidth
