@@ -14,7 +14,7 @@ per transformer block (the embedding folded into the first block, the head and l
 * ``reduce``: the data-parallel gradient reduction (once per step; overlapped with the last micro-batch's
   backward where the device overlaps communication, ``solver.pipeline.reduction_tail``), and ZeRO-1's parameter
   all-gather after the optimizer step (once per step, exposed; in flat buckets, each parameter charged its
-  bandwidth and its bytes' share of a bucket's latency);
+  bandwidth and its share of a bucket's latency);
 * the bytes of every value crossing each block boundary (what a stage sends: activations, and inputs such as
   labels or rotary tables that later stages use).
 
@@ -129,8 +129,8 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
             # ZeRO-1/2's all-gather after the step: its bandwidth (node cost less compute) and its share of the
-            # buckets' latency (bytes / BUCKET_BYTES of a bucket's; a stage's own rounding up is not counted: under
-            # one bucket's latency per set of axes per stage)
+            # buckets' latency (``gather_latency_s``: a whole bucket's for a parameter of a bucket or more, else
+            # bytes / BUCKET_BYTES of one; how small parameters round up to buckets within a stage is not counted)
             gather = nodes[n.name]["time_s"] - nodes[n.name]["compute_s"] + nodes[n.name].get("gather_latency_s", 0.0)
             for u in us or [0]:
                 own = nodes[n.name]["layer"] == units[u].name

@@ -1676,8 +1676,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             if o.tag in ("zero1", "zero2") and info.needs_grad[n.name]:  # gathered after the step, bucketed
                 entry = zero1_gather_entry(value_of(n), o.output, mesh)
                 gather_entries += [entry] * max(1, round(k / len(prob.groups[gid])))  # a tied group's stand-ins
-                # its share of the buckets' latency (bytes / BUCKET_BYTES buckets): what pipeline units sum
-                rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * entry[2] / BUCKET_BYTES
+                # its share of the buckets' latency, what pipeline units sum: a parameter of a bucket or more is
+                # gathered alone (one bucket), smaller ones share one (bytes / BUCKET_BYTES of it)
+                rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * min(1.0, entry[2] / BUCKET_BYTES)
         nodes[n.name] = rec
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]
