@@ -13,7 +13,8 @@ per transformer block (the embedding folded into the first block, the head and l
 * ``states``: parameters, gradients (they accumulate over the micro-batches) and optimizer states;
 * ``reduce``: the data-parallel gradient reduction (once per step; overlapped with the last micro-batch's
   backward where the device overlaps communication, ``solver.pipeline.reduction_tail``), and ZeRO-1's parameter
-  all-gather after the optimizer step (once per step, exposed);
+  all-gather after the optimizer step (once per step, exposed; in flat buckets, each parameter charged its
+  bandwidth and its share of a bucket's latency);
 * the bytes of every value crossing each block boundary (what a stage sends: activations, and inputs such as
   labels or rotary tables that later stages use).
 
@@ -65,7 +66,7 @@ class Unit:
     grad_bytes: float = 0.0
     transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
-    gather_s: float = 0.0  # ZeRO-1 parameter all-gather after the optimizer step, once per step
+    gather_s: float = 0.0  # ZeRO-1/2 parameter all-gather after the optimizer step (bucketed), once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
     # the same, counting only nodes of the block itself (not the embedding or head folded into it)
@@ -127,7 +128,10 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         us = sorted(set(users_units.get(n.name, [])))
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
-            gather = nodes[n.name]["time_s"] - nodes[n.name]["compute_s"]  # ZeRO-1's all-gather after the step
+            # ZeRO-1/2's all-gather after the step: its bandwidth (node cost less compute) and its share of the
+            # buckets' latency (``gather_latency_s``: a whole bucket's for a parameter of a bucket or more, else
+            # bytes / BUCKET_BYTES of one; how small parameters round up to buckets within a stage is not counted)
+            gather = nodes[n.name]["time_s"] - nodes[n.name]["compute_s"] + nodes[n.name].get("gather_latency_s", 0.0)
             for u in us or [0]:
                 own = nodes[n.name]["layer"] == units[u].name
                 units[u].gather_s += gather

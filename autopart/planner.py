@@ -715,16 +715,50 @@ def zero_grad_scatter_time(val: torch.Tensor, spec, axes: list[int], cluster: Cl
     return t
 
 
-def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster) -> float:
-    """ZeRO-1's all-gather of the updated parameter after the optimizer step, axis by axis (innermost first)."""
+def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool = True) -> float:
+    """ZeRO-1/2's all-gather of the updated parameter after the optimizer step, axis by axis (innermost first).
+    The runtime gathers the parameters in flat buckets (``runtime/zero1.py``): the ILP prices each parameter's
+    bandwidth alone (``latency=False``), the plan's record adds the latency once per bucket
+    (``zero1_gather_latency``)."""
     mesh = cluster.mesh_shape
     axes = [i for i, p in enumerate(spec) if isinstance(p, Replicate) and mesh[i] > 1]
     size = _local_bytes(val, spec, mesh) / max(1, math.prod(mesh[i] for i in axes))
     t = 0.0
     for i in reversed(axes):
         size *= mesh[i]
-        t += collective_time("all_gather", size, mesh[i], cluster.link(i))
+        link = cluster.link(i).for_collective("all_gather")
+        t += collective_time("all_gather", size, mesh[i], link if latency else Link(0.0, link.beta))
     return t
+
+
+def zero1_gather_entry(val: torch.Tensor, spec, mesh) -> tuple[tuple[int, ...], torch.dtype, float]:
+    """(axes, dtype, gathered bytes) of a ZeRO-1/2 parameter, as the runtime fills its gather buckets: the axes it
+    is replicated on, and its padded slice times the ranks over them."""
+    axes = tuple(i for i, p in enumerate(spec) if isinstance(p, Replicate) and mesh[i] > 1)
+    ways = math.prod(mesh[i] for i in axes)
+    return axes, val.dtype, math.ceil(_local_bytes(val, spec, mesh) / val.dtype.itemsize / ways) * ways * \
+        val.dtype.itemsize
+
+
+def zero1_bucket_latency(axes, cluster: Cluster) -> float:
+    """Latency of one gather bucket over ``axes``: one all-gather per axis (its time for no bytes)."""
+    return sum(collective_time("all_gather", 0.0, cluster.mesh_shape[i], cluster.link(i)) for i in axes)
+
+
+def zero1_gather_latency(entries, cluster: Cluster) -> float:
+    """Seconds ZeRO-1/2's bucketed parameter all-gather after the step adds to the bandwidth the ILP prices per
+    parameter (``zero1_gather_time(latency=False)``): the latency, once per bucket per axis. ``entries``: each
+    parameter's ``zero1_gather_entry``, in module order; buckets as ``runtime/zero1.py`` fills them (per set of
+    axes and dtype, at most ``BUCKET_BYTES`` gathered bytes, a larger parameter alone)."""
+    used: dict[tuple, float] = {}
+    buckets: dict[tuple, int] = defaultdict(int)
+    for axes, dtype, nbytes in entries:
+        key = (axes, dtype)
+        if key not in used or used[key] + nbytes > BUCKET_BYTES:
+            buckets[key] += 1
+            used[key] = 0.0
+        used[key] += nbytes
+    return sum(n * zero1_bucket_latency(axes, cluster) for (axes, _), n in buckets.items())
 
 
 def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -1028,7 +1062,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag, info.needs_grad[rep.name])
                 mem[a] = local + optim
                 if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
-                    icomm[a] = zero1_gather_time(val, o.output, cluster)
+                    icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False)  # latency per bucket: _record
                 grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole
@@ -1637,6 +1671,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     comm_total = 0.0
     collectives = []
     seen_conversions: dict = {}
+    gather_entries: list = []  # ZeRO-1/2 parameters' (axes, dtype, gathered bytes), in graph order
     users = _saving_users(info)
     offloaded = "activations" in offload and cluster.device.name != "cpu"
     for n in info.nodes:
@@ -1660,6 +1695,12 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 rec["keep_bytes"] = float(prob.keep_full[gid][a]) / k  # kept under full recompute
         if info.kind[n.name] == "param":
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
+            if o.tag in ("zero1", "zero2") and info.needs_grad[n.name]:  # gathered after the step, bucketed
+                entry = zero1_gather_entry(value_of(n), o.output, mesh)
+                gather_entries += [entry] * max(1, round(k / len(prob.groups[gid])))  # a tied group's stand-ins
+                # its share of the buckets' latency, what pipeline units sum: a parameter of a bucket or more is
+                # gathered alone (one bucket), smaller ones share one (bytes / BUCKET_BYTES of it)
+                rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * min(1.0, entry[2] / BUCKET_BYTES)
         nodes[n.name] = rec
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]
@@ -1721,6 +1762,13 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
+    # ZeRO-1/2's all-gather after the step: the node costs above hold its bandwidth per parameter (as the ILP);
+    # the runtime gathers in buckets, so its latency is paid once per bucket per axis, added here (not in the ILP)
+    gather_latency = zero1_gather_latency(gather_entries, cluster)
+    comm_total += gather_latency
+    param_gather = gather_latency + sum(
+        float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice)
+        if info.kind[prob.groups[g][0]] == "param")
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1/2), overlapped with backward where the
     # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
     # the exposed part, ``grad_reduction_s`` all of it
@@ -1780,6 +1828,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                                 "graph_nodes": len(info.nodes)} | timings,
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
                    "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
+                   "param_gather_s": param_gather, "param_gather_latency_s": gather_latency,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

@@ -55,10 +55,9 @@ def comm_terms(p: autopart.Plan) -> dict:
     if pp:  # the stage plan holds every stage's parameters; the pipeline record the slowest rank's tail
         return {"reduction_s": p.predicted["sharding_only"]["grad_reduction_s"] / pp["degree"],
                 "reduction_exposed_s": pp["gradient_reduction_s"], "param_gather_s": pp["param_gather_s"]}
-    gather = sum(r["time_s"] - r["compute_s"] for r in p.nodes.values() if r["op"] == "param")
     return {"reduction_s": p.predicted["grad_reduction_s"],
             "reduction_exposed_s": p.predicted["grad_reduction_s"] - p.predicted["hidden_comm_s"],
-            "param_gather_s": gather}
+            "param_gather_s": p.predicted["param_gather_s"]}  # bucketed: bandwidth per parameter, latency per bucket
 
 
 def _config(p: autopart.Plan) -> str:

@@ -17,8 +17,18 @@ storage, so the optimizer updates the parameter in place; no copy of the weights
 
 * before ``step``: each slice leaf's gradient is the matching view of the (reduced) parameter gradient (ZeRO-2:
   the reduce-scatter already put it there);
-* after ``step``: every slice is all-gathered back, axis by axis, innermost first, into the whole parameter, and
-  the ZeRO-1/2 parameters' gradients are released (``opt.zero_grad`` does not see them).
+* after ``step``: the slices are all-gathered back, axis by axis, innermost first, into the whole parameters, in
+  flat buckets (``gather_bucket``), and the ZeRO-1/2 parameters' gradients are released (``opt.zero_grad`` does
+  not see them).
+
+The after-step gather runs in buckets as Megatron's distributed optimizer does: parameters replicated over the same
+mesh axes (and of one dtype) are packed, in module order, into flat buckets of at most ``grads.BUCKET_BYTES``
+*gathered* bytes, and each bucket takes one ``all_gather_into_tensor`` per axis instead of one per parameter: the
+latency is paid per bucket (on 48 ranks 47 ring steps per collective). The size counts the gathered parameters,
+not the slices, because that is the buffer the gather allocates: one bucket in flight stays at most
+``BUCKET_BYTES`` whatever the number of ranks, as the gradient's reduce-scatter bucket (measured on the whole
+gradients it reduces, ``runtime/grads.py``). The slice layout (``zero1_slice``) is the per-parameter one; packing
+only concatenates the padded slices, so state_dicts and the reduce-scatter agree with it.
 
 Because it is a genuine ``torch.optim.Optimizer``, LR schedulers, ``state_dict`` and ``load_state_dict`` (of this
 rank's slices) work unchanged. Gradient clipping goes through the module (``pm.clip_grad_norm_``) before ``step``.
@@ -34,6 +44,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
+
+from autopart.runtime import grads as _grads
+
+# collectives issued by the after-step gather (all_gather_into_tensor calls), and buckets gathered
+STATS = {"all_gathers": 0, "buckets": 0}
 
 
 @dataclass
@@ -55,6 +70,44 @@ def zero1_slice(numel: int, coords: list[int], sizes: list[int], axes: list[int]
     size = -(-numel // ways)
     start = min(rank * size, numel)
     return start, min(start + size, numel), size
+
+
+def gather_bucket(parts: list[torch.Tensor], ways: list[int], all_gather) -> list[torch.Tensor]:
+    """Whole flat parameters (padded: ``prod(ways) * S_i`` elements) from this rank's padded slices ``parts``
+    (``S_i`` elements each) of one bucket, gathered over axes of ``ways`` ranks, innermost first.
+
+    ``all_gather(flat, i)`` returns the ``ways[i] * flat.numel()`` elements of the ranks' ``flat`` on axis ``i``, in
+    rank order. The slices are packed into one flat tensor; after the gather over ``n`` ranks the result is
+    ``(n, bucket)``, rank ``j``'s packed bucket in row ``j``, so parameter ``i``'s pieces are the column block
+    ``(n, w_i)`` at its offset, which read row by row is what gathering that parameter alone would give (the
+    mixed-radix order of ``zero1_slice``). The blocks are re-packed, ``n * w_i`` wide, for the next axis."""
+    widths = [p.numel() for p in parts]
+    cur = torch.cat(parts)
+    pieces: list[torch.Tensor] = list(parts)
+    for i, n in enumerate(ways):
+        pieces = list(all_gather(cur, i).view(n, -1).split(widths, dim=1))
+        widths = [w * n for w in widths]
+        if i + 1 < len(ways):
+            cur = torch.cat([p.reshape(-1) for p in pieces])
+    return [p.reshape(-1) for p in pieces]
+
+
+def _buckets(slices: list[_Slice], sizes: list[int], limit: int) -> list[list[_Slice]]:
+    """The slices in gather buckets: per set of axes and dtype, in order, closed when the next parameter would take
+    the bucket's gathered bytes past ``limit`` (a larger parameter gets a bucket of its own). Every rank of a group
+    holds the same parameters with the same local shapes (they are replicated over its axes), so the ranks agree."""
+    out: list[list[_Slice]] = []
+    open_: dict[tuple, tuple[list[_Slice], int]] = {}
+    for s in slices:
+        key = (tuple(s.axes), s.leaf.dtype)
+        nbytes = s.size * math.prod(sizes[a] for a in s.axes) * s.leaf.element_size()
+        b, used = open_.get(key, (None, 0))
+        if b is None or used + nbytes > limit:
+            b, used = [], 0
+            out.append(b)
+        b.append(s)
+        open_[key] = (b, used + nbytes)
+    return out
 
 
 def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimizer:
@@ -90,6 +143,7 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
         return opt
     module._grads.attach(by_key)
     scattered = {id(s) for k, s in by_key.items() if module._grads.scattered(k)}
+    buckets = _buckets(slices, sizes, _grads.BUCKET_BYTES)
 
     def pre_step(optimizer, args, kw) -> None:
         for s in slices:
@@ -102,22 +156,33 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
             g = g._local_tensor if isinstance(g, DTensor) else g
             s.leaf.grad = g.reshape(-1)[s.start:s.end]
 
+    def all_gather(cur: torch.Tensor, axis: int) -> torch.Tensor:
+        out = torch.empty(cur.numel() * sizes[axis], dtype=cur.dtype, device=cur.device)
+        dist.all_gather_into_tensor(out, cur, group=groups[axis])
+        STATS["all_gathers"] += 1
+        return out
+
     @torch.no_grad()
     def post_step(optimizer, args, kw) -> None:
+        for bucket in buckets:
+            inner = list(reversed(bucket[0].axes))  # innermost axis first: blocks come out in mixed-radix order
+            parts = []
+            for s in bucket:
+                part = s.leaf.new_zeros(s.size)
+                part[: s.end - s.start].copy_(s.leaf.detach())
+                parts.append(part)
+            whole = gather_bucket(parts, [sizes[a] for a in inner],
+                                  lambda cur, i, inner=inner: all_gather(cur, inner[i]))
+            STATS["buckets"] += 1
+            for s, w in zip(bucket, whole):
+                flat = (s.param.data._local_tensor if isinstance(s.param.data, DTensor) else s.param.data).view(-1)
+                flat.copy_(w[: flat.numel()])
         for s in slices:
-            local = s.param.data._local_tensor if isinstance(s.param.data, DTensor) else s.param.data
-            flat = local.view(-1)
-            cur = torch.zeros(s.size, dtype=flat.dtype, device=flat.device)
-            cur[: s.end - s.start].copy_(flat[s.start:s.end])
-            for a in reversed(s.axes):  # innermost axis first: blocks come out in mixed-radix rank order
-                out = torch.empty(cur.numel() * sizes[a], dtype=cur.dtype, device=cur.device)
-                dist.all_gather_into_tensor(out, cur, group=groups[a])
-                cur = out
-            flat.copy_(cur[: flat.numel()])
             s.param.grad = None
             s.leaf.grad = None
 
     opt.register_step_pre_hook(pre_step)
     opt.register_step_post_hook(post_step)
     opt.autopart_zero1_slices = len(slices)
+    opt.autopart_zero1_buckets = [(tuple(b[0].axes), len(b)) for b in buckets]  # (axes, parameters) per bucket
     return opt

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.multiproc
 def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
     import autopart
     from autopart.runtime import collectives as C
+    from autopart.runtime import zero1
 
     model = make_model(name)
     mesh = autopart.mesh(shape, names)
@@ -24,6 +25,7 @@ def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     losses = []
     C.REGATHER_STATS["packed"] = 0
+    zero1.STATS["all_gathers"] = 0
     for ids in batches():
         losses.append(pm.forward_backward(ids, labels=ids).item())
         opt.step()
@@ -33,7 +35,7 @@ def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
                       for s in opt.state.values() for k, v in s.items() if k == "exp_avg")
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
     return (losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), state_numel,
-            C.REGATHER_STATS["packed"])
+            C.REGATHER_STATS["packed"], zero1.STATS["all_gathers"], getattr(opt, "autopart_zero1_buckets", []))
 
 
 CASES = [("gpt", (2,), ("dp",), {"dp": "dp"}, 2), ("gpt", (2,), ("dp",), {"dp": "dp"}, 3),
@@ -66,11 +68,17 @@ def test_zero_parity(name, shape, names, roles, zero):
         assert results[0][6] > 0, "ZeRO-3 parameters were not re-gathered for backward"
     else:
         assert results[0][6] == 0
+        # the after-step gather: one all-gather per bucket per axis, each step; fewer than one per parameter
+        gathers, buckets = results[0][7], results[0][8]
+        assert gathers == len(batches()) * sum(len(axes) for axes, _ in buckets), (gathers, buckets)
+        assert len(buckets) < sum(n for _, n in buckets), buckets
+        if zero == 1 and len(shape) == 2:  # gpt on dp2 x tp2: parameters replicated on both axes gathered twice
+            assert any(len(axes) == 2 for axes, _ in buckets), buckets
 
 
 def _zero2_accumulate_clip_run(bucket_bytes: int):
     import autopart
-    from autopart.runtime import grads
+    from autopart.runtime import grads, zero1
 
     grads.BUCKET_BYTES = bucket_bytes  # several buckets on the tiny model: launched from backward one by one
     model = make_model("gpt")
@@ -79,6 +87,7 @@ def _zero2_accumulate_clip_run(bucket_bytes: int):
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"dp": "dp"}, zero=2)
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     out, kept = [], []
+    zero1.STATS["all_gathers"] = 0
     for ids in batches():
         for half in ids.chunk(2):  # gradient accumulation: the slices add up over the two calls
             out.append(pm.forward_backward(half, labels=half).item())
@@ -87,14 +96,16 @@ def _zero2_accumulate_clip_run(bucket_bytes: int):
         opt.step()
         opt.zero_grad()
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    return out, full, kept, dict(grads.STATS), len(pm._grads.buckets())
+    return (out, full, kept, dict(grads.STATS), len(pm._grads.buckets()), zero1.STATS["all_gathers"],
+            opt.autopart_zero1_buckets)
 
 
 def test_zero2_accumulation_clipping_and_overlap():
     """ZeRO-2 on dp2 with 16 KiB buckets: two accumulated forward_backward calls per step, then the module's
     clip_grad_norm_ (norms combined over the gradient slices), 3 AdamW steps: losses, norms and parameters match
     one process; no whole ZeRO-2 gradient survives backward; buckets were launched from gradient hooks while
-    backward was running."""
+    backward was running; the parameters were all-gathered after each step in several flat buckets (the same
+    limit), one all-gather per bucket."""
     results = run_ranks(2, _zero2_accumulate_clip_run, 16 * 2**10)
     model = make_model("gpt")
     opt = torch.optim.AdamW(model.parameters(), **OPT)
@@ -108,7 +119,7 @@ def test_zero2_accumulation_clipping_and_overlap():
         ref.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)))
         opt.step()
         opt.zero_grad()
-    for out, params, kept, stats, n_buckets in results:
+    for out, params, kept, stats, n_buckets, gathers, gather_buckets in results:
         assert out == pytest.approx(ref, abs=1e-5), (out, ref)
         for k, v in model.named_parameters():
             torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)
@@ -116,3 +127,6 @@ def test_zero2_accumulation_clipping_and_overlap():
         assert n_buckets >= 4, n_buckets
         # each of the 6 backwards launched every bucket from a gradient hook, none waited for the end of backward
         assert stats == {"launched_in_backward": 6 * n_buckets, "launched_at_end": 0}, (stats, n_buckets)
+        assert 2 <= len(gather_buckets) < sum(n for _, n in gather_buckets), gather_buckets
+        assert all(axes == (0,) for axes, _ in gather_buckets), gather_buckets
+        assert gathers == len(batches()) * len(gather_buckets), (gathers, gather_buckets)

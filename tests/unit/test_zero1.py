@@ -1,0 +1,137 @@
+"""ZeRO-1/2's bucketed parameter all-gather after the step (runtime/zero1.py), in one process: every rank's
+slices (``zero1_slice``) packed into a bucket, the all-gathers simulated with ``torch.cat`` over the ranks of the
+axis, and each parameter must come back whole, as the per-parameter gather (and the reduce-scatter side) lay it
+out."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from autopart.runtime.zero1 import gather_bucket, zero1_slice
+
+
+def _gathered(numels: list[int], sizes: list[int], axes: list[int]) -> dict[tuple, list[torch.Tensor]]:
+    """Every rank's (mesh coordinates) result of ``gather_bucket`` for a bucket of parameters of ``numels``
+    elements, replicated over mesh ``axes`` (outer first) of a mesh of ``sizes``."""
+    params = [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate(numels)]
+    inner = list(reversed(axes))
+    coords_all = list(itertools.product(*(range(n) for n in sizes)))
+
+    def parts(coords) -> list[torch.Tensor]:
+        out = []
+        for p in params:
+            start, end, size = zero1_slice(p.numel(), list(coords), sizes, axes)
+            part = torch.full((size,), float("nan"))  # padding must never reach a parameter
+            part[: end - start] = p[start:end]
+            out.append(part)
+        return out
+
+    def sent(coords, i: int) -> torch.Tensor:
+        """What rank ``coords`` passes to its all-gather over axis ``inner[i]``."""
+        box = []
+
+        def capture(flat: torch.Tensor, j: int) -> torch.Tensor:
+            if j < i:
+                return all_gather(coords, flat, j)
+            box.append(flat.clone())
+            return torch.zeros(flat.numel() * sizes[inner[j]])
+
+        gather_bucket(parts(coords), [sizes[a] for a in inner[: i + 1]], capture)
+        return box[0]
+
+    def all_gather(coords, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """The ranks of axis ``inner[i]`` through ``coords`` (equal elsewhere), in rank order, each what it sends."""
+        a = inner[i]
+        peers = [tuple(j if d == a else c for d, c in enumerate(coords)) for j in range(sizes[a])]
+        got = [flat if q == tuple(coords) else sent(q, i) for q in peers]
+        assert all(g.numel() == flat.numel() for g in got)
+        return torch.cat(got)
+
+    def run(coords) -> list[torch.Tensor]:
+        return gather_bucket(parts(coords), [sizes[a] for a in inner], lambda f, i: all_gather(coords, f, i))
+
+    return {c: run(c) for c in coords_all}, params
+
+
+@pytest.mark.parametrize("numels,sizes,axes", [
+    ([10, 7, 1, 33], [4], [0]),  # one axis, uneven sizes (padded slices, a parameter smaller than the ranks)
+    ([10, 7, 1, 33], [2, 3], [0, 1]),  # two axes, outer first: mixed-radix order
+    ([12, 5, 9], [3, 2], [1]),  # replicated on the inner axis only, the other axis left alone
+    ([5, 64], [2, 2, 3], [0, 2]),  # two axes of three
+])
+def test_gather_bucket_restores_every_parameter(numels, sizes, axes):
+    results, params = _gathered(numels, sizes, axes)
+    ways = math.prod(sizes[a] for a in axes)
+    for coords, whole in results.items():
+        assert len(whole) == len(params)
+        for p, w in zip(params, whole):
+            assert w.numel() == -(-p.numel() // ways) * ways, (coords, w.numel())
+            torch.testing.assert_close(w[: p.numel()], p, rtol=0, atol=0)
+
+
+def test_gather_bucket_one_collective_per_axis():
+    calls = []
+
+    def all_gather(flat, i):
+        calls.append((i, flat.numel()))
+        return torch.cat([flat] * [2, 3][i])
+
+    out = gather_bucket([torch.ones(4), torch.ones(2), torch.ones(3)], [2, 3], all_gather)
+    assert calls == [(0, 9), (1, 18)]
+    assert [o.numel() for o in out] == [24, 12, 18]
+
+
+def test_gather_latency_once_per_bucket():
+    """The record's latency term fills buckets as the runtime does: per set of axes and dtype, in order, at most
+    BUCKET_BYTES gathered bytes (a larger parameter alone), each bucket one all-gather per axis."""
+    import autopart
+    from autopart.planner import BUCKET_BYTES, zero1_gather_latency
+
+    cluster = autopart.preset("h100-80gb", (2, 8))
+    alpha = [cluster.link(i).for_collective("all_gather").alpha for i in (0, 1)]
+    mib = 2**20
+    assert BUCKET_BYTES == 25 * mib
+    entries = [((1,), torch.bfloat16, 10 * mib)] * 5 + [((0, 1), torch.bfloat16, 30 * mib)] + \
+        [((1,), torch.float32, mib)]
+    # (1,) bf16: 10+10 | 10+10 | 10: 3 buckets over 8 ranks; (0, 1): one bucket, over both axes; (1,) fp32: one
+    expected = 3 * 7 * alpha[1] + (1 * alpha[0] + 7 * alpha[1]) + 7 * alpha[1]
+    assert zero1_gather_latency(entries, cluster) == pytest.approx(expected, rel=1e-12)
+    assert zero1_gather_latency([], cluster) == 0.0
+
+
+def test_plan_prices_gather_bandwidth_per_parameter_latency_per_bucket():
+    """ZeRO-1 on 4 data-parallel H100s: each parameter's node holds its all-gather's bandwidth only; the plan's
+    step adds one bucket's latency (the tiny model's parameters fill one bucket), and the record reports both."""
+    import autopart
+    from autopart.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=32))
+    ids = torch.randint(0, 64, (8, 16))
+    cluster = autopart.preset("h100-80gb", (4,))
+    p = autopart.plan(model, autopart.mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster,
+                      roles={"dp": "dp"}, zero=1, pipeline="off")
+    assert p.zero and set(p.zero.values()) == {1}
+    link = cluster.link(0).for_collective("all_gather")
+    gathered = [r for r in p.nodes.values() if r["op"] == "param" and "gather_latency_s" in r]
+    assert len(gathered) == len(p.zero) == sum(1 for _ in model.parameters())
+    bandwidth = 0.0
+    for rec in gathered:  # fp32, replicated: ZeRO-1 keeps the whole gradient, the parameter's size
+        padded = -(-rec["grad_bytes"] // 16) * 16  # 4 slices of whole fp32 elements
+        t = rec["time_s"] - rec["compute_s"]
+        assert t == pytest.approx(3 / 4 * padded * link.beta, rel=1e-9)  # no latency per parameter
+        bandwidth += t
+    latency = 3 * link.alpha  # one bucket, one ring all-gather over 4 ranks
+    assert p.predicted["param_gather_latency_s"] == pytest.approx(latency, rel=1e-9)
+    assert p.predicted["param_gather_s"] == pytest.approx(bandwidth + latency, rel=1e-9)
+    # the step's communication: conversions, node-internal collectives (the gathers' bandwidth among them), the
+    # gathers' bucket latency, the exposed gradient reduction
+    pr = p.predicted
+    edges = sum(c["time_s"] + c.get("regather_s", 0.0) for c in p.collectives)
+    assert pr["comm_s"] == pytest.approx(edges + pr["internal_comm_s"] + latency + pr["grad_reduction_s"] -
+                                         pr["hidden_comm_s"], rel=1e-9)
+    assert pr["internal_comm_s"] >= bandwidth
