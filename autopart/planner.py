@@ -1172,6 +1172,10 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             inst = instances[(gu, gv, j, idx)]
             scale = len(inst) + (scales[gv] - len(groups[gv]) if len(groups[gv]) > 1 and groups[gv][-1] in inst
                                  else 0)
+            if bucketed and g:
+                # a parameter's gradient is reduced once, whatever number of ops use it (tied embeddings): its users'
+                # edges share that reduction (and the gather the runtime runs once per target spec)
+                mat = mat / max(1, sum(1 for w in u.users if info.kind.get(w.name) == "op"))
             edges[key] = edges.get(key, 0) + mat * scale
             if kept_sharded and gathered_b.any():
                 lay = info.layer.get(v.name)
