@@ -154,4 +154,7 @@ def test_tied_embedding_planned_once():
                 for fqn, w in model.named_parameters())  # tied lm_head/wte counted once
     mem = p.predicted["memory_bytes"]
     assert math.isclose(local * 4, mem["parameters"], rel_tol=1e-6)
-    assert math.isclose(local * 16, mem["parameters"] + mem["gradients"] + mem["optimizer_states"], rel_tol=1e-6)
+    if not p.zero:  # AdamW's 8 bytes per local element, the gradient's 4
+        assert math.isclose(local * 16, mem["parameters"] + mem["gradients"] + mem["optimizer_states"], rel_tol=1e-6)
+    else:  # ZeRO-1/2 slice the optimizer states (and ZeRO-2 the gradients) of some parameters over dp
+        assert mem["optimizer_states"] < local * 8 and mem["gradients"] <= local * 4 * (1 + 1e-6), (p.zero, mem)
