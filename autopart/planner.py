@@ -61,6 +61,7 @@ from autopart.cost import (
     roofline_time,
 )
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
+from autopart.runtime.grads import BUCKET_BYTES  # the runtime's reduction and gather bucket, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
 from autopart.trace import Traced
@@ -563,7 +564,6 @@ def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> flo
     return t
 
 
-BUCKET_BYTES = 25 * 2**20  # the runtime's gradient all-reduce bucket (autopart.runtime.module.BUCKET_BYTES)
 
 
 def _fx_vals(x: Any) -> Any:
