@@ -651,7 +651,6 @@ class Problem:
     grad_memory: list[np.ndarray] = field(default_factory=list)  # parameter gradients (not live at the peak)
     bucket_memory: list[np.ndarray] = field(default_factory=list)  # gradients that go through reduction buckets
     scale: list[int] = field(default_factory=list)  # per group: how many nodes its costs stand for
-    gathered_memory: list[np.ndarray] = field(default_factory=list)  # ZeRO: the gathered copy kept for backward
     # what full / selective recompute still keeps of a node's saved bytes: inputs from outside the layer / region
     keep_full: list[np.ndarray] = field(default_factory=list)
     keep_selective: list[np.ndarray] = field(default_factory=list)
@@ -999,7 +998,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
-    gathered_memory, keep_full, keep_selective = [], [], []
+    keep_full, keep_selective = [], []
     saving_users = _saving_users(info)
     last_of_layer: set[str] = set()
     seen_layer: dict[str, str] = {}
@@ -1028,7 +1027,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         mem = np.zeros(len(opts_r))
         # no gathered copy is kept from forward to backward: a parameter sharded on a data axis is ZeRO-3 (gathered
         # again for backward); ZeRO-1/2 keep it replicated (the "sharded + gathered copy" layout is gone)
-        gath = np.zeros(len(opts_r))
         kfull = np.zeros(len(opts_r))
         ksel = np.zeros(len(opts_r))
         val = value_of(rep)
@@ -1083,7 +1081,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         fwd_compute.append(fwd * k)
         grad_memory.append(grad * k)
         bucket_memory.append(bucket * k)
-        gathered_memory.append(gath * k)
         keep_full.append(kfull * k)
         keep_selective.append(ksel * k)
         region.append(_region(rep, info, last_of_layer))
@@ -1185,7 +1182,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 s0, g0, _, _ = edge_saved.get(key, (0.0, 0.0, False, False))
                 edge_saved[key] = (s0 + shard_b * scale, g0 + gathered_b * scale, outside_full, outside_sel)
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region, grad_memory, bucket_memory, scales, gathered_memory, keep_full, keep_selective, edge_saved)
+                   region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved)
 
 
 # The two moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
@@ -1200,7 +1197,7 @@ def memory_rows(prob: Problem, mem: list[np.ndarray]) -> list[np.ndarray]:
     out = []
     for g, m in enumerate(mem):
         kind = prob.info.kind[prob.groups[g][0]]
-        states = m - prob.gathered_memory[g] if kind == "param" else m if kind in ("buffer", "constant") else 0.0 * m
+        states = m if kind in ("param", "buffer", "constant") else 0.0 * m
         out.append(np.stack([m, states + prob.grad_memory[g]], axis=1))
     return out
 
