@@ -702,18 +702,6 @@ def param_grad_bytes(val: torch.Tensor, spec, mesh, tag: str = "") -> float:
     return math.ceil(local / val.dtype.itemsize / zero1_ways(spec, mesh)) * val.dtype.itemsize
 
 
-def zero_grad_scatter_time(val: torch.Tensor, spec, axes: list[int], cluster: Cluster) -> float:
-    """ZeRO-1/2's reduce-scatter of a gradient into this rank's slice over the reduced ``axes`` (outer axis first,
-    each on what the previous left), bucketed: bandwidth only."""
-    mesh = cluster.mesh_shape
-    size = _local_bytes(val, spec, mesh)
-    t = 0.0
-    for i in axes:
-        t += collective_time("reduce_scatter", size, mesh[i], Link(0.0, cluster.link(i).beta))
-        size /= mesh[i]
-    return t
-
-
 def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool = True) -> float:
     """ZeRO-1/2's all-gather of the updated parameter after the optimizer step, axis by axis (innermost first).
     The runtime gathers the parameters in flat buckets (``runtime/zero1.py``): the ILP prices each parameter's
