@@ -18,8 +18,8 @@ storage, so the optimizer updates the parameter in place; no copy of the weights
 * before ``step``: each slice leaf's gradient is the matching view of the (reduced) parameter gradient (ZeRO-2:
   the reduce-scatter already put it there);
 * after ``step``: the slices are all-gathered back, axis by axis, innermost first, into the whole parameters, in
-  flat buckets (``gather_bucket``), and the ZeRO-1/2 parameters' gradients are released (``opt.zero_grad`` does
-  not see them).
+  flat buckets (``gather_bucket``); the ZeRO-1/2 parameters' gradients are released first (the step has used them,
+  and ``opt.zero_grad`` does not see them), so that the gathered buffer does not add to them.
 
 The after-step gather runs in buckets as Megatron's distributed optimizer does: parameters replicated over the same
 mesh axes (and of one dtype) are packed, in module order, into flat buckets of at most ``grads.BUCKET_BYTES``
@@ -36,6 +36,7 @@ rank's slices) work unchanged. Gradient clipping goes through the module (``pm.c
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -72,24 +73,34 @@ def zero1_slice(numel: int, coords: list[int], sizes: list[int], axes: list[int]
     return start, min(start + size, numel), size
 
 
-def gather_bucket(parts: list[torch.Tensor], ways: list[int], all_gather) -> list[torch.Tensor]:
-    """Whole flat parameters (padded: ``prod(ways) * S_i`` elements) from this rank's padded slices ``parts``
-    (``S_i`` elements each) of one bucket, gathered over axes of ``ways`` ranks, innermost first.
+def gather_bucket(packed: torch.Tensor, widths: list[int], ways: list[int], all_gather) -> list[torch.Tensor]:
+    """Whole flat parameters from this rank's bucket ``packed``: its padded slices (``widths[i]`` = ``S_i`` elements
+    each) concatenated, gathered over axes of ``ways`` ranks, innermost first.
 
     ``all_gather(flat, i)`` returns the ``ways[i] * flat.numel()`` elements of the ranks' ``flat`` on axis ``i``, in
-    rank order. The slices are packed into one flat tensor; after the gather over ``n`` ranks the result is
-    ``(n, bucket)``, rank ``j``'s packed bucket in row ``j``, so parameter ``i``'s pieces are the column block
-    ``(n, w_i)`` at its offset, which read row by row is what gathering that parameter alone would give (the
-    mixed-radix order of ``zero1_slice``). The blocks are re-packed, ``n * w_i`` wide, for the next axis."""
-    widths = [p.numel() for p in parts]
-    cur = torch.cat(parts)
-    pieces: list[torch.Tensor] = list(parts)
+    rank order. After the gather over ``n`` ranks the result is ``(n, bucket)``, rank ``j``'s packed bucket in row
+    ``j``, so parameter ``i``'s pieces are the column block ``(n, w_i)`` at its offset, which read row by row is
+    what gathering that parameter alone would give (the mixed-radix order of ``zero1_slice``). The blocks are
+    re-packed, ``n * w_i`` wide, for the next axis. Returned: per parameter its block of the last gather, a view of
+    the gathered buffer (``unpack_into`` copies it into the parameter without a contiguous copy of its own)."""
+    blocks = [packed]
+    cur = packed
     for i, n in enumerate(ways):
-        pieces = list(all_gather(cur, i).view(n, -1).split(widths, dim=1))
+        blocks = list(all_gather(cur, i).view(n, -1).split(widths, dim=1))
         widths = [w * n for w in widths]
         if i + 1 < len(ways):
-            cur = torch.cat([p.reshape(-1) for p in pieces])
-    return [p.reshape(-1) for p in pieces]
+            cur = torch.cat([b.reshape(-1) for b in blocks])
+    return blocks
+
+
+def unpack_into(flat: torch.Tensor, block: torch.Tensor) -> None:
+    """Copy the gathered ``(n, w)`` ``block`` (row by row: the padded flat parameter) into the 1-D ``flat``: whole
+    rows through one strided copy, then the part of the last row that is not padding."""
+    w = block.shape[1]
+    rows, rem = divmod(flat.numel(), w)
+    flat[: rows * w].view(rows, w).copy_(block[:rows])
+    if rem:
+        flat[rows * w:].copy_(block[rows, :rem])
 
 
 def _buckets(slices: list[_Slice], sizes: list[int], limit: int) -> list[list[_Slice]]:
@@ -164,22 +175,22 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
 
     @torch.no_grad()
     def post_step(optimizer, args, kw) -> None:
-        for bucket in buckets:
-            inner = list(reversed(bucket[0].axes))  # innermost axis first: blocks come out in mixed-radix order
-            parts = []
-            for s in bucket:
-                part = s.leaf.new_zeros(s.size)
-                part[: s.end - s.start].copy_(s.leaf.detach())
-                parts.append(part)
-            whole = gather_bucket(parts, [sizes[a] for a in inner],
-                                  lambda cur, i, inner=inner: all_gather(cur, inner[i]))
-            STATS["buckets"] += 1
-            for s, w in zip(bucket, whole):
-                flat = (s.param.data._local_tensor if isinstance(s.param.data, DTensor) else s.param.data).view(-1)
-                flat.copy_(w[: flat.numel()])
-        for s in slices:
+        for s in slices:  # the step has consumed the gradients: free them before the gathers allocate
             s.param.grad = None
             s.leaf.grad = None
+        for bucket in buckets:
+            inner = list(reversed(bucket[0].axes))  # innermost axis first: blocks come out in mixed-radix order
+            widths = [s.size for s in bucket]
+            packed = bucket[0].leaf.new_zeros(sum(widths))
+            for s, off in zip(bucket, itertools.accumulate([0] + widths)):
+                packed[off: off + s.end - s.start].copy_(s.leaf.detach())
+            blocks = gather_bucket(packed, widths, [sizes[a] for a in inner],
+                                   lambda cur, i, inner=inner: all_gather(cur, inner[i]))
+            del packed
+            STATS["buckets"] += 1
+            for s, block in zip(bucket, blocks):
+                unpack_into((s.param.data._local_tensor if isinstance(s.param.data, DTensor) else s.param.data)
+                            .view(-1), block)
 
     opt.register_step_pre_hook(pre_step)
     opt.register_step_post_hook(post_step)

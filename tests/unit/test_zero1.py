@@ -11,7 +11,12 @@ import math
 import pytest
 import torch
 
-from autopart.runtime.zero1 import gather_bucket, zero1_slice
+from autopart.runtime.zero1 import gather_bucket, unpack_into, zero1_slice
+
+
+def _gather(parts: list[torch.Tensor], ways: list[int], all_gather) -> list[torch.Tensor]:
+    """``gather_bucket`` on the packed ``parts``, each returned block read row by row (the padded parameter)."""
+    return [b.reshape(-1) for b in gather_bucket(torch.cat(parts), [p.numel() for p in parts], ways, all_gather)]
 
 
 def _gathered(numels: list[int], sizes: list[int], axes: list[int]) -> dict[tuple, list[torch.Tensor]]:
@@ -40,7 +45,7 @@ def _gathered(numels: list[int], sizes: list[int], axes: list[int]) -> dict[tupl
             box.append(flat.clone())
             return torch.zeros(flat.numel() * sizes[inner[j]])
 
-        gather_bucket(parts(coords), [sizes[a] for a in inner[: i + 1]], capture)
+        _gather(parts(coords), [sizes[a] for a in inner[: i + 1]], capture)
         return box[0]
 
     def all_gather(coords, flat: torch.Tensor, i: int) -> torch.Tensor:
@@ -52,7 +57,7 @@ def _gathered(numels: list[int], sizes: list[int], axes: list[int]) -> dict[tupl
         return torch.cat(got)
 
     def run(coords) -> list[torch.Tensor]:
-        return gather_bucket(parts(coords), [sizes[a] for a in inner], lambda f, i: all_gather(coords, f, i))
+        return _gather(parts(coords), [sizes[a] for a in inner], lambda f, i: all_gather(coords, f, i))
 
     return {c: run(c) for c in coords_all}, params
 
@@ -80,9 +85,19 @@ def test_gather_bucket_one_collective_per_axis():
         calls.append((i, flat.numel()))
         return torch.cat([flat] * [2, 3][i])
 
-    out = gather_bucket([torch.ones(4), torch.ones(2), torch.ones(3)], [2, 3], all_gather)
+    out = gather_bucket(torch.ones(9), [4, 2, 3], [2, 3], all_gather)
     assert calls == [(0, 9), (1, 18)]
-    assert [o.numel() for o in out] == [24, 12, 18]
+    assert [tuple(o.shape) for o in out] == [(3, 8), (3, 4), (3, 6)]
+
+
+@pytest.mark.parametrize("numel,width", [(12, 4), (10, 4), (3, 4), (7, 7)])
+def test_unpack_into_drops_only_the_padding(numel, width):
+    rows = -(-numel // width)
+    padded = torch.cat([torch.arange(numel, dtype=torch.float32), torch.full((rows * width - numel,), float("nan"))])
+    gathered = torch.cat([padded.view(rows, width), torch.zeros(rows, 3)], dim=1)  # a block of a wider bucket
+    flat = torch.empty(numel)
+    unpack_into(flat, gathered[:, :width])
+    torch.testing.assert_close(flat, torch.arange(numel, dtype=torch.float32), rtol=0, atol=0)
 
 
 def test_gather_latency_once_per_bucket():
