@@ -4,7 +4,9 @@ Parameters are ``DTensor``s on the mesh with the plan's placements, so ``torch.o
 ``torch.distributed.checkpoint`` see ordinary (sharded) parameters. Each call feeds the graph the local shards
 (``DTensor.to_local``, differentiable) and slices user inputs to the plan's input placements; the gradients the
 plan marks as reduced are summed over their mesh axes in flat buckets launched during backward
-(``runtime/grads.py``).
+(``runtime/grads.py``). With a ZeRO-1/2 optimizer the parameters' after-step all-gather completes during the next
+forward, before each parameter's first use (``runtime/zero1.py``); everything else that reads the parameters
+finishes it first (``_finish_param_gathers``).
 """
 
 from __future__ import annotations
@@ -159,16 +161,36 @@ class ParallelModule(nn.Module):
         self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
                                                      input_names)}
         self._make_program = make_program
+        self._param_gather = None  # zero1.ParamGather of the ZeRO-1/2 optimizer, set by it
+        self._marked: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}  # id(gm) -> (gm, zero1.mark_param_uses)
+        self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._finish_param_gathers())
 
     # ---- parameters ----------------------------------------------------------------------------------------
-    def param(self, fqn: str) -> nn.Parameter:
+    def _key(self, fqn: str) -> str:
         for k, others in self._aliases.items():
             if fqn in others:
                 fqn = k
-        return self._params[self._key_of[fqn]]
+        return self._key_of[fqn]
+
+    def param(self, fqn: str) -> nn.Parameter:
+        self._finish_param_gathers()
+        return self._params[self._key(fqn)]
+
+    def named_parameters(self, *args, **kwargs):
+        """``nn.Module.named_parameters`` (and so ``parameters``), the after-step gathers finished first."""
+        self._finish_param_gathers()
+        return super().named_parameters(*args, **kwargs)
+
+    def _finish_param_gathers(self) -> None:
+        """Complete the ZeRO-1/2 after-step all-gathers still running (``runtime/zero1.py``): every read of the
+        parameters outside forward goes through here, so it never sees this rank's stale copy of the others'
+        slices."""
+        if self._param_gather is not None:
+            self._param_gather.finish()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its full shape, on every rank, keyed by the model's names (tied too)."""
+        self._finish_param_gathers()
         out = {}
         for fqn, key in self._key_of.items():
             full = self._params[key].detach().full_tensor()
@@ -224,17 +246,39 @@ class ParallelModule(nn.Module):
         """What feeds placeholder ``name`` (tied names resolved) when it is not a user input: this rank's local
         parameter shard (differentiable), a buffer, or a lifted constant; None for a user input."""
         name = prog.tied.get(name, name)
-        if name in prog.params:
-            return self.param(prog.params[name]).to_local()
+        if name in prog.params:  # its after-step gather may still run: the graph waits for it (``_call``)
+            return self._params[self._key(prog.params[name])].to_local()
         if name in prog.buffers:
             return self._buffers_local[prog.buffers[name]]
         return prog.constants.get(name)
 
     def _call(self, prog: Program, gm: fx.GraphModule, feed: list) -> Any:
-        """Run ``gm`` (the program or a piece of it) with this rank's collective groups and saved-tensor hooks."""
+        """Run ``gm`` (the program or a piece of it) with this rank's collective groups and saved-tensor hooks.
+        With a ZeRO-1/2 optimizer, a copy of ``gm`` that waits for each parameter's after-step gather just before
+        its first use (``zero1.mark_param_uses``) runs instead; the buckets it did not need are finished after."""
         offload = "activations" in prog.plan.offload
-        with C.axis_groups(self._groups, self._coords, self._sizes), C.saved_tensor_hooks(offload):
-            return gm(*feed)
+        gather = self._param_gather
+        if gather is not None:
+            from autopart.runtime import zero1
+
+            if id(gm) not in self._marked:
+                keys = {}
+                for ph in gm.graph.find_nodes(op="placeholder"):
+                    name = prog.tied.get(ph.name, ph.name)
+                    key = self._key(prog.params[name]) if name in prog.params else None
+                    if key in gather.bucket_of:
+                        keys[ph.name] = key
+                self._marked[id(gm)] = (gm, zero1.mark_param_uses(gm, keys))
+            gm = self._marked[id(gm)][1]
+            zero1._ACTIVE.append(gather)
+        try:
+            with C.axis_groups(self._groups, self._coords, self._sizes), C.saved_tensor_hooks(offload):
+                out = gm(*feed)
+        finally:
+            if gather is not None:
+                zero1._ACTIVE.pop()
+        self._finish_param_gathers()
+        return out
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         prog = self._program(args, kwargs)
@@ -300,6 +344,7 @@ class ParallelModule(nn.Module):
         ``torch.nn.utils.clip_grad_norm_`` over this rank's DTensor parameters computes it, except for ZeRO-1/2
         parameters with their optimizer, whose gradient is summed only on this rank's slice: their slices' norms
         are combined over the mesh (every rank holds one slice of each distinct local tensor)."""
+        self._finish_param_gathers()
         plain = [p for k, p in self._params.items() if p.grad is not None and not self._grads.sliced(k)]
         slices = [g for k in self._params if (g := self._slice_grad(k)) is not None]
         if not slices:

@@ -293,6 +293,7 @@ class PipelinedModule(ParallelModule):
         module's parameters would see only this stage's."""
         if norm_type != 2.0:
             raise NotImplementedError("pipelined clip_grad_norm_ implements the 2-norm only")
+        self._finish_param_gathers()
         grads = []
         for fqn, key in self._key_of.items():
             g = self._params[key].grad
@@ -313,6 +314,7 @@ class PipelinedModule(ParallelModule):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of every stage gathered to its full shape on every rank (tied names too)."""
+        self._finish_param_gathers()
         out = {}
         for fqn in sorted(self._all_params):
             owner = self._owner_rank[fqn]

@@ -19,7 +19,8 @@ storage, so the optimizer updates the parameter in place; no copy of the weights
   the reduce-scatter already put it there);
 * after ``step``: the slices are all-gathered back, axis by axis, innermost first, into the whole parameters, in
   flat buckets (``gather_bucket``); the ZeRO-1/2 parameters' gradients are released first (the step has used them,
-  and ``opt.zero_grad`` does not see them), so that the gathered buffer does not add to them.
+  and ``opt.zero_grad`` does not see them), so that the gathered buffer does not add to them. The gathers run
+  behind the next forward (``ParamGather``, below).
 
 The after-step gather runs in buckets as Megatron's distributed optimizer does: parameters replicated over the same
 mesh axes (and of one dtype) are packed, in module order, into flat buckets of at most ``grads.BUCKET_BYTES``
@@ -29,6 +30,18 @@ not the slices, because that is the buffer the gather allocates: one bucket in f
 ``BUCKET_BYTES`` whatever the number of ranks, as the gradient's reduce-scatter bucket (measured on the whole
 gradients it reduces, ``runtime/grads.py``). The slice layout (``zero1_slice``) is the per-parameter one; packing
 only concatenates the padded slices, so state_dicts and the reduce-scatter agree with it.
+
+The gathers overlap the next forward, as Megatron's ``--overlap-param-gather``: the step only launches the first
+``GATHER_IN_FLIGHT`` buckets (``async_op=True``); the module's forward runs its graph with a ``param_ready`` node
+before the first use of each ZeRO parameter (``mark_param_uses``), which waits for that parameter's bucket (and the
+buckets before it: they complete in order), copies it into the parameters and launches the next one, so bucket
+``k`` is gathered while forward computes up to the first use of its parameters. A bucket gathered over several
+axes launches its innermost axis's gather and runs the others when it is waited for. The asynchronous gathers run
+on the gradient reduction's dedicated process groups (``grads.axes_groups``: forward issues its own collectives on
+the mesh's groups); a pipelined module, whose reduction has none, uses the mesh's groups, all its collectives being
+issued from one thread. Whatever reads the parameters outside forward first finishes the gathers
+(``ParallelModule._finish_param_gathers``: ``param``, ``parameters``, ``state_dict``, ``full_state_dict``,
+``clip_grad_norm_``, the next ``step``).
 
 Because it is a genuine ``torch.optim.Optimizer``, LR schedulers, ``state_dict`` and ``load_state_dict`` (of this
 rank's slices) work unchanged. Gradient clipping goes through the module (``pm.clip_grad_norm_``) before ``step``.
@@ -43,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -50,6 +64,10 @@ from autopart.runtime import grads as _grads
 
 # collectives issued by the after-step gather (all_gather_into_tensor calls), and buckets gathered
 STATS = {"all_gathers": 0, "buckets": 0}
+
+# after-step gather buckets outstanding at once: each holds its gathered buffer (at most grads.BUCKET_BYTES) until
+# forward waits for it. Two keep the link busy: the next bucket is queued while forward waits for the current one.
+GATHER_IN_FLIGHT = 2
 
 
 @dataclass
@@ -121,6 +139,112 @@ def _buckets(slices: list[_Slice], sizes: list[int], limit: int) -> list[list[_S
     return out
 
 
+class ParamGather:
+    """The after-step all-gather of one optimizer's buckets, run behind the next forward (module docstring).
+
+    ``start`` (after the step) launches the first ``GATHER_IN_FLIGHT`` buckets; ``ready(k)`` completes the buckets
+    up to ``k`` in order (wait, the later axes' gathers, copy into the parameters), each completion launching the
+    next bucket; ``finish`` completes them all. Every rank of a group completes the same buckets in the same order
+    (forward runs the same graph), so the collectives match."""
+
+    def __init__(self, buckets: list[list[_Slice]], bucket_of: dict[str, int], sizes: list[int],
+                 groups: dict[int, Any]) -> None:
+        self.buckets = buckets
+        self.bucket_of = bucket_of  # parameter key -> its bucket
+        self._sizes = sizes
+        self._groups = groups  # mesh axis -> process group of the gathers over it
+        self._launched = self._done = len(buckets)  # nothing pending
+        self._work: dict[int, tuple] = {}  # bucket -> (work, gathered buffer, packed slices kept alive)
+
+    @property
+    def pending(self) -> bool:
+        return self._done < len(self.buckets)
+
+    def start(self) -> None:
+        assert not self.pending, "the previous step's gathers were not finished"
+        self._launched = self._done = 0
+        self._launch_ahead()
+
+    def ready(self, k: int) -> None:
+        """Bucket ``k`` (and those before it) gathered into the parameters."""
+        while self._done <= k:
+            self._complete(self._done)
+            self._done += 1
+            self._launch_ahead()
+
+    def finish(self) -> None:
+        self.ready(len(self.buckets) - 1)
+
+    def _inner(self, bucket: list[_Slice]) -> list[int]:
+        return list(reversed(bucket[0].axes))  # innermost axis first: blocks come out in mixed-radix order
+
+    def _all_gather(self, cur: torch.Tensor, axis: int, async_op: bool):
+        out = torch.empty(cur.numel() * self._sizes[axis], dtype=cur.dtype, device=cur.device)
+        work = dist.all_gather_into_tensor(out, cur, group=self._groups[axis], async_op=async_op)
+        STATS["all_gathers"] += 1
+        return out, work
+
+    def _launch_ahead(self) -> None:
+        while self._launched < len(self.buckets) and self._launched - self._done < GATHER_IN_FLIGHT:
+            bucket = self.buckets[self._launched]
+            widths = [s.size for s in bucket]
+            packed = bucket[0].leaf.new_zeros(sum(widths))
+            for s, off in zip(bucket, itertools.accumulate([0] + widths)):
+                packed[off: off + s.end - s.start].copy_(s.leaf.detach())
+            out, work = self._all_gather(packed, self._inner(bucket)[0], async_op=True)
+            self._work[self._launched] = (work, out, packed)
+            self._launched += 1
+
+    @torch.no_grad()
+    def _complete(self, k: int) -> None:
+        work, first, _ = self._work.pop(k)
+        work.wait()
+        bucket = self.buckets[k]
+        inner = self._inner(bucket)
+
+        def all_gather(cur: torch.Tensor, i: int) -> torch.Tensor:
+            return first if i == 0 else self._all_gather(cur, inner[i], async_op=False)[0]
+
+        blocks = gather_bucket(None, [s.size for s in bucket], [self._sizes[a] for a in inner], all_gather)
+        STATS["buckets"] += 1
+        for s, block in zip(bucket, blocks):
+            # through ``.data``: no version bump on the local tensor forward already fed (as a view) to the graph
+            local = s.param.data._local_tensor if isinstance(s.param.data, DTensor) else s.param.data
+            unpack_into(local.data.view(-1), block)
+
+
+_ACTIVE: list[ParamGather] = []  # the gather of the forward running (``ParallelModule._call``)
+
+
+def param_ready(x: torch.Tensor, key: str) -> torch.Tensor:
+    """``x`` (parameter ``key``'s local tensor), once its after-step gather is complete: the node
+    ``mark_param_uses`` puts before the first use of a ZeRO parameter."""
+    if _ACTIVE:
+        k = _ACTIVE[-1].bucket_of.get(key)
+        if k is not None:
+            _ACTIVE[-1].ready(k)
+    return x
+
+
+def mark_param_uses(gm: fx.GraphModule, key_of_placeholder: dict[str, str]) -> fx.GraphModule:
+    """A copy of ``gm`` in which each placeholder of ``key_of_placeholder`` (placeholder name -> parameter key) feeds
+    its users through ``param_ready(x, key)``, inserted just before its first user: forward waits for a
+    parameter's gather where it needs it, not at its start. ``gm`` itself is left as it is."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    g.output(g.graph_copy(gm.graph, env))
+    g._codegen = gm.graph._codegen
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for ph in list(g.find_nodes(op="placeholder")):
+        key = key_of_placeholder.get(ph.name)
+        if key is None or not ph.users:
+            continue
+        with g.inserting_before(min(ph.users, key=order.__getitem__)):
+            ready = g.call_function(param_ready, (ph, key))
+        ph.replace_all_uses_with(ready, delete_user_cb=lambda u, ready=ready: u is not ready)
+    return fx.GraphModule(gm, g)
+
+
 def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimizer:
     """``cls`` over ``module``'s parameters with the plan's ZeRO-1/2 parameters replaced by this rank's slices;
     the module's gradient reduction reduce-scatters their gradients into the slices from then on."""
@@ -155,8 +279,21 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
     module._grads.attach(by_key)
     scattered = {id(s) for k, s in by_key.items() if module._grads.scattered(k)}
     buckets = _buckets(slices, sizes, _grads.BUCKET_BYTES)
+    axes = sorted({a for s in slices for a in s.axes})
+    if module._grads.overlap:  # the reduction's dedicated groups, plus any axis it does not reduce over
+        own = dict(module._grads._own)
+        own.update(_grads.axes_groups(module._dm, [(a,) for a in axes if (a,) not in own]))
+        gather_groups = {a: own[(a,)] for a in axes}
+    else:
+        gather_groups = {a: groups[a] for a in axes}
+    key_of = {id(s): k for k, s in by_key.items()}
+    gather = ParamGather(buckets, {key_of[id(s)]: i for i, b in enumerate(buckets) for s in b}, sizes,
+                         gather_groups)
+    module._param_gather = gather
+    module._marked.clear()  # graphs marked for another optimizer's buckets
 
     def pre_step(optimizer, args, kw) -> None:
+        gather.finish()  # a step without a forward since the last one: the parameters must be whole
         for s in slices:
             if id(s) in scattered:  # ZeRO-2: the reduce-scatter accumulated the slice into the leaf
                 continue
@@ -167,30 +304,12 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
             g = g._local_tensor if isinstance(g, DTensor) else g
             s.leaf.grad = g.reshape(-1)[s.start:s.end]
 
-    def all_gather(cur: torch.Tensor, axis: int) -> torch.Tensor:
-        out = torch.empty(cur.numel() * sizes[axis], dtype=cur.dtype, device=cur.device)
-        dist.all_gather_into_tensor(out, cur, group=groups[axis])
-        STATS["all_gathers"] += 1
-        return out
-
     @torch.no_grad()
     def post_step(optimizer, args, kw) -> None:
         for s in slices:  # the step has consumed the gradients: free them before the gathers allocate
             s.param.grad = None
             s.leaf.grad = None
-        for bucket in buckets:
-            inner = list(reversed(bucket[0].axes))  # innermost axis first: blocks come out in mixed-radix order
-            widths = [s.size for s in bucket]
-            packed = bucket[0].leaf.new_zeros(sum(widths))
-            for s, off in zip(bucket, itertools.accumulate([0] + widths)):
-                packed[off: off + s.end - s.start].copy_(s.leaf.detach())
-            blocks = gather_bucket(packed, widths, [sizes[a] for a in inner],
-                                   lambda cur, i, inner=inner: all_gather(cur, inner[i]))
-            del packed
-            STATS["buckets"] += 1
-            for s, block in zip(bucket, blocks):
-                unpack_into((s.param.data._local_tensor if isinstance(s.param.data, DTensor) else s.param.data)
-                            .view(-1), block)
+        gather.start()  # completed by the next forward (module._call) or whatever reads the parameters first
 
     opt.register_step_pre_hook(pre_step)
     opt.register_step_post_hook(post_step)
