@@ -255,7 +255,7 @@ class ParallelModule(nn.Module):
     def _call(self, prog: Program, gm: fx.GraphModule, feed: list) -> Any:
         """Run ``gm`` (the program or a piece of it) with this rank's collective groups and saved-tensor hooks.
         With a ZeRO-1/2 optimizer, a copy of ``gm`` that waits for each parameter's after-step gather just before
-        its first use (``zero1.mark_param_uses``) runs instead; the buckets it did not need are finished after."""
+        its first use (``zero1.mark_param_uses``) runs instead; the caller finishes the buckets no graph needed."""
         offload = "activations" in prog.plan.offload
         gather = self._param_gather
         if gather is not None:
@@ -277,7 +277,6 @@ class ParallelModule(nn.Module):
         finally:
             if gather is not None:
                 zero1._ACTIVE.pop()
-        self._finish_param_gathers()
         return out
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
@@ -288,6 +287,7 @@ class ParallelModule(nn.Module):
             value = self._state_value(prog, node.name)
             feed.append(next(user) if value is None else value)
         outs = self._grads.mark(self._call(prog, prog.gm, feed))  # its backward starts the gradient reduction
+        self._finish_param_gathers()  # buckets of parameters this program does not use
         return RC.from_layout(outs, prog.gm.meta.get("autopart.context"))
 
     def forward(self, *args, **kwargs):

@@ -247,6 +247,7 @@ class PipelinedModule(ParallelModule):
             schedule.step(*flat, target=target, losses=losses, return_outputs=False)
         else:
             schedule.step(target=target, losses=losses, return_outputs=False)
+        self._finish_param_gathers()  # the stages waited for the buckets they use; those of unused parameters
         loss = torch.zeros((), device=self._device, dtype=torch.float32)
         if is_last:
             loss = torch.stack([x.detach().float() for x in losses]).sum()
@@ -265,6 +266,7 @@ class PipelinedModule(ParallelModule):
         last = (self.chunks - 1) % self.pp_size
         with torch.no_grad():
             out = schedule.eval(*flat) if self.pp_rank == 0 else schedule.eval()
+        self._finish_param_gathers()
         objs = [None]
         if self.pp_rank == last:
             outs = out if isinstance(out, (tuple, list)) else (out,)

@@ -130,3 +130,103 @@ def test_zero2_accumulation_clipping_and_overlap():
         assert 2 <= len(gather_buckets) < sum(n for _, n in gather_buckets), gather_buckets
         assert all(axes == (0,) for axes, _ in gather_buckets), gather_buckets
         assert gathers == len(batches()) * len(gather_buckets), (gathers, gather_buckets)
+
+
+def _zero1_read_between_steps_run(bucket_bytes: int):
+    import autopart
+    from autopart.runtime import grads, zero1
+
+    grads.BUCKET_BYTES = bucket_bytes  # several gather buckets on the tiny model: more than GATHER_IN_FLIGHT
+    model = make_model("gpt")
+    mesh = autopart.mesh((2,), ("dp",))
+    ids0 = batches()[0]
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"dp": "dp"}, zero=1)
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    losses, states, pending, logits = [], [], [], []
+    zero1.STATS["all_gathers"] = 0
+    for step, ids in enumerate(batches()):
+        losses.append(pm.forward_backward(ids, labels=ids).item())
+        opt.step()
+        opt.zero_grad()
+        pending.append(pm._param_gather.pending)  # the step left the gathers running
+        if step == 0:  # forward only, a signature not traced yet: its program waits for the buckets too
+            logits.append(pm(batches()[0]).detach())
+        elif step == 1:  # nn.Module.state_dict: this rank's shards of the whole parameters
+            states.append({k: v.to_local().clone() for k, v in pm.state_dict().items() if k.startswith("_params.")})
+        states.append({k: v.clone() for k, v in pm.full_state_dict().items()})
+    graph = next(marked for _, marked in pm._marked.values()).graph
+    # between the first and the last wait, forward computes: the waits are spread over it, not at its start
+    kinds = [n.target is zero1.param_ready for n in graph.nodes if n.op == "call_function"]
+    first, last = kinds.index(True), len(kinds) - 1 - kinds[::-1].index(True)
+    spread = kinds[first:last].count(False)
+    return losses, states, pending, logits, spread, zero1.STATS["all_gathers"], opt.autopart_zero1_buckets
+
+
+def test_zero1_parameters_read_between_steps():
+    """ZeRO-1 on dp2 with 16 KiB buckets: after each step the gathers still run (the next forward waits for each
+    bucket before its parameters' first use, spread over the graph); whatever reads the parameters before that
+    forward sees the gathered values: a forward-only call of a new signature after step 1, ``state_dict`` after
+    step 2, ``full_state_dict`` after every step -- each equal to one process after the same steps, within 1e-5.
+    One all-gather per bucket per step."""
+    results = run_ranks(2, _zero1_read_between_steps_run, 16 * 2**10)
+    model = make_model("gpt")
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+    ref_losses, ref_states, ref_logits = [], [], None
+    for step, ids in enumerate(batches()):
+        loss = model(ids, labels=ids)
+        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+        ref_states.append({k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)})
+        if step == 0:
+            with torch.no_grad():
+                out = model(batches()[0])
+            ref_logits = out if isinstance(out, torch.Tensor) else out.logits
+    for losses, states, pending, logits, spread, gathers, buckets in results:
+        assert losses == pytest.approx(ref_losses, abs=1e-5), (losses, ref_losses)
+        assert pending == [True] * len(batches()), pending
+        assert len(buckets) > 2 and spread > 0, (buckets, spread)
+        torch.testing.assert_close(logits[0], ref_logits, rtol=1e-5, atol=5e-5)
+        full = [s for s in states if "_params." not in next(iter(s))]
+        assert len(full) == len(batches())
+        for got, ref in zip(full, ref_states):
+            for k, v in ref.items():
+                torch.testing.assert_close(got[k], v, rtol=0, atol=1e-5)
+        shards = next(s for s in states if "_params." in next(iter(s)))
+        assert len(shards) >= len(ref_states[1]) - 1, shards.keys()  # tied names once
+        for k, v in shards.items():  # replicated on dp: each rank's shard is the whole parameter
+            torch.testing.assert_close(v, ref_states[1][k.removeprefix("_params.").replace("__", ".")], rtol=0,
+                                       atol=1e-5)
+        assert gathers == len(batches()) * len(buckets), (gathers, buckets)
+
+
+def _pipeline_zero1_run():
+    import autopart
+
+    model = make_model("gpt", 4)
+    mesh = autopart.mesh((2, 2), ("pp", "dp"))
+    ids0 = batches()[0]
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"pp": "pp", "dp": "dp"}, zero=1,
+                              pipeline={"schedule": "1f1b", "micro_batches": 2})
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    losses = []
+    for ids in batches():
+        losses.append(pm.forward_backward(ids, labels=ids).item())
+        opt.step()
+        opt.zero_grad()
+    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach()
+
+
+def test_pipeline_zero1_parity():
+    """pp2 x dp2 with ZeRO-1, 1F1B over 2 micro-batches: each stage's forward waits for the gathers of its own
+    parameters (the stage graphs are marked like the whole program); losses, parameters and forward-only logits
+    match one process."""
+    from autopart.plan import Plan
+
+    results = run_ranks(4, _pipeline_zero1_run)
+    check("gpt", results, reference("gpt", 4))
+    plan = Plan.from_json(results[0][3])
+    assert plan.pipeline["degree"] == 2 and set(plan.zero.values()) == {1}, (plan.pipeline, plan.zero)
