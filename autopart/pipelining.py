@@ -13,8 +13,9 @@ per transformer block (the embedding folded into the first block, the head and l
 * ``states``: parameters, gradients (they accumulate over the micro-batches) and optimizer states;
 * ``reduce``: the data-parallel gradient reduction (once per step; overlapped with the last micro-batch's
   backward where the device overlaps communication, ``solver.pipeline.reduction_tail``), and ZeRO-1's parameter
-  all-gather after the optimizer step (once per step, exposed; in flat buckets, each parameter charged its
-  bandwidth and its share of a bucket's latency);
+  all-gather after the optimizer step (once per step, in flat buckets, each parameter charged its bandwidth and its
+  share of a bucket's latency; behind the first micro-batch's forward where the device overlaps communication,
+  ``solver.pipeline.gather_exposed``);
 * the bytes of every value crossing each block boundary (what a stage sends: activations, and inputs such as
   labels or rotary tables that later stages use).
 
@@ -48,7 +49,7 @@ import torch.fx as fx
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes, grad_reduction_time
-from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline, reduction_tail, stage_peak
+from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline, gather_exposed, reduction_tail, stage_peak
 from autopart.trace import Traced
 
 
@@ -571,9 +572,12 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "stage_shardings_searched": "Megatron recipe inside the stage for every degree; free shardings for the "
                                     f"{FREE_DEGREES} best degree(s) of that ranking (all degrees when axes are pinned)",
     }
-    # ZeRO-1's all-gather after the step, of the rank gathering most; the rest of the tail is the exposed reduction
-    gather = max(sum(u.gather_s for u, c in zip(units, stages) if c % o.stages == r) for r in range(o.stages))
+    # ZeRO-1/2's all-gather after the step: what the next forward does not hide (all of it, the rank gathering
+    # most, without overlap); the rest of the tail is the exposed reduction
+    gather = gather_exposed(pl, [u.cost(m) for u in units], [u.gather_s for u in units], cluster.device.comm_overlap)
     pipeline["param_gather_s"] = gather
+    pipeline["param_gather_total_s"] = max(sum(u.gather_s for u, c in zip(units, stages) if c % o.stages == r)
+                                           for r in range(o.stages))
     pipeline["gradient_reduction_s"] = max(0.0, cand.reduce_s - gather)
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)

@@ -60,8 +60,10 @@ from autopart.cost import (
     node_flops,
     roofline_time,
 )
+from autopart.cost.comm import exposed_before
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 from autopart.runtime.grads import BUCKET_BYTES  # the runtime's reduction and gather bucket, priced as run
+from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
 from autopart.trace import Traced
@@ -732,20 +734,57 @@ def zero1_bucket_latency(axes, cluster: Cluster) -> float:
     return sum(collective_time("all_gather", 0.0, cluster.mesh_shape[i], cluster.link(i)) for i in axes)
 
 
+def zero1_buckets(entries) -> list[tuple[tuple[int, ...], list[int]]]:
+    """ZeRO-1/2's after-step gather buckets as ``runtime/zero1.py`` fills them, in its launch order: per set of
+    axes and dtype, parameters in module order, at most ``BUCKET_BYTES`` gathered bytes (a larger parameter alone).
+    ``entries``: each parameter's ``zero1_gather_entry``, in module order. Returned: (axes, entry indices) per
+    bucket."""
+    out: list[tuple[tuple[int, ...], list[int]]] = []
+    open_: dict[tuple, tuple[list[int], float]] = {}
+    for i, (axes, dtype, nbytes) in enumerate(entries):
+        b, used = open_.get((axes, dtype), (None, 0.0))
+        if b is None or used + nbytes > BUCKET_BYTES:
+            b, used = [], 0.0
+            out.append((axes, b))
+        b.append(i)
+        open_[(axes, dtype)] = (b, used + nbytes)
+    return out
+
+
 def zero1_gather_latency(entries, cluster: Cluster) -> float:
     """Seconds ZeRO-1/2's bucketed parameter all-gather after the step adds to the bandwidth the ILP prices per
-    parameter (``zero1_gather_time(latency=False)``): the latency, once per bucket per axis. ``entries``: each
-    parameter's ``zero1_gather_entry``, in module order; buckets as ``runtime/zero1.py`` fills them (per set of
-    axes and dtype, at most ``BUCKET_BYTES`` gathered bytes, a larger parameter alone)."""
-    used: dict[tuple, float] = {}
-    buckets: dict[tuple, int] = defaultdict(int)
-    for axes, dtype, nbytes in entries:
-        key = (axes, dtype)
-        if key not in used or used[key] + nbytes > BUCKET_BYTES:
-            buckets[key] += 1
-            used[key] = 0.0
-        used[key] += nbytes
-    return sum(n * zero1_bucket_latency(axes, cluster) for (axes, _), n in buckets.items())
+    parameter (``zero1_gather_time(latency=False)``): the latency, once per bucket per axis (``zero1_buckets``)."""
+    return sum(zero1_bucket_latency(axes, cluster) for axes, _ in zero1_buckets(entries))
+
+
+def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) -> tuple[float, float]:
+    """(total, exposed) seconds of ZeRO-1/2's parameter all-gather after the step, from the plan's node records
+    ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in module order, (its node, its
+    ``zero1_gather_entry``, seconds of its bandwidth).
+
+    As the runtime runs it (``runtime/zero1.py``): buckets of ``zero1_buckets``, each one all-gather per axis (its
+    bandwidth and latency), launched after the step ``GATHER_IN_FLIGHT`` at a time, one after the other; the next
+    forward waits for bucket ``k`` just before the first use of its parameters. Where the device overlaps
+    communication with compute (``Device.comm_overlap``) the forward compute before that use hides it
+    (``autopart.cost.comm.exposed_before``): the first bucket, needed at once, is exposed, the others as far as
+    forward does not keep up. Otherwise all of it is exposed. A tied group's stand-ins (a block reduction's
+    ``virtual_layers``) share their node's first use, which counts them exposed sooner than their layers would."""
+    buckets = zero1_buckets([e for _, e, _ in gathered])
+    cost = [zero1_bucket_latency(axes, cluster) + sum(gathered[i][2] for i in idx) for axes, idx in buckets]
+    total = sum(cost)
+    if not cluster.device.comm_overlap or not buckets:
+        return total, total
+    graph = [n for n in traced.graph.nodes if n.name in nodes]
+    before, clock = {}, 0.0  # forward compute before each node
+    for n in graph:
+        before[n.name] = clock
+        if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input"):
+            clock += nodes[n.name]["fwd_s"]
+    node_of = {n.name: n for n in graph}
+    first_use = {name: min((before[u.name] for u in node_of[name].users if u.name in before), default=clock)
+                 for name in {g[0] for g in gathered}}
+    deadline = [min(first_use[gathered[i][0]] for i in idx) for _, idx in buckets]
+    return total, exposed_before(deadline, cost, GATHER_IN_FLIGHT)
 
 
 def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -1660,7 +1699,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     comm_total = 0.0
     collectives = []
     seen_conversions: dict = {}
-    gather_entries: list = []  # ZeRO-1/2 parameters' (axes, dtype, gathered bytes), in graph order
+    zero_gathers: list = []  # ZeRO-1/2 parameters' (node, (axes, dtype, gathered bytes), bandwidth s), in graph order
     users = _saving_users(info)
     offloaded = "activations" in offload and cluster.device.name != "cpu"
     for n in info.nodes:
@@ -1686,7 +1725,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
             if o.tag in ("zero1", "zero2") and info.needs_grad[n.name]:  # gathered after the step, bucketed
                 entry = zero1_gather_entry(value_of(n), o.output, mesh)
-                gather_entries += [entry] * max(1, round(k / len(prob.groups[gid])))  # a tied group's stand-ins
+                bandwidth = rec["time_s"] - rec["compute_s"]
+                zero_gathers += [(n.name, entry, bandwidth)] * max(1, round(k / len(prob.groups[gid])))  # stand-ins
                 # its share of the buckets' latency, what pipeline units sum: a parameter of a bucket or more is
                 # gathered alone (one bucket), smaller ones share one (bytes / BUCKET_BYTES of it)
                 rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * min(1.0, entry[2] / BUCKET_BYTES)
@@ -1752,12 +1792,11 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
     # ZeRO-1/2's all-gather after the step: the node costs above hold its bandwidth per parameter (as the ILP);
-    # the runtime gathers in buckets, so its latency is paid once per bucket per axis, added here (not in the ILP)
-    gather_latency = zero1_gather_latency(gather_entries, cluster)
-    comm_total += gather_latency
-    param_gather = gather_latency + sum(
-        float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice)
-        if info.kind[prob.groups[g][0]] == "param")
+    # the runtime gathers in buckets, so its latency is paid once per bucket per axis, added here (not in the ILP);
+    # the next forward hides what it can (``param_gather``): the step pays the exposed part
+    gather_latency = zero1_gather_latency([e for _, e, _ in zero_gathers], cluster)
+    gather_total, gather_exposed = param_gather(traced, nodes, zero_gathers, cluster)
+    comm_total += gather_latency - (gather_total - gather_exposed)
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1/2), overlapped with backward where the
     # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
     # the exposed part, ``grad_reduction_s`` all of it
@@ -1817,7 +1856,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                                 "graph_nodes": len(info.nodes)} | timings,
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
                    "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
-                   "param_gather_s": param_gather, "param_gather_latency_s": gather_latency,
+                   "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
+                   "param_gather_latency_s": gather_latency,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

@@ -21,6 +21,8 @@ all-reduce keeps the ring parametrization it was fitted in.
 
 ``exposed_after`` prices collectives that run concurrently with compute (the data-parallel gradient buckets on a
 device whose collectives overlap, ``Device.comm_overlap``): what finishes after the compute window.
+``exposed_before`` prices the other way round: collectives launched ahead of compute that waits for each of them
+(ZeRO-1/2's parameter all-gather after the step, waited for by the next forward).
 """
 
 from __future__ import annotations
@@ -113,3 +115,33 @@ def exposed_after(ready: Sequence[float], cost: Sequence[float], window: float) 
     for r, c in zip(ready, cost):
         end = max(end, r) + c
     return max(0.0, end - window)
+
+
+def exposed_before(deadline: Sequence[float], cost: Sequence[float], in_flight: int) -> float:
+    """Seconds a chain of asynchronous collectives launched ahead of compute stalls that compute.
+
+    Collective ``k`` takes ``cost[k]`` after collective ``k-1`` (one process group: in launch order); the compute
+    waits for it when it has done ``deadline[k]`` seconds of work (its first use), and waits for them in order, so
+    ``k`` must be complete by the earliest deadline of ``k`` and the later ones. At most ``in_flight`` are
+    outstanding: the first ``in_flight`` are launched at time 0, collective ``k + in_flight`` when the compute has
+    waited for ``k``. This is the runtime's ZeRO-1/2 parameter gather (``runtime/zero1.py``): buckets launched
+    after the step, each waited for by the next forward before its parameters' first use. Returns the total stall:
+    at least the first collective when the compute needs it at once (``deadline[0] == 0``). With ``in_flight`` at
+    least the number of collectives it is the latest ``exposed_after(zeros, cost[:k+1], deadline[k])``.
+    """
+    if len(deadline) != len(cost):
+        raise ValueError(f"exposed_before: {len(deadline)} deadlines for {len(cost)} collectives")
+    if in_flight < 1:
+        raise ValueError(f"exposed_before: in_flight must be >= 1, got {in_flight}")
+    due = list(deadline)
+    for k in range(len(due) - 2, -1, -1):  # completed in order: by the time any later one is needed
+        due[k] = min(due[k], due[k + 1])
+    launch = [0.0] * len(cost)
+    link = stall = 0.0
+    for k, c in enumerate(cost):
+        link = max(link, launch[k]) + c
+        waited = due[k] + stall  # wall time the compute reaches the first use
+        stall += max(0.0, link - waited)
+        if k + in_flight < len(cost):
+            launch[k + in_flight] = max(link, waited)
+    return stall

@@ -173,10 +173,46 @@ def schedule_step_time(stage_times: Sequence[float], opts: PipelineOptions) -> f
     return (opts.micro_batches * opts.virtual + opts.stages - 1) * max(stage_times)
 
 
+def gather_exposed(pl: PipelinePlan, layers: Sequence[LayerCost], gather_s: Sequence[float], overlap: bool) -> float:
+    """Seconds ZeRO-1/2's parameter all-gather after the optimizer step (``gather_s[l]``: layer ``l``'s, run by the
+    rank holding it) adds to a pipelined step.
+
+    Without ``overlap`` the slowest rank's whole gather. With it (``Device.comm_overlap``), as the runtime runs it
+    (``runtime/zero1.py``): every rank launches its gathers after the step, in module order, one after the other,
+    and its stages' forward waits for a layer's parameters before the layer. The first forward to reach a layer is
+    the first micro-batch's, which runs the chunks in order, a ``p2p_s / 2`` send between chunks: the stall that
+    chain takes waiting for gathers is exposed (the whole schedule starts from it); the first layer's gather always
+    is, a later stage's hides behind the stages before it. A layer's gather is waited for as the layer starts (its
+    buckets are not split over its forward), and as if all of a rank's were launched at once (the runtime keeps
+    ``GATHER_IN_FLIGHT`` in flight, which keeps the link as busy while forward waits)."""
+    if len(gather_s) != len(layers):
+        raise ValueError(f"gather_exposed: {len(gather_s)} gather times for {len(layers)} layers")
+    o = pl.options
+    ends = list(pl.boundaries[1:]) + [len(layers)]
+    chunk_of = [c for c, (i, j) in enumerate(zip(pl.boundaries, ends)) for _ in range(i, j)]
+    if not overlap:
+        per = [0.0] * o.stages
+        for lay, c in enumerate(chunk_of):
+            per[c % o.stages] += gather_s[lay]
+        return max(per)
+    hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
+    done = [0.0] * o.stages  # each rank's gathers, back to back from the step
+    clock = free = 0.0  # the first micro-batch's forward with the waits, and without
+    for lay, c in enumerate(chunk_of):
+        if lay and c != chunk_of[lay - 1]:
+            clock, free = clock + hop, free + hop
+        if gather_s[lay]:
+            done[c % o.stages] += gather_s[lay]
+            clock = max(clock, done[c % o.stages])
+        clock, free = clock + layers[lay].fwd_s, free + layers[lay].fwd_s
+    return clock - free
+
+
 def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequence[float], overlap: bool,
                    gather_s: Sequence[float] | None = None) -> float:
     """Seconds the data-parallel gradient reduction, and ZeRO-1's parameter all-gather after the optimizer step
-    (``gather_s``, per layer: the runtime overlaps it with nothing), add after the pipeline flush: the slowest rank's.
+    (``gather_s``, per layer, exposed as ``gather_exposed`` prices it), add to the pipelined step: the slowest
+    rank's reduction after the flush.
 
     ``reduce_s[l]`` is layer ``l``'s reduction, run by the rank holding it. Without ``overlap`` a rank reduces after
     its last backward: the largest per-rank sum (the slack of ranks that finish early is not counted). With overlap
@@ -201,6 +237,7 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
         for lay, r in enumerate(ranks):
             per[r] += reduce_s[lay] + gather_s[lay]
         return max(per)
+    gather = gather_exposed(pl, layers, gather_s, overlap)
     hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
     ready, clock = [0.0] * len(layers), 0.0
     for lay in reversed(range(len(layers))):  # the last micro-batch's backward, last layer first
@@ -212,7 +249,6 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
     tail = 0.0
     for r in range(o.stages):
         mine = sorted((ready[lay], reduce_s[lay]) for lay in range(len(layers)) if ranks[lay] == r)
-        gather = sum(gather_s[lay] for lay in range(len(layers)) if ranks[lay] == r)
         tail = max(tail, exposed_after([t for t, _ in mine], [c for _, c in mine], clock) + gather)
     return tail
 

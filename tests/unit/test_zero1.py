@@ -142,11 +142,56 @@ def test_plan_prices_gather_bandwidth_per_parameter_latency_per_bucket():
         bandwidth += t
     latency = 3 * link.alpha  # one bucket, one ring all-gather over 4 ranks
     assert p.predicted["param_gather_latency_s"] == pytest.approx(latency, rel=1e-9)
-    assert p.predicted["param_gather_s"] == pytest.approx(bandwidth + latency, rel=1e-9)
-    # the step's communication: conversions, node-internal collectives (the gathers' bandwidth among them), the
-    # gathers' bucket latency, the exposed gradient reduction
     pr = p.predicted
+    assert pr["param_gather_total_s"] == pytest.approx(bandwidth + latency, rel=1e-9)
+    # one bucket, waited for by the first op that uses a parameter: at most the forward compute before it hides it
+    fwd = sum(r["fwd_s"] for r in p.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
+    assert pr["param_gather_total_s"] - fwd < pr["param_gather_s"] <= pr["param_gather_total_s"]
+    # the step's communication: conversions, node-internal collectives (the gathers' bandwidth among them), the
+    # gathers' bucket latency less what forward hides of the gather, the exposed gradient reduction
     edges = sum(c["time_s"] + c.get("regather_s", 0.0) for c in p.collectives)
     assert pr["comm_s"] == pytest.approx(edges + pr["internal_comm_s"] + latency + pr["grad_reduction_s"] -
-                                         pr["hidden_comm_s"], rel=1e-9)
+                                         pr["hidden_comm_s"] - (pr["param_gather_total_s"] - pr["param_gather_s"]),
+                                         rel=1e-9)
     assert pr["internal_comm_s"] >= bandwidth
+
+
+def test_exposed_before_waits_in_order_with_buckets_in_flight():
+    """The next forward's stall on the after-step gather: the first bucket needed at once is exposed; a later one
+    hides behind the forward compute before its first use; buckets complete in order; with fewer in flight a
+    bucket launches only when forward has waited for the one ``in_flight`` before it."""
+    from autopart.cost.comm import exposed_after, exposed_before
+
+    assert exposed_before([], [], 2) == 0.0
+    assert exposed_before([0.0, 1.0, 2.0], [0.3, 0.3, 0.3], 2) == pytest.approx(0.3)  # the first only
+    assert exposed_before([0.5, 1.0, 2.0], [0.3, 0.3, 0.3], 2) == 0.0  # all hidden
+    # the link is the bottleneck: 0.3 (first) then 0.9 due at 0.5 + 0.3 stalled -> 0.1 more
+    assert exposed_before([0.0, 0.5], [0.3, 0.6], 2) == pytest.approx(0.4)
+    # bucket 1 used first (before bucket 0's first use): both are due then
+    assert exposed_before([1.0, 0.2], [0.3, 0.3], 2) == pytest.approx(0.4)
+    # one in flight: bucket 1 launches when forward waits for bucket 0 (at 0.5), not when bucket 0 ends (0.1)
+    assert exposed_before([0.5, 0.6], [0.1, 0.3], 1) == pytest.approx(0.2)
+    assert exposed_before([0.5, 0.6], [0.1, 0.3], 2) == 0.0
+    deadline, cost = [0.0, 0.1, 0.15, 0.6, 0.7], [0.2, 0.1, 0.2, 0.05, 0.3]
+    worst = max(exposed_after([0.0] * (k + 1), cost[:k + 1], deadline[k]) for k in range(len(cost)))
+    assert exposed_before(deadline, cost, len(cost)) == pytest.approx(worst)
+    with pytest.raises(ValueError, match="in_flight"):
+        exposed_before([0.0], [0.1], 0)
+
+
+def test_pipeline_gather_hides_behind_the_first_micro_batch():
+    """Pipelined, with overlap: rank 0's first layer's gather is exposed, rank 1's hides behind rank 0's forward of
+    the first micro-batch; without overlap the slowest rank's whole gather; the reduction tail adds it."""
+    from autopart.solver.pipeline import LayerCost, PipelineOptions, PipelinePlan, gather_exposed, reduction_tail
+
+    layers = [LayerCost(fwd_s=1.0, bwd_s=2.0, act_bytes=0.0, state_bytes=0.0) for _ in range(4)]
+    opts = PipelineOptions(stages=2, micro_batches=4, schedule="1f1b", p2p_s=0.0)
+    pl = PipelinePlan(boundaries=(0, 2), checkpointed=(False,) * 4, step_s=0.0, bubble_fraction=0.0,
+                      stage_time_s=(3.0, 3.0), stage_memory=(0.0, 0.0), options=opts)
+    assert gather_exposed(pl, layers, [0.5, 0.5, 0.5, 0.5], True) == pytest.approx(0.5)
+    assert gather_exposed(pl, layers, [0.5, 0.5, 0.5, 0.5], False) == pytest.approx(1.0)
+    # rank 0's second layer needs 3.0 of gathers by 1.0 + 0.5 of forward: 1.5 more
+    assert gather_exposed(pl, layers, [0.5, 2.5, 0.0, 0.0], True) == pytest.approx(2.0)
+    # rank 1's gathers (3.0) run while rank 0 computes its 2 layers (2.0): 1.0 exposed
+    assert gather_exposed(pl, layers, [0.0, 0.0, 3.0, 0.0], True) == pytest.approx(1.0)
+    assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0]) == pytest.approx(1.0)
