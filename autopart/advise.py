@@ -372,14 +372,13 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
             out[k]["time_s"] = at[k] + pt[k]
             out[k]["bytes"] = ab[k] + pb[k]
         gt -= plan.predicted.get("hidden_comm_s", 0.0)  # the step pays what backward does not hide
-        # ZeRO-1/2's after-step all-gather: its bandwidth is node time (inside ops), its latency once per bucket;
-        # the step pays what the next forward does not hide (the bandwidth's share of it first)
+        # ZeRO-1/2's after-step all-gather: the node times (inside ops) hold the ILP's price of it; the step pays
+        # what the next forward does not hide of the bucketed gather (``param_gather_s``)
         pred = plan.predicted
-        latency = pred.get("param_gather_latency_s", 0.0)
-        hidden = pred.get("param_gather_total_s", pred.get("param_gather_s", 0.0)) - pred.get("param_gather_s", 0.0)
-        hidden_bw = min(hidden, pred.get("param_gather_total_s", 0.0) - latency)
-        out[INSIDE_OPS]["time_s"] -= hidden_bw
-        out["all_gather"]["time_s"] += latency - (hidden - hidden_bw)
+        priced = pred.get("param_gather_priced_s", 0.0)
+        out[INSIDE_OPS]["time_s"] -= priced
+        out["all_gather"]["time_s"] += pred.get("param_gather_s", 0.0) if "param_gather_priced_s" in pred else \
+            pred.get("param_gather_latency_s", 0.0)
         out["all_reduce"]["time_s"] += gt
         out["all_reduce"]["bytes"] += gb
         out["gradient_all_reduce"] = {"time_s": gt, "bytes": gb}

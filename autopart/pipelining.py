@@ -129,10 +129,10 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         us = sorted(set(users_units.get(n.name, [])))
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
-            # ZeRO-1/2's all-gather after the step: its bandwidth (node cost less compute) and its share of the
+            # ZeRO-1/2's all-gather after the step: its bandwidth (``gather_s``) and its share of the
             # buckets' latency (``gather_latency_s``: a whole bucket's for a parameter of a bucket or more, else
             # bytes / BUCKET_BYTES of one; how small parameters round up to buckets within a stage is not counted)
-            gather = nodes[n.name]["time_s"] - nodes[n.name]["compute_s"] + nodes[n.name].get("gather_latency_s", 0.0)
+            gather = nodes[n.name].get("gather_s", 0.0) + nodes[n.name].get("gather_latency_s", 0.0)
             for u in us or [0]:
                 own = nodes[n.name]["layer"] == units[u].name
                 units[u].gather_s += gather

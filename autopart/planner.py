@@ -720,6 +720,52 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
     return t
 
 
+def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
+    """Per ZeRO-1/2-able parameter node, the share of its after-step gather's bandwidth the ILP prices: the part of
+    ``param_gather``'s exposed time it adds, per second of its bandwidth. Empty (all of it) where the device does
+    not overlap communication with compute.
+
+    Estimated before the shardings are chosen, with every parameter that can be ZeRO-1/2 so (its cheapest such
+    layout) and the forward as fast as the whole mesh makes it (each op's roofline split over every device): the
+    buckets' chain ``C_k`` against each parameter's first use ``e_k`` (``exposed_before`` with all in flight, in
+    the order of first use, as the runtime packs them) is late by ``L_k = max(0, C_k - e_k)``, the exposed time is
+    ``max_k L_k``, and
+    parameter ``k`` is charged the increase of that running maximum it causes. The shares sum to the record's
+    exposed gather when every such parameter is ZeRO-1/2 (fewer shorten the chain: the ILP then prices a little
+    more than the record); the earliest parameters (the embedding) carry them, the rest hide. A pipeline stage's
+    first micro-batch is a fraction of the traced batch (``solver.pipeline.gather_exposed`` prices that window):
+    there the ILP's shares are lower than what the pipeline record charges."""
+    if not cluster.device.comm_overlap:
+        return {}
+    mesh, device = cluster.mesh_shape, cluster.device
+    world = math.prod(mesh)
+    before, clock = {}, 0.0  # forward compute before each node, at its floor
+    for n in info.nodes:
+        before[n.name] = clock
+        if info.kind[n.name] == "op":
+            val = value_of(n)
+            flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
+            nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val)
+            clock += roofline_time(flops / world, nbytes / world, device, n.target)
+    chain = []  # (node, bandwidth, first use)
+    for n in info.nodes:
+        if info.kind[n.name] != "param" or not info.needs_grad[n.name]:
+            continue
+        bws = [zero1_gather_time(value_of(n), o.output, cluster, latency=False) for o in info.options[n.name]
+               if o.tag in ("zero1", "zero2")]
+        if bws and min(bws) > 0:
+            chain.append((n.name, min(bws), min((before[u.name] for u in n.users if u.name in before),
+                                                 default=clock)))
+    chain.sort(key=lambda c: c[2])
+    shares, done, worst = {}, 0.0, 0.0
+    for name, bw, e in chain:
+        done += bw
+        late = max(worst, done - e)
+        shares[name] = (late - worst) / bw
+        worst = late
+    return shares
+
+
 def zero1_gather_entry(val: torch.Tensor, spec, mesh) -> tuple[tuple[int, ...], torch.dtype, float]:
     """(axes, dtype, gathered bytes) of a ZeRO-1/2 parameter, as the runtime fills its gather buckets: the axes it
     is replicated on, and its padded slice times the ranks over them."""
@@ -736,9 +782,9 @@ def zero1_bucket_latency(axes, cluster: Cluster) -> float:
 
 def zero1_buckets(entries) -> list[tuple[tuple[int, ...], list[int]]]:
     """ZeRO-1/2's after-step gather buckets as ``runtime/zero1.py`` fills them, in its launch order: per set of
-    axes and dtype, parameters in module order, at most ``BUCKET_BYTES`` gathered bytes (a larger parameter alone).
-    ``entries``: each parameter's ``zero1_gather_entry``, in module order. Returned: (axes, entry indices) per
-    bucket."""
+    axes and dtype, parameters in the order given (the runtime's: forward's first use), at most ``BUCKET_BYTES``
+    gathered bytes (a larger parameter alone). ``entries``: each parameter's ``zero1_gather_entry``. Returned:
+    (axes, entry indices) per bucket."""
     out: list[tuple[tuple[int, ...], list[int]]] = []
     open_: dict[tuple, tuple[list[int], float]] = {}
     for i, (axes, dtype, nbytes) in enumerate(entries):
@@ -759,8 +805,8 @@ def zero1_gather_latency(entries, cluster: Cluster) -> float:
 
 def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) -> tuple[float, float]:
     """(total, exposed) seconds of ZeRO-1/2's parameter all-gather after the step, from the plan's node records
-    ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in module order, (its node, its
-    ``zero1_gather_entry``, seconds of its bandwidth).
+    ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in the order forward first uses them
+    (the runtime's bucket order), (its node, its ``zero1_gather_entry``, seconds of its bandwidth).
 
     As the runtime runs it (``runtime/zero1.py``): buckets of ``zero1_buckets``, each one all-gather per axis (its
     bandwidth and latency), launched after the step ``GATHER_IN_FLIGHT`` at a time, one after the other; the next
@@ -1024,6 +1070,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     node_of = {n.name: n for n in info.nodes}
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     device = cluster.device
+    gather_share = zero1_gather_shares(info, cluster)  # ZeRO-1/2's after-step gather: what forward does not hide
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
     keep_full, keep_selective = [], []
     saving_users = _saving_users(info)
@@ -1087,7 +1134,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag, info.needs_grad[rep.name])
                 mem[a] = local + optim
                 if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
-                    icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False)  # latency per bucket: _record
+                    icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False) * float(np.mean(
+                        [gather_share.get(m, 1.0) for m in members]))  # latency per bucket: _record
                 grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole
@@ -1699,7 +1747,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     comm_total = 0.0
     collectives = []
     seen_conversions: dict = {}
-    zero_gathers: list = []  # ZeRO-1/2 parameters' (node, (axes, dtype, gathered bytes), bandwidth s), in graph order
+    zero_gathers: list = []  # ZeRO-1/2 parameters' (node, zero1_gather_entry, bandwidth, ILP price), graph order
     users = _saving_users(info)
     offloaded = "activations" in offload and cluster.device.name != "cpu"
     for n in info.nodes:
@@ -1725,8 +1773,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
             if o.tag in ("zero1", "zero2") and info.needs_grad[n.name]:  # gathered after the step, bucketed
                 entry = zero1_gather_entry(value_of(n), o.output, mesh)
-                bandwidth = rec["time_s"] - rec["compute_s"]
-                zero_gathers += [(n.name, entry, bandwidth)] * max(1, round(k / len(prob.groups[gid])))  # stand-ins
+                # its bandwidth; the node's time holds the ILP's price of it (``zero1_gather_shares``)
+                rec["gather_s"] = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
+                zero_gathers += [(n.name, entry, rec["gather_s"], rec["time_s"] - rec["compute_s"])] * max(
+                    1, round(k / len(prob.groups[gid])))  # a tied group's stand-ins
                 # its share of the buckets' latency, what pipeline units sum: a parameter of a bucket or more is
                 # gathered alone (one bucket), smaller ones share one (bytes / BUCKET_BYTES of it)
                 rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * min(1.0, entry[2] / BUCKET_BYTES)
@@ -1791,12 +1841,16 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # ZeRO-1's parameter all-gather after the step, gathering outputs): node cost less its compute
     internal_comm = sum(float(prob.node_cost[g][a] - prob.compute_cost[g][a]) for g, a in enumerate(sol.choice))
     comm_total += internal_comm
-    # ZeRO-1/2's all-gather after the step: the node costs above hold its bandwidth per parameter (as the ILP);
-    # the runtime gathers in buckets, so its latency is paid once per bucket per axis, added here (not in the ILP);
-    # the next forward hides what it can (``param_gather``): the step pays the exposed part
-    gather_latency = zero1_gather_latency([e for _, e, _ in zero_gathers], cluster)
-    gather_total, gather_exposed = param_gather(traced, nodes, zero_gathers, cluster)
-    comm_total += gather_latency - (gather_total - gather_exposed)
+    # ZeRO-1/2's all-gather after the step: the node costs above hold the ILP's price of it per parameter (its
+    # bandwidth, or the share of it forward does not hide); the step pays the part the next forward does not hide
+    # of the bucketed gather as the runtime runs it (``param_gather``: bandwidth, latency per bucket per axis)
+    position = {n.name: i for i, n in enumerate(info.nodes)}
+    zero_gathers.sort(key=lambda g: min((position[u.name] for u in node_by_name[g[0]].users if u.name in position),
+                                        default=len(position)))  # the runtime's bucket order: forward's first use
+    gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster)
+    gather_total, gather_exposed = param_gather(traced, nodes, [g[:3] for g in zero_gathers], cluster)
+    gather_priced = sum(g[3] for g in zero_gathers)
+    comm_total += gather_exposed - gather_priced
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1/2), overlapped with backward where the
     # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
     # the exposed part, ``grad_reduction_s`` all of it
@@ -1857,7 +1911,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
                    "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
                    "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
-                   "param_gather_latency_s": gather_latency,
+                   "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

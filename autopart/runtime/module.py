@@ -154,6 +154,7 @@ class ParallelModule(nn.Module):
                 key = self._key_of.get(fqn) if fqn is not None else None
                 if key is not None and key not in first_use:
                     first_use.append(key)
+        self._first_use = first_use  # also the order of ZeRO-1/2's after-step gather buckets (runtime/zero1.py)
         self._grads = G.GradReducer(
             dict(self._params.items()), {self._key_of[f]: axes for f, axes in self._reduced.items()},
             {self._key_of[f]: lvl for f, lvl in plan.zero.items() if f in self._key_of}, first_use, self._groups,

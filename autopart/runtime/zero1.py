@@ -23,7 +23,8 @@ storage, so the optimizer updates the parameter in place; no copy of the weights
   behind the next forward (``ParamGather``, below).
 
 The after-step gather runs in buckets as Megatron's distributed optimizer does: parameters replicated over the same
-mesh axes (and of one dtype) are packed, in module order, into flat buckets of at most ``grads.BUCKET_BYTES``
+mesh axes (and of one dtype) are packed, in the order forward first uses them (not the module's: a tied embedding
+registered as the head would hold every bucket back), into flat buckets of at most ``grads.BUCKET_BYTES``
 *gathered* bytes, and each bucket takes one ``all_gather_into_tensor`` per axis instead of one per parameter: the
 latency is paid per bucket (on 48 ranks 47 ring steps per collective). The size counts the gathered parameters,
 not the slices, because that is the buffer the gather allocates: one bucket in flight stays at most
@@ -122,9 +123,10 @@ def unpack_into(flat: torch.Tensor, block: torch.Tensor) -> None:
 
 
 def _buckets(slices: list[_Slice], sizes: list[int], limit: int) -> list[list[_Slice]]:
-    """The slices in gather buckets: per set of axes and dtype, in order, closed when the next parameter would take
-    the bucket's gathered bytes past ``limit`` (a larger parameter gets a bucket of its own). Every rank of a group
-    holds the same parameters with the same local shapes (they are replicated over its axes), so the ranks agree."""
+    """The slices in gather buckets: per set of axes and dtype, in the given order, closed when the next parameter
+    would take the bucket's gathered bytes past ``limit`` (a larger parameter gets a bucket of its own). Every rank
+    of a group holds the same parameters with the same local shapes (replicated over its axes), so the ranks
+    agree."""
     out: list[list[_Slice]] = []
     open_: dict[tuple, tuple[list[_Slice], int]] = {}
     for s in slices:
@@ -278,7 +280,9 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
         return opt
     module._grads.attach(by_key)
     scattered = {id(s) for k, s in by_key.items() if module._grads.scattered(k)}
-    buckets = _buckets(slices, sizes, _grads.BUCKET_BYTES)
+    first = {k: i for i, k in enumerate(module._first_use)}
+    order = sorted(by_key, key=lambda k: first.get(k, len(first)))  # forward's order: a tied embedding first
+    buckets = _buckets([by_key[k] for k in order], sizes, _grads.BUCKET_BYTES)
     axes = sorted({a for s in slices for a in s.axes})
     if module._grads.overlap:  # the reduction's dedicated groups, plus any axis it does not reduce over
         own = dict(module._grads._own)
