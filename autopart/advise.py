@@ -411,8 +411,11 @@ def memory(plan) -> dict[str, Any]:
         params = sharding.get("parameters", 0.0) + sharding.get("gathered_parameters", 0.0)
         opt = sharding.get("optimizer_states", 0.0)
         frac = params / (params + opt) if params + opt > 0 else 1.0
-        kinds = {"parameters": mb["states"] * frac, "gradients": mb["gradients"],
-                 "optimizer_states": mb["states"] * (1 - frac), "activations": mb["activations"], "other": 0.0}
+        # GPipe peaks before the gradients exist, or with one micro-batch's activations fewer (solver.pipeline
+        # .stage_peak): the gradients present at the peak are what the total leaves beside states and activations
+        grads = min(mb["gradients"], max(0.0, mb["total"] - mb["states"] - mb["activations"]))
+        kinds = {"parameters": mb["states"] * frac, "gradients": grads, "optimizer_states": mb["states"] * (1 - frac),
+                 "activations": mb["total"] - mb["states"] - grads, "other": 0.0}
         return {"by_kind": kinds, "peak": mb["total"],
                 "binds_at": f"pipeline rank {rank} of {plan.pipeline['degree']}: its states, gradients and the "
                             "activations of its micro-batches in flight",

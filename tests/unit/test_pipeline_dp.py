@@ -222,6 +222,8 @@ def test_reduction_tail_overlaps_the_last_backward():
     # a checkpointed layer recomputes its forward inside that backward: rank 0's layers end 1 s later, still the last
     ck = PipelinePlan((0, 2), (True, False, False, False), 0.0, 0.0, (0.0, 0.0), (0.0, 0.0), opts)
     assert reduction_tail(ck, layers, red, overlap=True) == pytest.approx(1.5)
-    # ZeRO-1's parameter all-gather after the step overlaps nothing: it adds to its rank's tail
-    assert reduction_tail(pl, layers, red, True, [0.0, 0.0, 2.0, 2.0]) == pytest.approx(4.0)  # rank 1: 0 + 4
+    # ZeRO-1's parameter all-gather after the step runs behind the first micro-batch's forward (gather_exposed):
+    # rank 1 gathers layers 2 and 3 from the step, done at 2 and 4; that forward reaches layer 2 at 2.1 and layer 3
+    # at 3.1: a 0.9 s stall, added to the slowest rank's reduction tail (rank 0's 1.5)
+    assert reduction_tail(pl, layers, red, True, [0.0, 0.0, 2.0, 2.0]) == pytest.approx(2.4)
     assert reduction_tail(pl, layers, red, False, [0.5, 0.5, 0.0, 0.0]) == pytest.approx(4.0)
