@@ -182,6 +182,18 @@ class ParallelModule(nn.Module):
         self._finish_param_gathers()
         return super().named_parameters(*args, **kwargs)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, without finishing the after-step gathers (``named_parameters`` would): called
+        between ``step`` and the next forward, it touches gradients only."""
+        for p in self._params.values():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.requires_grad_(False)
+                p.grad.zero_()
+
     def _finish_param_gathers(self) -> None:
         """Complete the ZeRO-1/2 after-step all-gathers still running (``runtime/zero1.py``): every read of the
         parameters outside forward goes through here, so it never sees this rank's stale copy of the others'

@@ -147,7 +147,7 @@ def _zero1_read_between_steps_run(bucket_bytes: int):
     for step, ids in enumerate(batches()):
         losses.append(pm.forward_backward(ids, labels=ids).item())
         opt.step()
-        opt.zero_grad()
+        pm.zero_grad()  # gradients only: it leaves the gathers running
         pending.append(pm._param_gather.pending)  # the step left the gathers running
         if step == 0:  # forward only, a signature not traced yet: its program waits for the buckets too
             logits.append(pm(batches()[0]).detach())
@@ -163,11 +163,11 @@ def _zero1_read_between_steps_run(bucket_bytes: int):
 
 
 def test_zero1_parameters_read_between_steps():
-    """ZeRO-1 on dp2 with 16 KiB buckets: after each step the gathers still run (the next forward waits for each
-    bucket before its parameters' first use, spread over the graph); whatever reads the parameters before that
-    forward sees the gathered values: a forward-only call of a new signature after step 1, ``state_dict`` after
-    step 2, ``full_state_dict`` after every step -- each equal to one process after the same steps, within 1e-5.
-    One all-gather per bucket per step."""
+    """ZeRO-1 on dp2 with 16 KiB buckets: after each step (and the module's ``zero_grad``) the gathers still run
+    (the next forward waits for each bucket before its parameters' first use, spread over the graph); whatever
+    reads the parameters before that forward sees the gathered values: a forward-only call of a new signature after
+    step 1, ``state_dict`` after step 2, ``full_state_dict`` after every step -- each equal to one process after
+    the same steps, within 1e-5. One all-gather per bucket per step."""
     results = run_ranks(2, _zero1_read_between_steps_run, 16 * 2**10)
     model = make_model("gpt")
     opt = torch.optim.AdamW(model.parameters(), **OPT)
