@@ -720,6 +720,34 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
     return t
 
 
+_FORWARD_FLOOR: dict = {}
+
+
+def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float], float]:
+    """Forward compute before each node with every op's roofline split over ``world`` devices, and in all;
+    memoised for the last few (graph, device, world) (the pipeline search builds a problem per stage mesh)."""
+    import weakref
+
+    graph = info.nodes[0].graph if info.nodes else None
+    key = (id(graph), device, world)
+    hit = _FORWARD_FLOOR.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    before, clock = {}, 0.0
+    for n in info.nodes:
+        before[n.name] = clock
+        if info.kind[n.name] == "op":
+            val = value_of(n)
+            flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
+            nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val)
+            clock += roofline_time(flops / world, nbytes / world, device, n.target)
+    if len(_FORWARD_FLOOR) >= 8:
+        _FORWARD_FLOOR.pop(next(iter(_FORWARD_FLOOR)))
+    if graph is not None:
+        _FORWARD_FLOOR[key] = (weakref.ref(graph), (before, clock))
+    return before, clock
+
+
 def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
     """Per ZeRO-1/2-able parameter node, the share of its after-step gather's bandwidth the ILP prices: the part of
     ``param_gather``'s exposed time it adds, per second of its bandwidth. Empty (all of it) where the device does
@@ -737,16 +765,7 @@ def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
     there the ILP's shares are lower than what the pipeline record charges."""
     if not cluster.device.comm_overlap:
         return {}
-    mesh, device = cluster.mesh_shape, cluster.device
-    world = math.prod(mesh)
-    before, clock = {}, 0.0  # forward compute before each node, at its floor
-    for n in info.nodes:
-        before[n.name] = clock
-        if info.kind[n.name] == "op":
-            val = value_of(n)
-            flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
-            nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val)
-            clock += roofline_time(flops / world, nbytes / world, device, n.target)
+    before, clock = _forward_floor(info, cluster.device, math.prod(cluster.mesh_shape))
     chain = []  # (node, bandwidth, first use)
     for n in info.nodes:
         if info.kind[n.name] != "param" or not info.needs_grad[n.name]:
