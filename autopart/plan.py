@@ -244,6 +244,12 @@ class Plan:
             for c in edges:
                 steps = "; ".join(f"{self.axis_names[a]}: {f} / {b}" for a, f, b in c["steps"])
                 lines.append(f"  {c['value']} -> {c['user']}: {steps}  ({_fmt_time(c['time_s'])})")
+        if "gather_s" in rec:  # ZeRO-1/2: the node's cost holds the ILP's price of its after-step all-gather
+            pred = self.pipeline or self.predicted
+            lines += ["", f"ZeRO-1/2 all-gather after the step: its bandwidth {_fmt_time(rec['gather_s'])}, priced "
+                      f"{_fmt_time(rec['time_s'] - rec['compute_s'])} (the share the next forward does not hide); "
+                      f"the plan's whole gather {_fmt_time(pred.get('param_gather_total_s', 0.0))}, exposed "
+                      f"{_fmt_time(pred.get('param_gather_s', 0.0))}"]
         lines.append("")
         lines.append("costs are node costs (compute, output gathers) summed over tied layers; edge conversions are "
                      "priced separately and shared with the neighbours")

@@ -146,6 +146,7 @@ def test_plan_prices_gather_bandwidth_per_parameter_latency_per_bucket():
     assert p.predicted["param_gather_latency_s"] == pytest.approx(latency, rel=1e-9)
     pr = p.predicted
     assert pr["param_gather_total_s"] == pytest.approx(bandwidth + latency, rel=1e-9)
+    assert "ZeRO-1/2 all-gather after the step" in p.explain(next(iter(p.zero)))  # the whole one visible there
     # one bucket, waited for by the first op that uses a parameter: at most the forward compute before it hides it
     fwd = sum(r["fwd_s"] for r in p.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
     assert pr["param_gather_total_s"] - fwd < pr["param_gather_s"] <= pr["param_gather_total_s"]
