@@ -12,7 +12,10 @@ host share its cores and memory as they will in training:
   b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
 * the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
-  elementwise add: 3 arrays' bytes moved).
+  elementwise add: 3 arrays' bytes moved);
+* the framework time the roofline does not see, per graph op and per parameter (``_runtime_overhead``: autopart's
+  runtime stepping models too small to compute), and, where ranks share a host's cores, how much faster a rank
+  computes while the others idle (``Device.alone_speedup``: a pipeline's fill and drain).
 
 The result is a ``Cluster`` named ``"calibrated"`` (``Device.peak_flops`` the measured matmul rate with ``mfu`` 1,
 ``mem_bandwidth`` the measured one; each axis's ``Link`` carries the all-reduce's α and β and every collective's
@@ -41,7 +44,7 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 1
+VERSION = 2  # 2: the runtime's overhead per op and per parameter, core sharing
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
@@ -308,7 +311,7 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, seconds, sync)
         gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
     # the same GEMM on rank 0 alone, the others waiting in a barrier: where ranks share cores (more ranks than
-    # cores), what a rank computes while others idle (a pipeline's bubble); recorded, not used by the cost model
+    # cores), what a rank computes while others idle (a pipeline's fill and drain: ``Device.alone_speedup``)
     m, k, n = GEMMS[0]
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
     dist.barrier()
@@ -347,7 +350,6 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
     math_bytes = 3 * 2 * n_math * dtype.itemsize
     gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
-    latency = _op_latency(device, blocks, seconds, sync)
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
@@ -360,26 +362,57 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
     return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu, "elementwise": bw,
-            "host_bandwidth": host, "op_latency": latency}
+            "host_bandwidth": host}
 
 
-def _op_latency(device: str, blocks: int, seconds: float, sync: Callable[[], None]) -> dict[str, Any]:
-    """Framework time per graph op: forward + backward of the reference GPT at a size whose arithmetic is negligible
-    (d_model 8, 8 tokens), divided by the ops of its traced graph (what the planner prices, one call each)."""
+def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float,
+                      sync: Callable[[], None]) -> dict[str, Any]:
+    """Framework time per graph op and per parameter, the work the roofline does not see: ATen dispatch and
+    autograd per op, and the runtime's per parameter (its DTensor unwrapped for the program and the gradient
+    wrapped back, the accumulation hook, the bucket's bookkeeping).
+
+    Steps ``ParallelModule.forward_backward`` of two reference GPTs too small for their arithmetic to count
+    (d_model 8, 8 tokens a rank), data parallel over every mesh axis of ``cluster`` (calibrated but for these two
+    terms): the same graph ops, one with biases (twice the parameters), one without. Each step's time less what
+    ``cluster`` predicts for its plan (its communication, if any) is ``ops * per_op + params *
+    per_param``; the two steps give both (clipped at 0). The slowest rank's time counts, as in a step."""
+    import autopart
     from autopart.models.gpt import GPT, GPTConfig
-    from autopart.trace import trace
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=2, n_head=2, d_model=8)).to(device)
-    ids = torch.randint(0, 16, (1, 8), device=device)
-    ops = sum(1 for n in trace(model, (ids,), {"labels": ids}).graph.nodes if n.op == "call_function")
-    params = [p for p in model.parameters() if p.requires_grad]
+    shape = cluster.mesh_shape
+    names = tuple(f"dp{i}" for i in range(len(shape)))
+    world = math.prod(shape)
+    rows = []
+    for bias in (True, False):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=4, n_head=2, d_model=8, bias=bias)).to(device)
+        ids = torch.randint(0, 16, (world, 8), device=device)
+        pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, cluster=cluster,
+                                  roles={n: "dp" for n in names}, zero=0, pipeline="off")
+        params = list(pm.parameters())
 
-    def step() -> None:
-        torch.autograd.grad(model(ids, labels=ids), params)
+        def step(pm=pm, ids=ids, params=params) -> None:
+            pm.forward_backward(ids, labels=ids)
+            for p in params:  # as an optimizer's zero_grad: no accumulation into last step's gradients
+                p.grad = None
 
-    t = _median_blocks(step, blocks, seconds, sync)
-    return {"ops": ops, "seconds": t, "per_op": t / max(1, ops)}
+        step()
+        t = torch.tensor([_median_blocks(step, blocks, seconds, sync)], dtype=torch.float64,
+                         device="cuda" if device == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        recs = pm.plan.nodes.values()
+        rows.append({"bias": bias, "ops": sum(1 for r in recs if r["op"] not in ("param", "buffer", "constant",
+                                                                                 "input")),
+                     "params": sum(1 for r in recs if r["op"] == "param"), "seconds": float(t),
+                     "predicted_s": pm.plan.predicted["step_time_s"]})
+    (o1, p1, e1), (o2, p2, e2) = ((r["ops"], r["params"], r["seconds"] - r["predicted_s"]) for r in rows)
+    det = o1 * p2 - o2 * p1
+    per_op, per_param = ((e1 * p2 - e2 * p1) / det, (o1 * e2 - o2 * e1) / det) if det else (0.0, 0.0)
+    if per_param < 0 or not det:  # noise: all of it per op
+        per_op, per_param = max(0.0, (e1 + e2) / (o1 + o2)), 0.0
+    elif per_op < 0:
+        per_op, per_param = 0.0, max(0.0, (e1 + e2) / (p1 + p2))
+    return {"models": rows, "per_op": per_op, "per_param": per_param}
 
 
 def _memory_per_rank(device: str, world: int) -> tuple[int, int]:
@@ -420,8 +453,18 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
-                    op_latency=dev.get("op_latency", {}).get("per_op", 0.0))
+                    op_latency=dev.get("runtime", {}).get("per_op", 0.0),
+                    param_latency=dev.get("runtime", {}).get("per_param", 0.0),
+                    host_ranks=int(dev.get("host_ranks", 1)), alone_speedup=_alone_speedup(dev))
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
+
+
+def _alone_speedup(dev: dict[str, Any]) -> float:
+    """A rank's matmul rate with the other ranks of its host idle over its rate with all busy (the same GEMM),
+    at least 1; 1 where a rank owns its device (GPUs) or is alone on its host."""
+    if dev.get("device") == "cuda" or dev.get("host_ranks", 1) < 2 or not dev.get("gemm_alone_flops"):
+        return 1.0
+    return max(1.0, dev["gemm_alone_flops"] / dev["gemm"][0]["flops"])
 
 
 def calibrate(mesh_shape: Sequence[int] | None = None, *, quick: bool = False, directory: str | None = None,
@@ -466,7 +509,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
-    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["op_latency"]["per_op"], dev["attention"]["flops"],
+    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
                          dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"]],
                          dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
@@ -474,11 +517,19 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
     for g, f in zip(dev["gemm"], med):
         g["flops"] = f
-    (dev["op_latency"]["per_op"], dev["attention"]["flops"], dev["transcendental"]["bandwidth"],
-     dev["elementwise"]["bandwidth"], dev["host_bandwidth"]) = med[-5:]
+    (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
+     dev["host_bandwidth"]) = med[-4:]
+    alone = [0.0] * world  # rank 0 measured it
+    dist.all_gather_object(alone, dev["gemm_alone_flops"])
+    dev["gemm_alone_flops"] = max(alone)
+    dev["device"] = device
+    dev["host_ranks"] = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device == "cpu" else 1
     memory, reserve = _memory_per_rank(device, world)
     fp = fingerprint(backend, world, mesh_shape)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts
+    cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
+    dev["runtime"] = _runtime_overhead(cluster, device, 3 if quick else 5, 0.1 if quick else 0.25, sync)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
     measurements = {"sizes": list(sizes), "collective_seconds": links_raw, "device": dev,
                     "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
@@ -493,7 +544,8 @@ def describe(cluster: Cluster) -> str:
     lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
-             f"{d.op_latency * 1e6:.3g} us per op, "
+             f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter, "
+             f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "
              f"{d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
     for axis, (n, link) in enumerate(zip(cluster.mesh_shape, cluster.links)):
         if n < 2:
