@@ -365,27 +365,29 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
             "host_bandwidth": host}
 
 
-def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float,
-                      sync: Callable[[], None]) -> dict[str, Any]:
+def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float, sync: Callable[[], None],
+                      layers: int = 4) -> dict[str, Any]:
     """Framework time per graph op and per parameter, the work the roofline does not see: ATen dispatch and
     autograd per op, and the runtime's per parameter (its DTensor unwrapped for the program and the gradient
     wrapped back, the accumulation hook, the bucket's bookkeeping).
 
     Steps ``ParallelModule.forward_backward`` of two reference GPTs too small for their arithmetic to count
-    (d_model 8, 8 tokens a rank), data parallel over every mesh axis of ``cluster`` (calibrated but for these two
-    terms): the same graph ops, one with biases (twice the parameters), one without. Each step's time less what
-    ``cluster`` predicts for its plan (its communication, if any) is ``ops * per_op + params *
-    per_param``; the two steps give both (clipped at 0). The slowest rank's time counts, as in a step."""
+    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these two
+    terms), every axis data parallel: the same graph ops, one with biases (twice the parameters), one without.
+    Each step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the
+    two models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0).
+    For work this small the planner keeps the batch whole (no communication: what is subtracted is the
+    roofline's microseconds). The slowest rank's time counts, as in a step."""
     import autopart
     from autopart.models.gpt import GPT, GPTConfig
 
     shape = cluster.mesh_shape
     names = tuple(f"dp{i}" for i in range(len(shape)))
     world = math.prod(shape)
-    rows = []
+    rows, steps = [], []
     for bias in (True, False):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=4, n_head=2, d_model=8, bias=bias)).to(device)
+        model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=layers, n_head=2, d_model=8, bias=bias)).to(device)
         ids = torch.randint(0, 16, (world, 8), device=device)
         pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, cluster=cluster,
                                   roles={n: "dp" for n in names}, zero=0, pipeline="off")
@@ -397,22 +399,54 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
                 p.grad = None
 
         step()
-        t = torch.tensor([_median_blocks(step, blocks, seconds, sync)], dtype=torch.float64,
-                         device="cuda" if device == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        steps.append(step)
         recs = pm.plan.nodes.values()
         rows.append({"bias": bias, "ops": sum(1 for r in recs if r["op"] not in ("param", "buffer", "constant",
                                                                                  "input")),
-                     "params": sum(1 for r in recs if r["op"] == "param"), "seconds": float(t),
+                     "params": sum(1 for r in recs if r["op"] == "param"),
                      "predicted_s": pm.plan.predicted["step_time_s"]})
-    (o1, p1, e1), (o2, p2, e2) = ((r["ops"], r["params"], r["seconds"] - r["predicted_s"]) for r in rows)
-    det = o1 * p2 - o2 * p1
-    per_op, per_param = ((e1 * p2 - e2 * p1) / det, (o1 * e2 - o2 * e1) / det) if det else (0.0, 0.0)
-    if per_param < 0 or not det:  # noise: all of it per op
-        per_op, per_param = max(0.0, (e1 + e2) / (o1 + o2)), 0.0
-    elif per_op < 0:
-        per_op, per_param = 0.0, max(0.0, (e1 + e2) / (p1 + p2))
+    # blocks of the two models in turn, so that drift on a shared machine hits both alike; the slowest rank's
+    times = torch.tensor(_paired_blocks(steps, blocks, seconds, sync), dtype=torch.float64,
+                         device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    with_bias, without = times.tolist()
+    for r, t in zip(rows, (with_bias, without)):
+        r["seconds"] = statistics.median(t)
+    (o1, p1, pr1), (o2, p2, pr2) = ((r["ops"], r["params"], r["predicted_s"]) for r in rows)
+    if o1 != o2 or p1 <= p2:
+        raise RuntimeError(f"calibration's two models should differ in parameters only; got {rows}")
+    # the parameters' share from the paired differences (robust to drift), the ops' from the rest
+    per_param = max(0.0, statistics.median(a - b for a, b in zip(with_bias, without)) - (pr1 - pr2)) / (p1 - p2)
+    per_op = max(0.0, rows[1]["seconds"] - pr2 - p2 * per_param) / o2
     return {"models": rows, "per_op": per_op, "per_param": per_param}
+
+
+def _paired_blocks(fns: Sequence[Callable[[], Any]], blocks: int, seconds: float,
+                   sync: Callable[[], None]) -> list[list[float]]:
+    """Seconds per call of each of ``fns``, per block: ``blocks`` rounds, each running every function back to back
+    for about ``seconds`` (the same number of calls on every rank: the slowest rank's probe decides)."""
+    inner = []
+    for fn in fns:
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                             device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        inner.append(max(1, min(1000, math.ceil(seconds / max(float(probe), 1e-7)))))
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(blocks):
+        for fn, n, times in zip(fns, inner, out):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            times.append((time.perf_counter() - t0) / n)
+    return out
 
 
 def _memory_per_rank(device: str, world: int) -> tuple[int, int]:
@@ -461,10 +495,11 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
 
 def _alone_speedup(dev: dict[str, Any]) -> float:
     """A rank's matmul rate with the other ranks of its host idle over its rate with all busy (the same GEMM),
-    at least 1; 1 where a rank owns its device (GPUs) or is alone on its host."""
+    between 1 and the host's ranks; 1 where a rank owns its device (GPUs) or is alone on its host."""
     if dev.get("device") == "cuda" or dev.get("host_ranks", 1) < 2 or not dev.get("gemm_alone_flops"):
         return 1.0
-    return max(1.0, dev["gemm_alone_flops"] / dev["gemm"][0]["flops"])
+    # at most the ranks sharing the host (a measurement under foreign load can exceed it)
+    return min(float(dev["host_ranks"]), max(1.0, dev["gemm_alone_flops"] / dev["gemm"][0]["flops"]))
 
 
 def calibrate(mesh_shape: Sequence[int] | None = None, *, quick: bool = False, directory: str | None = None,
@@ -529,7 +564,8 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
-    dev["runtime"] = _runtime_overhead(cluster, device, 3 if quick else 5, 0.1 if quick else 0.25, sync)
+    dev["runtime"] = _runtime_overhead(cluster, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
+                                       2 if quick else 4)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
     measurements = {"sizes": list(sizes), "collective_seconds": links_raw, "device": dev,
                     "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
