@@ -46,7 +46,6 @@ import torch
 import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
-from autopart.cost.comm import COLLECTIVES
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes, grad_reduction_time
 from autopart.solver.pipeline import SCHEDULES, CoreSharing, LayerCost, best_pipeline, reduction_tail, stage_peak
@@ -182,13 +181,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if nodes.get(c["value"], {}).get("op") == "param":
             u.fixed_s += c["time_s"]
             u.block_fixed_s += c["time_s"] * own
-        else:  # an activation's: its bytes scale with the micro-batch, its collectives' latency does not
-            lat = min(c["time_s"], sum(collective_time(kind, 0.0, mesh[axis], cluster.link(axis))
-                                       for axis, *kinds in c["steps"] for kind in kinds if kind in COLLECTIVES))
-            u.time_s += c["time_s"] - lat
-            u.block_time_s += (c["time_s"] - lat) * own
-            u.fixed_s += lat
-            u.block_fixed_s += lat * own
+        else:
+            u.time_s += c["time_s"]
+            u.block_time_s += c["time_s"] * own
     fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
     for fqn, axes in plan.reduced.items():
         ph = fqn_node.get(fqn)

@@ -193,8 +193,8 @@ def test_runtime_overhead_priced_per_op_and_parameter():
     model, ids = _tiny_gpt()
     t = trace(model, (ids,), {"labels": ids})
     kw = dict(traced=t, roles={"dp": "dp"}, zero=0, pipeline="off")
-    plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids},
-                          cluster=replace(c, device=replace(d, op_latency=0.0, param_latency=0.0)), **kw)
+    plain_cluster = replace(c, device=replace(d, op_latency=0.0, param_latency=0.0))
+    plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=plain_cluster, **kw)
     priced = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
     ops = sum(1 for r in priced.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
     params = sum(1 for r in priced.nodes.values() if r["op"] == "param")
@@ -204,11 +204,9 @@ def test_runtime_overhead_priced_per_op_and_parameter():
     in_units = sum(1 for n in unit_of if priced.nodes[n]["op"] not in ("param", "buffer", "constant", "input"))
     tied = sum(len({unit_of[u.name] for u in n.users if u.name in unit_of}) - 1 for n in t.graph.nodes
                if n.name in priced.nodes and priced.nodes[n.name]["op"] == "param")  # a tied weight in two units
-    # and the latency of the collectives on activations (all-reduce: 2 (n - 1) alpha = 100 us on the fake link)
-    on_acts = [c for c in priced.collectives if priced.nodes.get(c["value"], {}).get("op") != "param"]
-    lat = sum(collective_time(k, 0.0, 2, c.links[0]) for x in on_acts for _, *kinds in x["steps"] for k in kinds
-              if k in COLLECTIVES)
-    assert sum(u.fixed_s for u in units) == pytest.approx(in_units * 1e-4 + (params + tied) * 3e-4 + lat)
+    plain_units, _ = block_units(plain, t, (2,), plain_cluster)
+    assert sum(u.fixed_s - v.fixed_s for u, v in zip(units, plain_units)) == \
+        pytest.approx(in_units * 1e-4 + (params + tied) * 3e-4)
     u = units[0]
     assert u.cost(4).fwd_s + u.cost(4).bwd_s == pytest.approx(u.time_s / 4 + u.fixed_s)
 
