@@ -372,12 +372,14 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     wrapped back, the accumulation hook, the bucket's bookkeeping).
 
     Steps ``ParallelModule.forward_backward`` of two reference GPTs too small for their arithmetic to count
-    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these two
-    terms), every axis data parallel: the same graph ops, one with biases (twice the parameters), one without.
-    Each step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the
-    two models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0).
-    For work this small the planner keeps the batch whole (no communication: what is subtracted is the
-    roofline's microseconds). The slowest rank's time counts, as in a step."""
+    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these terms),
+    every axis data parallel: the same graph ops, one with biases (twice the parameters), one without. Each
+    step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the two
+    models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0). For
+    work this small the planner keeps the batch whole (no communication: what is subtracted is the roofline's
+    microseconds). A third step, the model with biases under ZeRO-3, less the first and less the difference of
+    their predictions (its gathers and reduce-scatters on the calibrated links), gives ``per_zero3_param`` per
+    ZeRO-3 parameter. The slowest rank's time counts, as in a step."""
     import autopart
     from autopart.models.gpt import GPT, GPTConfig
 
@@ -385,12 +387,12 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     names = tuple(f"dp{i}" for i in range(len(shape)))
     world = math.prod(shape)
     rows, steps = [], []
-    for bias in (True, False):
+    for bias, zero in ((True, 0), (False, 0)) + (((True, 3),) if world > 1 else ()):  # ZeRO-3: 2+ ranks
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=layers, n_head=2, d_model=8, bias=bias)).to(device)
         ids = torch.randint(0, 16, (world, 8), device=device)
         pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, cluster=cluster,
-                                  roles={n: "dp" for n in names}, zero=0, pipeline="off")
+                                  roles={n: "dp" for n in names}, zero=zero, pipeline="off")
         params = list(pm.parameters())
 
         def step(pm=pm, ids=ids, params=params) -> None:
@@ -401,24 +403,28 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
         step()
         steps.append(step)
         recs = pm.plan.nodes.values()
-        rows.append({"bias": bias, "ops": sum(1 for r in recs if r["op"] not in ("param", "buffer", "constant",
-                                                                                 "input")),
-                     "params": sum(1 for r in recs if r["op"] == "param"),
+        rows.append({"bias": bias, "zero": zero, "ops": sum(1 for r in recs if r["op"] not in (
+                         "param", "buffer", "constant", "input")), "params": sum(1 for r in recs if r["op"] == "param"),
+                     "zero3_params": sum(1 for level in pm.plan.zero.values() if level == 3),
                      "predicted_s": pm.plan.predicted["step_time_s"]})
     # blocks of the two models in turn, so that drift on a shared machine hits both alike; the slowest rank's
     times = torch.tensor(_paired_blocks(steps, blocks, seconds, sync), dtype=torch.float64,
                          device="cuda" if device == "cuda" else "cpu")
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    with_bias, without = times.tolist()
-    for r, t in zip(rows, (with_bias, without)):
+    with_bias, without, *zero3 = times.tolist()
+    for r, t in zip(rows, times.tolist()):
         r["seconds"] = statistics.median(t)
-    (o1, p1, pr1), (o2, p2, pr2) = ((r["ops"], r["params"], r["predicted_s"]) for r in rows)
+    (o1, p1, pr1), (o2, p2, pr2) = ((r["ops"], r["params"], r["predicted_s"]) for r in rows[:2])
     if o1 != o2 or p1 <= p2:
         raise RuntimeError(f"calibration's two models should differ in parameters only; got {rows}")
     # the parameters' share from the paired differences (robust to drift), the ops' from the rest
     per_param = max(0.0, statistics.median(a - b for a, b in zip(with_bias, without)) - (pr1 - pr2)) / (p1 - p2)
     per_op = max(0.0, rows[1]["seconds"] - pr2 - p2 * per_param) / o2
-    return {"models": rows, "per_op": per_op, "per_param": per_param}
+    # ZeRO-3: the same model with its parameters sharded and gathered, less what its collectives are priced at
+    n3 = rows[2]["zero3_params"] if zero3 else 0
+    per_zero3 = max(0.0, statistics.median(a - b for a, b in zip(zero3[0], with_bias)) - (
+        rows[2]["predicted_s"] - pr1)) / n3 if n3 else 0.0
+    return {"models": rows, "per_op": per_op, "per_param": per_param, "per_zero3_param": per_zero3}
 
 
 def _paired_blocks(fns: Sequence[Callable[[], Any]], blocks: int, seconds: float,
@@ -489,6 +495,7 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
                     op_latency=dev.get("runtime", {}).get("per_op", 0.0),
                     param_latency=dev.get("runtime", {}).get("per_param", 0.0),
+                    zero3_latency=dev.get("runtime", {}).get("per_zero3_param", 0.0),
                     host_ranks=int(dev.get("host_ranks", 1)), alone_speedup=_alone_speedup(dev))
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
 
@@ -580,7 +587,8 @@ def describe(cluster: Cluster) -> str:
     lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
-             f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter, "
+             f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter "
+             f"(ZeRO-3: {d.zero3_latency * 1e6:.3g} more), "
              f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "
              f"{d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
     for axis, (n, link) in enumerate(zip(cluster.mesh_shape, cluster.links)):

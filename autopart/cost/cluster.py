@@ -85,6 +85,10 @@ class Device:
     # seconds of the runtime's work per parameter per step (its DTensor wrapped as a local tensor and back, the
     # gradient hook and accumulation), measured with ``op_latency`` by ``autopart.calibrate``
     param_latency: float = 0.0
+    # seconds per ZeRO-3 parameter per step the runtime spends beyond what its collectives cost on the calibrated
+    # links (the gathers for forward and backward and the gradient's reduce-scatter, each wrapped in DTensor and
+    # autograd work), measured by ``autopart.calibrate``
+    zero3_latency: float = 0.0
     # where ranks share a host's cores (gloo ranks on a CPU host: more ranks than cores), a rank computes faster
     # while others of its host idle (a pipeline's fill and drain): ``host_ranks`` ranks on one host, and
     # ``alone_speedup`` a rank's speed alone over its speed with all of them busy (measured by ``autopart.calibrate``;
@@ -100,7 +104,7 @@ class Device:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        for field in ("attention_flops", "math_bandwidth", "op_latency", "param_latency"):
+        for field in ("attention_flops", "math_bandwidth", "op_latency", "param_latency", "zero3_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -281,7 +285,8 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "attention_flops",
-                "math_bandwidth", "op_latency", "param_latency", "host_ranks", "alone_speedup", "comm_overlap"}
+                "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
+                "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
 
 
@@ -366,6 +371,7 @@ def load_preset(path: str) -> str:
                          f"{sorted(_DEVICE_KEYS)}")
     dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0,
                                                               "op_latency": 0.0, "param_latency": 0.0,
+                                                              "zero3_latency": 0.0,
                                                               "host_ranks": 1, "alone_speedup": 1.0,
                                                               "comm_overlap": False}
     dev["name"] = name

@@ -183,17 +183,18 @@ def test_runtime_overhead_priced_per_op_and_parameter():
 
     dev = {"gemm": [{"flops": 40e9}, {"flops": 60e9}], "gemm_alone_flops": 80e9, "attention": {"flops": 20e9},
            "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "host_ranks": 4, "device": "cpu",
-           "runtime": {"per_op": 1e-4, "per_param": 3e-4}}
+           "runtime": {"per_op": 1e-4, "per_param": 3e-4, "per_zero3_param": 2e-3}}
     raw = {f"0/{k}": [100e-6 + s / 1e9 for s in SIZES] for k in COLLECTIVES}
     c = build_cluster((2,), raw, SIZES, dev, 4 * 2**30, 2**29)
     d = c.device
-    assert (d.op_latency, d.param_latency, d.host_ranks, d.alone_speedup) == (1e-4, 3e-4, 4, 2.0)  # 80 / 40
+    assert (d.op_latency, d.param_latency, d.zero3_latency, d.host_ranks, d.alone_speedup) == \
+        (1e-4, 3e-4, 2e-3, 4, 2.0)  # 80 / 40
     assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
     assert build_cluster((2,), raw, SIZES, dev | {"device": "cuda"}, 2**30, 0).device.alone_speedup == 1.0
     model, ids = _tiny_gpt()
     t = trace(model, (ids,), {"labels": ids})
     kw = dict(traced=t, roles={"dp": "dp"}, zero=0, pipeline="off")
-    plain_cluster = replace(c, device=replace(d, op_latency=0.0, param_latency=0.0))
+    plain_cluster = replace(c, device=replace(d, op_latency=0.0, param_latency=0.0, zero3_latency=0.0))
     plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=plain_cluster, **kw)
     priced = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
     ops = sum(1 for r in priced.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
@@ -209,6 +210,13 @@ def test_runtime_overhead_priced_per_op_and_parameter():
         pytest.approx(in_units * 1e-4 + (params + tied) * 3e-4)
     u = units[0]
     assert u.cost(4).fwd_s + u.cost(4).bwd_s == pytest.approx(u.time_s / 4 + u.fixed_s)
+    # ZeRO-3 parameters cost the runtime more per step
+    kw["zero"] = 3
+    z_plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=plain_cluster, **kw)
+    z_priced = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
+    assert sum(1 for level in z_priced.zero.values() if level == 3) == params  # every parameter (tied: once)
+    assert z_priced.predicted["compute_s"] - z_plain.predicted["compute_s"] == \
+        pytest.approx(ops * 1e-4 + params * (3e-4 + 2e-3))
 
 
 def test_pipeline_slots_priced_by_the_ranks_busy_on_a_shared_host():
