@@ -12,7 +12,10 @@ host share its cores and memory as they will in training:
   b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
 * the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
-  elementwise add: 3 arrays' bytes moved).
+  elementwise add: 3 arrays' bytes moved);
+* the framework time the roofline does not see, per graph op and per parameter (``_runtime_overhead``: autopart's
+  runtime stepping models too small to compute), and, where ranks share a host's cores, how much faster a rank
+  computes while the others idle (``Device.alone_speedup``: a pipeline's fill and drain).
 
 The result is a ``Cluster`` named ``"calibrated"`` (``Device.peak_flops`` the measured matmul rate with ``mfu`` 1,
 ``mem_bandwidth`` the measured one; each axis's ``Link`` carries the all-reduce's α and β and every collective's
@@ -41,7 +44,7 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 1
+VERSION = 2  # 2: the runtime's overhead per op and per parameter, core sharing
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
@@ -308,7 +311,7 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, seconds, sync)
         gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
     # the same GEMM on rank 0 alone, the others waiting in a barrier: where ranks share cores (more ranks than
-    # cores), what a rank computes while others idle (a pipeline's bubble); recorded, not used by the cost model
+    # cores), what a rank computes while others idle (a pipeline's fill and drain: ``Device.alone_speedup``)
     m, k, n = GEMMS[0]
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
     dist.barrier()
@@ -347,7 +350,6 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
     math_bytes = 3 * 2 * n_math * dtype.itemsize
     gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
-    latency = _op_latency(device, blocks, seconds, sync)
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
@@ -360,26 +362,97 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
     return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu, "elementwise": bw,
-            "host_bandwidth": host, "op_latency": latency}
+            "host_bandwidth": host}
 
 
-def _op_latency(device: str, blocks: int, seconds: float, sync: Callable[[], None]) -> dict[str, Any]:
-    """Framework time per graph op: forward + backward of the reference GPT at a size whose arithmetic is negligible
-    (d_model 8, 8 tokens), divided by the ops of its traced graph (what the planner prices, one call each)."""
+def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float, sync: Callable[[], None],
+                      layers: int = 4) -> dict[str, Any]:
+    """Framework time per graph op and per parameter, the work the roofline does not see: ATen dispatch and
+    autograd per op, and the runtime's per parameter (its DTensor unwrapped for the program and the gradient
+    wrapped back, the accumulation hook, the bucket's bookkeeping).
+
+    Steps ``ParallelModule.forward_backward`` of two reference GPTs too small for their arithmetic to count
+    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these terms),
+    every axis data parallel: the same graph ops, one with biases (twice the parameters), one without. Each
+    step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the two
+    models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0). For
+    work this small the planner keeps the batch whole (no communication: what is subtracted is the roofline's
+    microseconds). A third step, the model with biases under ZeRO-3, less the first and less the difference of
+    their predictions (its gathers and reduce-scatters on the calibrated links), gives ``per_zero3_param`` per
+    ZeRO-3 parameter. The slowest rank's time counts, as in a step."""
+    import autopart
     from autopart.models.gpt import GPT, GPTConfig
-    from autopart.trace import trace
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=2, n_head=2, d_model=8)).to(device)
-    ids = torch.randint(0, 16, (1, 8), device=device)
-    ops = sum(1 for n in trace(model, (ids,), {"labels": ids}).graph.nodes if n.op == "call_function")
-    params = [p for p in model.parameters() if p.requires_grad]
+    shape = cluster.mesh_shape
+    names = tuple(f"dp{i}" for i in range(len(shape)))
+    world = math.prod(shape)
+    rows, steps = [], []
+    for bias, zero in ((True, 0), (False, 0)) + (((True, 3),) if world > 1 else ()):  # ZeRO-3: 2+ ranks
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=layers, n_head=2, d_model=8, bias=bias)).to(device)
+        ids = torch.randint(0, 16, (world, 8), device=device)
+        pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, cluster=cluster,
+                                  roles={n: "dp" for n in names}, zero=zero, pipeline="off")
+        params = list(pm.parameters())
 
-    def step() -> None:
-        torch.autograd.grad(model(ids, labels=ids), params)
+        def step(pm=pm, ids=ids, params=params) -> None:
+            pm.forward_backward(ids, labels=ids)
+            for p in params:  # as an optimizer's zero_grad: no accumulation into last step's gradients
+                p.grad = None
 
-    t = _median_blocks(step, blocks, seconds, sync)
-    return {"ops": ops, "seconds": t, "per_op": t / max(1, ops)}
+        step()
+        steps.append(step)
+        recs = pm.plan.nodes.values()
+        rows.append({"bias": bias, "zero": zero, "ops": sum(1 for r in recs if r["op"] not in (
+                         "param", "buffer", "constant", "input")), "params": sum(1 for r in recs if r["op"] == "param"),
+                     "zero3_params": sum(1 for level in pm.plan.zero.values() if level == 3),
+                     "predicted_s": pm.plan.predicted["step_time_s"]})
+    # blocks of the two models in turn, so that drift on a shared machine hits both alike; the slowest rank's
+    times = torch.tensor(_paired_blocks(steps, blocks, seconds, sync), dtype=torch.float64,
+                         device="cuda" if device == "cuda" else "cpu")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    with_bias, without, *zero3 = times.tolist()
+    for r, t in zip(rows, times.tolist()):
+        r["seconds"] = statistics.median(t)
+    (o1, p1, pr1), (o2, p2, pr2) = ((r["ops"], r["params"], r["predicted_s"]) for r in rows[:2])
+    if o1 != o2 or p1 <= p2:
+        raise RuntimeError(f"calibration's two models should differ in parameters only; got {rows}")
+    # the parameters' share from the paired differences (robust to drift), the ops' from the rest
+    per_param = max(0.0, statistics.median(a - b for a, b in zip(with_bias, without)) - (pr1 - pr2)) / (p1 - p2)
+    per_op = max(0.0, rows[1]["seconds"] - pr2 - p2 * per_param) / o2
+    # ZeRO-3: the same model with its parameters sharded and gathered, less what its collectives are priced at
+    n3 = rows[2]["zero3_params"] if zero3 else 0
+    per_zero3 = max(0.0, statistics.median(a - b for a, b in zip(zero3[0], with_bias)) - (
+        rows[2]["predicted_s"] - pr1)) / n3 if n3 else 0.0
+    return {"models": rows, "per_op": per_op, "per_param": per_param, "per_zero3_param": per_zero3}
+
+
+def _paired_blocks(fns: Sequence[Callable[[], Any]], blocks: int, seconds: float,
+                   sync: Callable[[], None]) -> list[list[float]]:
+    """Seconds per call of each of ``fns``, per block: ``blocks`` rounds, each running every function back to back
+    for about ``seconds`` (the same number of calls on every rank: the slowest rank's probe decides)."""
+    inner = []
+    for fn in fns:
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                             device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        inner.append(max(1, min(1000, math.ceil(seconds / max(float(probe), 1e-7)))))
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(blocks):
+        for fn, n, times in zip(fns, inner, out):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            times.append((time.perf_counter() - t0) / n)
+    return out
 
 
 def _memory_per_rank(device: str, world: int) -> tuple[int, int]:
@@ -420,8 +493,20 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
-                    op_latency=dev.get("op_latency", {}).get("per_op", 0.0))
+                    op_latency=dev.get("runtime", {}).get("per_op", 0.0),
+                    param_latency=dev.get("runtime", {}).get("per_param", 0.0),
+                    zero3_latency=dev.get("runtime", {}).get("per_zero3_param", 0.0),
+                    host_ranks=int(dev.get("host_ranks", 1)), alone_speedup=_alone_speedup(dev))
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
+
+
+def _alone_speedup(dev: dict[str, Any]) -> float:
+    """A rank's matmul rate with the other ranks of its host idle over its rate with all busy (the same GEMM),
+    between 1 and the host's ranks; 1 where a rank owns its device (GPUs) or is alone on its host."""
+    if dev.get("device") == "cuda" or dev.get("host_ranks", 1) < 2 or not dev.get("gemm_alone_flops"):
+        return 1.0
+    # at most the ranks sharing the host (a measurement under foreign load can exceed it)
+    return min(float(dev["host_ranks"]), max(1.0, dev["gemm_alone_flops"] / dev["gemm"][0]["flops"]))
 
 
 def calibrate(mesh_shape: Sequence[int] | None = None, *, quick: bool = False, directory: str | None = None,
@@ -466,7 +551,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
-    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["op_latency"]["per_op"], dev["attention"]["flops"],
+    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
                          dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"]],
                          dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
@@ -474,11 +559,20 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
     for g, f in zip(dev["gemm"], med):
         g["flops"] = f
-    (dev["op_latency"]["per_op"], dev["attention"]["flops"], dev["transcendental"]["bandwidth"],
-     dev["elementwise"]["bandwidth"], dev["host_bandwidth"]) = med[-5:]
+    (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
+     dev["host_bandwidth"]) = med[-4:]
+    alone = [0.0] * world  # rank 0 measured it
+    dist.all_gather_object(alone, dev["gemm_alone_flops"])
+    dev["gemm_alone_flops"] = max(alone)
+    dev["device"] = device
+    dev["host_ranks"] = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device == "cpu" else 1
     memory, reserve = _memory_per_rank(device, world)
     fp = fingerprint(backend, world, mesh_shape)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts
+    cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
+    dev["runtime"] = _runtime_overhead(cluster, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
+                                       2 if quick else 4)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
     measurements = {"sizes": list(sizes), "collective_seconds": links_raw, "device": dev,
                     "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
@@ -493,7 +587,9 @@ def describe(cluster: Cluster) -> str:
     lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
-             f"{d.op_latency * 1e6:.3g} us per op, "
+             f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter "
+             f"(ZeRO-3: {d.zero3_latency * 1e6:.3g} more), "
+             f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "
              f"{d.memory_bytes / GiB:.3g} GiB ({cluster.reserve_bytes / GiB:.3g} reserved)"]
     for axis, (n, link) in enumerate(zip(cluster.mesh_shape, cluster.links)):
         if n < 2:

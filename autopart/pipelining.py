@@ -49,7 +49,15 @@ import torch.fx as fx
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes, grad_reduction_time
-from autopart.solver.pipeline import SCHEDULES, LayerCost, best_pipeline, gather_exposed, reduction_tail, stage_peak
+from autopart.solver.pipeline import (
+    SCHEDULES,
+    CoreSharing,
+    LayerCost,
+    best_pipeline,
+    gather_exposed,
+    reduction_tail,
+    stage_peak,
+)
 from autopart.trace import Traced
 
 
@@ -137,6 +145,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
                 own = nodes[n.name]["layer"] == units[u].name
                 units[u].gather_s += gather
                 units[u].block_gather_s += gather * own
+                # the runtime's work per parameter (its compute_s: Device.param_latency), once per micro-batch
+                units[u].fixed_s += nodes[n.name]["compute_s"]
+                units[u].block_fixed_s += nodes[n.name]["compute_s"] * own
                 units[u].state_bytes += nodes[n.name]["memory_bytes"]
                 units[u].grad_bytes += nodes[n.name].get("grad_bytes", 0.0)
                 units[u].block_state_bytes += nodes[n.name]["memory_bytes"] * own
@@ -151,10 +162,14 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         own = rec["layer"] == u.name
         tr = rec.get("transient_bytes", 0.0)
         kept = rec["memory_bytes"] - tr
-        u.time_s += rec["time_s"]
+        # the framework's time per op (Device.op_latency) is paid by every micro-batch, not split between them
+        lat = min(cluster.device.op_latency, rec["time_s"])
+        u.time_s += rec["time_s"] - lat
+        u.fixed_s += lat
+        u.block_fixed_s += lat * own
         u.act_bytes += kept
         u.transient_bytes += tr
-        u.block_time_s += rec["time_s"] * own
+        u.block_time_s += (rec["time_s"] - lat) * own
         u.block_act_bytes += kept * own
         u.block_transient_bytes += tr * own
         if rec["region"] in ("layer", "attention"):
@@ -397,6 +412,9 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 errors.append(f"p={p}: {forced['micro_batches']} micro-batches do not split batch {batch} "
                               f"into parts divisible by the {f} ranks a stage splits activations over")
         found = None
+        dev = cluster.device  # ranks sharing a host's cores compute faster in the fill and drain
+        sharing = CoreSharing(math.prod(stage_mesh), dev.host_ranks, dev.alone_speedup) \
+            if dev.alone_speedup > 1 and dev.host_ranks > 1 else None
         for m in ms:
             layer_costs = [u.cost(m) for u in units]
             send = max(u.out_bytes for u in units[:-1]) / m
@@ -407,7 +425,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                     errors.append(f"p={p} m={m}: interleaved needs 2 blocks per rank and m a multiple of "
                                   f"max(1, m // p) (torch's ScheduleInterleaved1F1B)")
                     continue
-                pl = best_pipeline(layer_costs, mem_limit, [p], [m], scheds, p2p)
+                pl = best_pipeline(layer_costs, mem_limit, [p], [m], scheds, p2p, sharing)
             except ValueError as e:
                 if log:
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")

@@ -1152,6 +1152,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             for a, o in enumerate(opts_r):
                 local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag, info.needs_grad[rep.name])
                 mem[a] = local + optim
+                # the runtime's work per parameter per step, more for a ZeRO-3 one (0 unless calibrated)
+                comp[a] = device.param_latency + (device.zero3_latency if o.tag == "zero3" else 0.0)
                 if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
                     icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False) * float(np.mean(
                         [gather_share.get(m, 1.0) for m in members]))  # latency per bucket: _record

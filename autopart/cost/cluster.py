@@ -82,6 +82,19 @@ class Device:
     # seconds of framework time per graph op, forward and backward (dispatch, autograd, the runtime's Python;
     # kernel launches on a GPU), measured by ``autopart.calibrate`` on a model too small for its arithmetic to count
     op_latency: float = 0.0
+    # seconds of the runtime's work per parameter per step (its DTensor wrapped as a local tensor and back, the
+    # gradient hook and accumulation), measured with ``op_latency`` by ``autopart.calibrate``
+    param_latency: float = 0.0
+    # seconds per ZeRO-3 parameter per step the runtime spends beyond what its collectives cost on the calibrated
+    # links (the gathers for forward and backward and the gradient's reduce-scatter, each wrapped in DTensor and
+    # autograd work), measured by ``autopart.calibrate``
+    zero3_latency: float = 0.0
+    # where ranks share a host's cores (gloo ranks on a CPU host: more ranks than cores), a rank computes faster
+    # while others of its host idle (a pipeline's fill and drain): ``host_ranks`` ranks on one host, and
+    # ``alone_speedup`` a rank's speed alone over its speed with all of them busy (measured by ``autopart.calibrate``;
+    # 1 where a rank owns its device). ``solver.pipeline`` prices each schedule slot by the ranks busy in it
+    host_ranks: int = 1
+    alone_speedup: float = 1.0
     # collectives run on their own stream concurrently with compute (NCCL on GPUs: copy engines and a few SMs), so
     # the runtime's asynchronous gradient buckets hide behind the backward still to run. False where communication
     # competes with compute for the same cores (gloo on CPU ranks): every collective then adds to the step
@@ -91,10 +104,15 @@ class Device:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        for field in ("attention_flops", "math_bandwidth", "op_latency"):
+        for field in ("attention_flops", "math_bandwidth", "op_latency", "param_latency", "zero3_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
+        if not (isinstance(self.host_ranks, int) and self.host_ranks >= 1):
+            raise ValueError(f"Device {self.name!r}: host_ranks must be an integer >= 1, got {self.host_ranks!r}")
+        if not self.alone_speedup >= 1:
+            raise ValueError(f"Device {self.name!r}: alone_speedup must be >= 1 (1: a rank owns its device), got "
+                             f"{self.alone_speedup}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"Device {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
 
@@ -267,7 +285,8 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "attention_flops",
-                "math_bandwidth", "op_latency", "comm_overlap"}
+                "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
+                "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
 
 
@@ -351,7 +370,10 @@ def load_preset(path: str) -> str:
         raise ValueError(f"cluster file {path!r}: unknown [device] keys {sorted(bad)}; allowed: "
                          f"{sorted(_DEVICE_KEYS)}")
     dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0,
-                                                              "op_latency": 0.0, "comm_overlap": False}
+                                                              "op_latency": 0.0, "param_latency": 0.0,
+                                                              "zero3_latency": 0.0,
+                                                              "host_ranks": 1, "alone_speedup": 1.0,
+                                                              "comm_overlap": False}
     dev["name"] = name
     dev.update(dev_in)
     missing = _DEVICE_KEYS - set(dev)

@@ -98,12 +98,43 @@ class LayerCost:
 
 
 @dataclass(frozen=True)
+class CoreSharing:
+    """Ranks sharing a host's cores (gloo ranks on a CPU host with more ranks than cores). Stage times are priced
+    at the rate a rank computes with every rank of its host busy; in a schedule slot where only ``b`` of the host's
+    ``host_ranks`` ranks compute, each runs faster, up to ``alone_speedup`` (a rank alone over all busy,
+    ``Device.alone_speedup``). With ``C`` cores a rank computes at ``min(1, C/b)`` of a core and
+    ``alone_speedup = host_ranks / C``, so the slot takes ``max(1 / alone_speedup, b / host_ranks)`` of its
+    all-busy time. The pipeline's stages lie on the host in order, ``stage_ranks`` ranks each."""
+
+    stage_ranks: int
+    host_ranks: int
+    alone_speedup: float
+
+    def __post_init__(self) -> None:
+        if self.stage_ranks < 1 or self.host_ranks < 1 or not self.alone_speedup >= 1:
+            raise ValueError(f"CoreSharing needs stage_ranks >= 1, host_ranks >= 1 and alone_speedup >= 1, got "
+                             f"{self}")
+
+    def slot_time(self, busy: Sequence[bool]) -> float:
+        """A slot's time relative to all ranks busy, ``busy[k]``: whether stage ``k`` computes in it; the slowest
+        host's (stages fill hosts in order, at least one stage per host)."""
+        per_host = max(1, self.host_ranks // self.stage_ranks)
+        worst = 0.0
+        for h in range(0, len(busy), per_host):
+            ranks = min(self.host_ranks, self.stage_ranks * sum(busy[h:h + per_host]))
+            if ranks:
+                worst = max(worst, max(1 / self.alone_speedup, ranks / self.host_ranks))
+        return worst
+
+
+@dataclass(frozen=True)
 class PipelineOptions:
     stages: int
     micro_batches: int
     schedule: str
     virtual: int = 1
     p2p_s: float = 0.0
+    sharing: CoreSharing | None = None  # ranks sharing cores: slots priced by the ranks busy in them
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -167,10 +198,24 @@ def bubble_over_ideal(opts: PipelineOptions) -> float:
 
 
 def schedule_step_time(stage_times: Sequence[float], opts: PipelineOptions) -> float:
-    """Bottleneck step time: (m v + p - 1) * max of per-stage (per-chunk) times; v = 1 outside interleaved."""
+    """Bottleneck step time: (m v + p - 1) * max of per-stage (per-chunk) times; v = 1 outside interleaved. With
+    ranks sharing cores (``opts.sharing``) each slot of the schedule's unit-slot simulation (``schedule_grid``)
+    counts by ``CoreSharing.slot_time`` of the stages busy in it: the count is (m v + p - 1) times the mean slot."""
     if len(stage_times) != opts.chunks:
         raise ValueError(f"got {len(stage_times)} stage times for {opts.chunks} stages x chunks")
-    return (opts.micro_batches * opts.virtual + opts.stages - 1) * max(stage_times)
+    return slot_units(opts) * max(stage_times)
+
+
+def slot_units(opts: PipelineOptions) -> float:
+    """How many bottleneck stage times a step lasts: m v + p - 1, less where ranks sharing cores run faster in the
+    fill and drain (``PipelineOptions.sharing``)."""
+    nominal = opts.micro_batches * opts.virtual + opts.stages - 1
+    sh = opts.sharing
+    if sh is None or sh.alone_speedup <= 1 or opts.stages == 1:
+        return float(nominal)
+    rows = _simulate(opts)
+    slots = [sh.slot_time([row[s] != "." for row in rows]) for s in range(len(rows[0]))]
+    return nominal * sum(slots) / len(slots)
 
 
 def gather_exposed(pl: PipelinePlan, layers: Sequence[LayerCost], gather_s: Sequence[float], overlap: bool) -> float:
@@ -429,18 +474,20 @@ def best_pipeline(
     micro_batch_counts: Iterable[int],
     schedules: Iterable[str | tuple[str, int]],
     p2p_s: float = 0.0,
+    sharing: CoreSharing | None = None,
 ) -> PipelinePlan:
     """Search stage counts x micro-batch counts x schedules; least time per micro-batch (step_s / m) wins.
 
     Layer costs are per micro-batch of a fixed size, so comparing m compares throughput. A schedule is a name or
-    ``("interleaved", v)``; plain "interleaved" means v = 2. Ties go to lower peak memory.
+    ``("interleaved", v)``; plain "interleaved" means v = 2. Ties go to lower peak memory. ``sharing``: ranks
+    sharing a host's cores (``CoreSharing``), ``stage_ranks`` per stage.
     """
     best, errors = None, []
     for p, m, sch in itertools.product(list(stage_counts), list(micro_batch_counts), list(schedules)):
         name, v = (sch, 1) if isinstance(sch, str) else sch
         if name == "interleaved" and isinstance(sch, str):
             v = 2
-        opts = PipelineOptions(p, m, name, v, p2p_s)
+        opts = PipelineOptions(p, m, name, v, p2p_s, sharing)
         try:
             plan = partition(layers, opts, memory_limit)
         except ValueError as e:
@@ -475,6 +522,11 @@ def _actions(opts: PipelineOptions, rank: int) -> list[tuple[str, int, int]]:
 
 def schedule_grid(opts: PipelineOptions) -> str:
     """Simulate the schedule in unit slots (each action one slot) and draw it, one line per rank."""
+    return _draw(_simulate(opts))
+
+
+def _simulate(opts: PipelineOptions) -> list[list[str]]:
+    """The schedule in unit slots (each action one slot): per rank, per slot, its action or '.' (idle)."""
     p, v = opts.stages, opts.virtual
     queues = [_actions(opts, r) for r in range(p)]
     done: dict[tuple[str, int, int, int], int] = {}
@@ -509,7 +561,7 @@ def schedule_grid(opts: PipelineOptions) -> str:
         for a in ran:
             done[a] = step
         step += 1
-    return _draw(rows)
+    return rows
 
 
 def _draw(rows: list[list[str]]) -> str:

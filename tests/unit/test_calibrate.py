@@ -171,3 +171,75 @@ def test_calibrate_one_process_measures_the_device(tmp_path):
     d = c.device
     assert 1e8 < d.peak_flops < 1e15 and 1e8 < d.mem_bandwidth < 1e14 and d.mfu == 1.0
     assert load_calibration((1,), directory=str(tmp_path)) == c
+
+
+def test_runtime_overhead_priced_per_op_and_parameter():
+    """The calibrated framework time per graph op and per parameter lands in the plan's compute, once per node;
+    a pipeline unit pays it once per micro-batch (``Unit.fixed_s``), not split between them."""
+    from dataclasses import replace
+
+    from autopart.pipelining import block_units
+    from autopart.trace import trace
+
+    dev = {"gemm": [{"flops": 40e9}, {"flops": 60e9}], "gemm_alone_flops": 80e9, "attention": {"flops": 20e9},
+           "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "host_ranks": 4, "device": "cpu",
+           "runtime": {"per_op": 1e-4, "per_param": 3e-4, "per_zero3_param": 2e-3}}
+    raw = {f"0/{k}": [100e-6 + s / 1e9 for s in SIZES] for k in COLLECTIVES}
+    c = build_cluster((2,), raw, SIZES, dev, 4 * 2**30, 2**29)
+    d = c.device
+    assert (d.op_latency, d.param_latency, d.zero3_latency, d.host_ranks, d.alone_speedup) == \
+        (1e-4, 3e-4, 2e-3, 4, 2.0)  # 80 / 40
+    assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
+    assert build_cluster((2,), raw, SIZES, dev | {"device": "cuda"}, 2**30, 0).device.alone_speedup == 1.0
+    model, ids = _tiny_gpt()
+    t = trace(model, (ids,), {"labels": ids})
+    kw = dict(traced=t, roles={"dp": "dp"}, zero=0, pipeline="off")
+    plain_cluster = replace(c, device=replace(d, op_latency=0.0, param_latency=0.0, zero3_latency=0.0))
+    plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=plain_cluster, **kw)
+    priced = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
+    ops = sum(1 for r in priced.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
+    params = sum(1 for r in priced.nodes.values() if r["op"] == "param")
+    assert ops > 40 and params > 20
+    assert priced.predicted["compute_s"] - plain.predicted["compute_s"] == pytest.approx(ops * 1e-4 + params * 3e-4)
+    units, unit_of = block_units(priced, t, (2,), c)
+    in_units = sum(1 for n in unit_of if priced.nodes[n]["op"] not in ("param", "buffer", "constant", "input"))
+    tied = sum(len({unit_of[u.name] for u in n.users if u.name in unit_of}) - 1 for n in t.graph.nodes
+               if n.name in priced.nodes and priced.nodes[n.name]["op"] == "param")  # a tied weight in two units
+    plain_units, _ = block_units(plain, t, (2,), plain_cluster)
+    assert sum(u.fixed_s - v.fixed_s for u, v in zip(units, plain_units)) == \
+        pytest.approx(in_units * 1e-4 + (params + tied) * 3e-4)
+    u = units[0]
+    assert u.cost(4).fwd_s + u.cost(4).bwd_s == pytest.approx(u.time_s / 4 + u.fixed_s)
+    # ZeRO-3 parameters cost the runtime more per step
+    kw["zero"] = 3
+    z_plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=plain_cluster, **kw)
+    z_priced = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
+    assert sum(1 for level in z_priced.zero.values() if level == 3) == params  # every parameter (tied: once)
+    assert z_priced.predicted["compute_s"] - z_plain.predicted["compute_s"] == \
+        pytest.approx(ops * 1e-4 + params * (3e-4 + 2e-3))
+
+
+def test_pipeline_slots_priced_by_the_ranks_busy_on_a_shared_host():
+    """4 ranks sharing cores, a rank 2x faster alone: GPipe p=2, m=4 on stages of 2 ranks runs its 10 unit slots
+    (5 forward, 5 backward) with both stages busy in 8 and one stage (half the host, the rate of a rank alone) in
+    the fill and drain slots: 4 stage times instead of m + p - 1 = 5. A rank that owns its device, a stage that
+    fills the host, or one stage per host: no change."""
+    from autopart.solver.pipeline import CoreSharing, LayerCost, PipelineOptions, partition, slot_units
+
+    gpipe = PipelineOptions(2, 4, "gpipe")
+    assert slot_units(gpipe) == 5
+    assert slot_units(replace_sharing(gpipe, CoreSharing(2, 4, 2.0))) == pytest.approx(4.0)
+    for sh in (CoreSharing(2, 4, 1.0), CoreSharing(4, 4, 2.0), CoreSharing(2, 2, 2.0)):
+        assert slot_units(replace_sharing(gpipe, sh)) == pytest.approx(5.0)
+    # 1F1B, 4 stages of one rank, m = 4: every slot counts by the busy ranks, none below alone's rate
+    one = PipelineOptions(4, 4, "1f1b", sharing=CoreSharing(1, 4, 2.0))
+    assert 0.5 * 7 < slot_units(one) < 7
+    layers = [LayerCost(fwd_s=1e-3 * (i + 1), bwd_s=2e-3, act_bytes=1.0, state_bytes=1.0) for i in range(4)]
+    plan = partition(layers, replace_sharing(gpipe, CoreSharing(2, 4, 2.0)), 1e9)
+    assert plan.step_s == pytest.approx(4.0 * max(plan.stage_time_s))
+
+
+def replace_sharing(opts, sharing):
+    from dataclasses import replace
+
+    return replace(opts, sharing=sharing)
