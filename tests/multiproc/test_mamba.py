@@ -79,22 +79,23 @@ def pins_for(model: torch.nn.Module, ids: torch.Tensor, names: tuple) -> dict[st
     return pins
 
 
-def distributed(name: str, shape: tuple, names: tuple, roles: dict):
+def distributed(name: str, shape: tuple, names: tuple, roles: dict, checkpoint: str | None = None):
     import autopart
-    from autopart.runtime.ssm import STATS
+    from autopart.runtime import context, ssm
 
     ids0 = batches()[0]
     model = make(name)  # kept alive: the forward-only call below traces it again
     pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids0,), {"labels": ids0}, roles=roles,
-                              pipeline="off", pins=pins_for(model, ids0, names))
-    before = dict(STATS)
+                              pipeline="off", pins=pins_for(model, ids0, names), checkpoint=checkpoint)
+    stats = lambda: {**ssm.STATS, **context.STATS}  # noqa: E731
+    before = stats()
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
     losses = []
     for ids in batches():
         losses.append(pm.forward_backward(ids, labels=ids).item())
         opt.step()
         opt.zero_grad()
-    used = {k: STATS[k] - before[k] for k in STATS}
+    used = {k: v - before[k] for k, v in stats().items()}
     layout = next(iter(pm._programs.values())).gm.meta.get("autopart.context")  # None: contiguous rows
     logits = pm(batches()[0])  # forward only, no labels: a second signature, planned on first use
     return (losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, pm.plan.to_json(), logits.detach(),
@@ -103,11 +104,24 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict):
 
 @pytest.mark.parametrize(("name", "config"), RUNS, ids=[f"{n}-{c}" for n, c in RUNS])
 def test_mamba_parity(name: str, config: str) -> None:
+    _parity(name, config)
+
+
+@pytest.mark.parametrize(("name", "checkpoint"), [("mamba", "full"), ("hybrid", "selective")])
+def test_context_parallel_checkpoint_parity(name: str, checkpoint: str) -> None:
+    """cp=2 under activation checkpointing: the recomputed forward runs its exchanges again during backward (the
+    scan's state all-gather and the convolution's halo under ``"full"``; under ``"selective"``, which recomputes
+    attention modules only, the hybrid's ring attention and nothing of the Mamba blocks)."""
+    plan = _parity(name, "cp2", checkpoint)
+    assert plan.checkpoint and set(plan.checkpoint.values()) == {checkpoint}, plan.checkpoint
+
+
+def _parity(name: str, config: str, checkpoint: str | None = None):
     from autopart.placement import parse_spec
     from autopart.plan import Plan
 
     shape, names, roles = CONFIGS[config]
-    results = run_ranks(math.prod(shape), distributed, name, shape, names, roles)
+    results = run_ranks(math.prod(shape), distributed, name, shape, names, roles, checkpoint)
     ref_losses, ref_params, ref_logits = reference(name)
     for rank, (losses, params, plan_json, logits, _) in enumerate(results):
         assert plan_json == results[0][2], "ranks ran different plans"
@@ -121,9 +135,9 @@ def test_mamba_parity(name: str, config: str) -> None:
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=5e-5)
     plan = Plan.from_json(results[0][2])
     if "cp" in names:
-        _check_context_parallel(plan, name, [r[4] for r in results])
+        _check_context_parallel(plan, name, [r[4] for r in results], checkpoint)
     if "tp" not in names:
-        return
+        return plan
     tp = names.index("tp")
     mixers = sorted({k.rsplit(".mixer.", 1)[0] for k in plan.params if ".mixer." in k})
     assert mixers, plan.params
@@ -139,13 +153,16 @@ def test_mamba_parity(name: str, config: str) -> None:
             assert str(parse_spec(got)[tp]) == spec, f"blocks.1.{w}: {got} on tp, want {spec}"
     if "dp" in names:
         assert plan.reduced, "a data-parallel plan reduces gradients"
+    return plan
 
 
-def _check_context_parallel(plan, name: str, used: list[tuple[dict, dict | None]]) -> None:
+def _check_context_parallel(plan, name: str, used: list[tuple[dict, dict | None]],
+                            checkpoint: str | None = None) -> None:
     """Every scan and convolution split on the sequence with its strategy; inside a block no activation (a value
     with a dim of the sequence length) crosses ``cp`` but through their own exchanges (and the attention's ring);
     per Mamba block and training step one state all-gather and two neighbour messages (the convolution's halo
-    forward, its gradient backward). (The solver may keep a per-head parameter such as ``A_log`` sharded on
+    forward, its gradient backward), the forward ones again under full recompute; the hybrid's attention 3n − 2
+    ring hops, n − 1 more when recomputed. (The solver may keep a per-head parameter such as ``A_log`` sharded on
     ``cp`` and gather it: a handful of values, a tie with all-reducing its gradient.)"""
     from autopart.trace import trace
 
@@ -164,7 +181,11 @@ def _check_context_parallel(plan, name: str, used: list[tuple[dict, dict | None]
         crosses = any(ax == cp for ax, _, _ in rec["steps"])
         assert not (crosses and ids.shape[1] in val.shape), rec
     steps = 3
+    again = checkpoint == "full"  # the Mamba blocks' forward exchanges run a second time, in backward
+    attention_again = checkpoint is not None  # both policies recompute the hybrid's attention
     for u, layout in used:
         assert layout is None, layout
-        assert u["state_gathers"] == steps * mamba_blocks, u
-        assert u["halo_hops"] == 2 * steps * mamba_blocks, u
+        assert u["state_gathers"] == (1 + again) * steps * mamba_blocks, u
+        assert u["halo_hops"] == (2 + again) * steps * mamba_blocks, u
+        if name == "hybrid":  # one attention, cp=2: one K/V hop forward (again when recomputed); backward one K/V
+            assert u["ring_hops"] == (1 + attention_again + 3) * steps, u  # hop and two of the dK/dV accumulators
