@@ -24,7 +24,9 @@ CONFIGS = {
     "dp2xtp2": ((2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}),
     "cp2": ((2,), ("cp",), {}),
     "cp2xtp2": ((2, 2), ("cp", "tp"), {"tp": "tp"}),
+    "pp2xcp2": ((2, 2), ("pp", "cp"), {"pp": "pp"}),  # one Mamba block a stage, 1F1B over 2 micro-batches
 }
+PIPELINE = {"schedule": "1f1b", "micro_batches": 2}
 # tp2 and cp2 alone are covered by the 4-rank mixes (kept in CONFIGS for local runs); CI time is the budget
 RUNS = [("mamba", "dp2xtp2"), ("hybrid", "dp2xtp2"), ("mamba", "cp2xtp2"), ("hybrid", "cp2")]
 
@@ -61,7 +63,8 @@ def pins_for(model: torch.nn.Module, ids: torch.Tensor, names: tuple) -> dict[st
     the sequence there (channels or heads on ``tp``). The heads split is pinned because on this tiny model the cost
     model (rightly, at these latency-bound sizes) prefers gathering the scan's x and dt on tp (two all-gathers of
     ~4K values) to all-reducing the gradients of B and C that a heads split makes partial; at real widths it splits
-    the heads by itself (``tests/unit/test_mamba.py``, ``tests/fakepg/test_mamba_plans.py``)."""
+    the heads by itself (``tests/unit/test_mamba.py``, ``tests/fakepg/test_mamba_plans.py``). A ``pp`` axis is
+    kept in the stage mesh at size 1: ``R`` there."""
     from autopart.models.mamba import CAUSAL_CONV1D, SSD_SCAN
     from autopart.trace import trace
 
@@ -75,7 +78,7 @@ def pins_for(model: torch.nn.Module, ids: torch.Tensor, names: tuple) -> dict[st
     for n in trace(model, (ids,), {"labels": ids}).graph.nodes:
         if n.target in ops and (cp or n.target == SSD_SCAN):
             specs, tag = ops[n.target]
-            pins[n.name] = "".join(specs[axis[a]] for a in names) + (f" [{tag}]" if cp else "")
+            pins[n.name] = "".join(specs[axis[a]] if a in axis else "R" for a in names) + (f" [{tag}]" if cp else "")
     return pins
 
 
@@ -86,7 +89,8 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict, checkpoint: 
     ids0 = batches()[0]
     model = make(name)  # kept alive: the forward-only call below traces it again
     pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids0,), {"labels": ids0}, roles=roles,
-                              pipeline="off", pins=pins_for(model, ids0, names), checkpoint=checkpoint)
+                              pipeline=PIPELINE if "pp" in names else "off", pins=pins_for(model, ids0, names),
+                              checkpoint=checkpoint)
     stats = lambda: {**ssm.STATS, **context.STATS}  # noqa: E731
     before = stats()
     opt = torch.optim.AdamW(pm.parameters(), **OPT)
@@ -107,13 +111,17 @@ def test_mamba_parity(name: str, config: str) -> None:
     _parity(name, config)
 
 
-@pytest.mark.parametrize(("name", "checkpoint"), [("mamba", "full"), ("hybrid", "selective")])
-def test_context_parallel_checkpoint_parity(name: str, checkpoint: str) -> None:
+@pytest.mark.parametrize(("name", "config", "checkpoint"), [("mamba", "pp2xcp2", "full"),
+                                                             ("hybrid", "cp2", "selective")])
+def test_context_parallel_checkpoint_parity(name: str, config: str, checkpoint: str) -> None:
     """cp=2 under activation checkpointing: the recomputed forward runs its exchanges again during backward (the
     scan's state all-gather and the convolution's halo under ``"full"``; under ``"selective"``, which recomputes
-    attention modules only, the hybrid's ring attention and nothing of the Mamba blocks)."""
-    plan = _parity(name, "cp2", checkpoint)
+    attention modules only, the hybrid's ring attention and nothing of the Mamba blocks). Mamba runs it inside
+    two pipeline stages (1F1B, 2 micro-batches): the stages' context-parallel groups are the stage mesh's."""
+    plan = _parity(name, config, checkpoint)
     assert plan.checkpoint and set(plan.checkpoint.values()) == {checkpoint}, plan.checkpoint
+    if "pp" in config:
+        assert plan.pipeline["degree"] == 2 and plan.pipeline["schedule"] == "1f1b", plan.pipeline
 
 
 def _parity(name: str, config: str, checkpoint: str | None = None):
@@ -181,6 +189,8 @@ def _check_context_parallel(plan, name: str, used: list[tuple[dict, dict | None]
         crosses = any(ax == cp for ax, _, _ in rec["steps"])
         assert not (crosses and ids.shape[1] in val.shape), rec
     steps = 3
+    if plan.pipeline:  # each rank runs its stage's blocks, once per micro-batch
+        mamba_blocks = mamba_blocks * plan.pipeline["micro_batches"] // plan.pipeline["degree"]
     again = checkpoint == "full"  # the Mamba blocks' forward exchanges run a second time, in backward
     attention_again = checkpoint is not None  # both policies recompute the hybrid's attention
     for u, layout in used:
