@@ -9,15 +9,22 @@ of ``positions(layout, coord, n, s_local)`` of the global sequence:
 
 Two strategies, both exact (the same softmax as one process, up to float rounding):
 
-* ``allgather_attention`` (Llama 3): all-gather K and V along the sequence, attend the local queries to every key
-  with the causal mask of the global positions; backward gathers K and V again (only the local shards are kept
-  from forward) and reduce-scatters dK and dV.
+* ``allgather_attention`` (Llama 3): all-gather K and V along the sequence, attend the local queries to every
+  rank's block with the causal mask of the global positions, merged as the ring merges them; backward gathers K
+  and V again (only the local shards are kept from forward) and reduce-scatters dK and dV.
 * ``ring_attention`` (Liu et al. 2023): K/V blocks travel around the ring in n−1 send/recv steps, each step's
   transfer posted before the step's block is computed (so it overlaps); partial outputs are merged by their
-  log-sum-exp (online softmax). Backward visits the blocks in the same order, dK/dV accumulators travelling with
-  their block and sent one step further to return to the block's owner. Plain torch arithmetic in fp32; under a
+  log-sum-exp (online softmax) into fp32 accumulators. Backward visits the blocks in the same order, dK/dV
+  accumulators travelling with their block and sent one step further to return to the block's owner. Under a
   causal mask the chunk pairs no query sees are skipped, so a balanced rank computes half of each off-diagonal
-  step, as priced (``strategy.context.cp_comm_time``).
+  step, as priced (``strategy.context.cp_comm_time``, the merges ``ring_merge_time``).
+
+Each block is one call of the fused CPU flash kernel (``_torch_private.flash_attention_cpu``: output and
+log-sum-exp, causal on the diagonal block; its backward recomputes the block's probabilities from the final output
+and log-sum-exp), so no ``[s_local, s_local]`` score matrix is held, as the memory model assumes; on other devices
+blocks run in plain torch with the scores materialised. An explicit boolean mask (Hugging Face's, built from the
+positions) comes split on its query rows with every key column; each block takes the columns of its keys'
+positions, and a block it masks wholly is skipped (contiguous layout only).
 
 Grouped-query attention: K/V keep their ``hk`` heads on the wire; blocks are expanded to the query heads
 (``repeat_interleave``, as SDPA's ``enable_gqa``) for the arithmetic and their gradients summed back per group.
@@ -186,10 +193,8 @@ def _pairs(layout: str, qpos: torch.Tensor, kpos: torch.Tensor, causal: bool, at
     for qs in runs:
         for ks in runs:
             seen, mask = _block_mask(qpos[qs], kpos[ks], causal)
-            if seen and attn_mask is not None:
-                given = attn_mask[..., qs, :].index_select(-1, kpos[ks])
-                mask = given if mask is None else given & (_diagonal(qpos[qs], kpos[ks], mask)
-                                                           if mask is CAUSAL else mask)
+            if attn_mask is not None:  # not causal too (SDPA takes one or the other): every pair was seen
+                mask = attn_mask[..., qs, :].index_select(-1, kpos[ks])
                 seen = bool(mask.any())
             if seen:
                 yield qs, ks, mask
@@ -267,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
-def _check(q, k, v, axis: int, layout: str, attn_mask=None) -> float:
+def _check(q, k, v, axis: int, layout: str, attn_mask=None, is_causal: bool = False) -> float:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"context-parallel attention needs 4-d q, k, v [batch, heads, seq, head_dim], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -279,6 +284,8 @@ def _check(q, k, v, axis: int, layout: str, attn_mask=None) -> float:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
     if attn_mask is not None:
+        if is_causal:
+            raise ValueError("context-parallel attention takes a mask tensor or is_causal, not both (as SDPA)")
         cols = C.Ax(axis).n * q.shape[2]
         if attn_mask.dtype != torch.bool or attn_mask.dim() > 4 or tuple(attn_mask.shape[-2:]) != (q.shape[2], cols):
             raise ValueError(f"context-parallel attention takes a boolean mask [..., {q.shape[2]} local queries, "
@@ -293,7 +300,7 @@ def _check(q, k, v, axis: int, layout: str, attn_mask=None) -> float:
 def ring_attention(q, k, v, axis: int, is_causal: bool = True, scale: float | None = None,
                    layout: str = "contiguous", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Ring attention over mesh axis ``axis`` (see the module docstring)."""
-    default = _check(q, k, v, axis, layout, attn_mask)
+    default = _check(q, k, v, axis, layout, attn_mask, is_causal)
     return _RingAttention.apply(q, k, v, axis, bool(is_causal), default if scale is None else scale, layout,
                                 attn_mask)
 
@@ -345,7 +352,7 @@ class _AllGatherAttention(torch.autograd.Function):
 def allgather_attention(q, k, v, axis: int, is_causal: bool = True, scale: float | None = None,
                         layout: str = "contiguous", attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Llama 3's context parallelism over mesh axis ``axis``: K and V gathered, local queries against all keys."""
-    default = _check(q, k, v, axis, layout, attn_mask)
+    default = _check(q, k, v, axis, layout, attn_mask, is_causal)
     return _AllGatherAttention.apply(q, k, v, axis, bool(is_causal), default if scale is None else scale, layout,
                                      attn_mask)
 
