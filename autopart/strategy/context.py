@@ -220,24 +220,26 @@ def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device) -> 
     One kernel over all the keys keeps its running softmax in registers and writes its output once; the ring runs
     one kernel per step and combines their results in memory, as this runtime, TransformerEngine's P2P context
     parallelism and ``torch.distributed.tensor.experimental.context_parallel`` (its ``_SDPAMerger``, fp32) do.
-    Per step after the first (the busiest rank computes every step: the last of contiguous rows, and under the
-    balanced layout every step touches all its queries or all its keys; counted whole):
+    Only the passes outside the step's kernels count: a block's kernel is compute-bound, its own reads of q, O,
+    dO and writes of partial results hide under its arithmetic (roofline). Per step after the first (the busiest
+    rank computes every step: the last of contiguous rows, and under the balanced layout every step touches all
+    its queries or all its keys; counted whole):
 
-    * forward: the step's kernel reads the queries again and writes a partial output (2e·Nq); the online-softmax
-      merge reads the fp32 accumulator and the partial and writes the accumulator back ((8 + e)·Nq);
-    * backward: the step's kernel reads q, O and dO again (3e·Nq: flash backward's rowsum(dO∘O) runs per call);
-      the partial dq is written and added into its fp32 accumulator ((8 + 2e)·Nq), the partial dK, dV into
-      the travelling fp32 accumulators ((8 + 2e)·Nkv);
+    * forward: the online-softmax merge reads the fp32 accumulator and the step's partial output and writes the
+      accumulator back: (8 + e)·Nq;
+    * backward: flash backward's rowsum(dO∘O) pass, run per call, reads O and dO (2e·Nq); the partial dq is added
+      into its fp32 accumulator ((8 + e)·Nq), the partial dK, dV into the travelling fp32 accumulators
+      ((8 + e)·Nkv);
 
     and once, the three accumulators cast back to the activations' dtype ((4 + e)·(2Nq + Nkv)). Each step
-    launches five more kernels (forward kernel and merge; backward kernel and two adds): 5(c−1) op latencies
-    (0 unless calibrated). The log-sum-exp's own passes, 1/head_dim of these, are left out.
+    launches four more kernels (the merge; the rowsum pass and two adds): 4(c−1) op latencies (0 unless
+    calibrated). The log-sum-exp's own passes, 1/head_dim of these, are left out.
 
-    Bytes: (c−1)·((16 + 8e)·Nq + (8 + 2e)·Nkv) + (4 + e)·(2Nq + Nkv); time = bytes / mem_bandwidth.
+    Bytes: (c−1)·((16 + 4e)·Nq + (8 + e)·Nkv) + (4 + e)·(2Nq + Nkv); time = bytes / mem_bandwidth.
     """
     nq, nkv = q_bytes / e, kv_bytes / e
-    nbytes = (c - 1) * ((16 + 8 * e) * nq + (8 + 2 * e) * nkv) + (4 + e) * (2 * nq + nkv)
-    return nbytes / device.mem_bandwidth + 5 * (c - 1) * device.op_latency
+    nbytes = (c - 1) * ((16 + 4 * e) * nq + (8 + e) * nkv) + (4 + e) * (2 * nq + nkv)
+    return nbytes / device.mem_bandwidth + 4 * (c - 1) * device.op_latency
 
 
 _DIM_ARG = {aten.slice.Tensor: 1, aten.select.int: 1, aten.narrow.default: 1, aten.index_select.default: 1,

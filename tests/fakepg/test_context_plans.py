@@ -9,24 +9,26 @@ What the cost model says (measured when written, 2 cores; ~20 s to trace each le
 
 | seq | mesh | with CP: attention | step s | without CP: attention | step s | gain |
 |---|---|---|---|---|---|---|
-| 16K | (8, 2) | S(0)S(1): heads on x (Ulysses all-to-alls), no CP | 1.711 | the same plan | 1.711 | 1.00x |
-| 64K | (8, 2, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 2.258 | S(0)RS(1): heads on y | 3.250 | 1.44x |
-| 256K | (8, 8, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 6.355 | S(0)S(1)R: heads on x | 18.23 | 2.87x |
+| 16K | (8, 2) | S(0)S(1): heads on x (Ulysses all-to-alls), no CP | 1.7115 | the same layout | 1.7111 | 1.00x |
+| 64K | (8, 2, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 2.2346 | S(0)RS(1): heads on y | 3.2502 | 1.45x |
+| 256K | (8, 8, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 6.3315 | S(0)S(1)R: heads on x | 18.233 | 2.88x |
 
-(Without CP the heads can be split on one axis only, so attention runs replicated on the other: placements give a
-tensor dim to one mesh axis. With CP over 8 on x, the layout NeMo uses at 256K, the ring's hops cross nodes,
-which the 16K-token causal steps do not hide on InfiniBand: priced slower than CP 4 inside the node.)
+(``benchmarks/bench_context_plans.py`` prints it. Without CP the heads can be split on one axis only, so attention
+runs replicated on the other: placements give a tensor dim to one mesh axis. With CP over 8 on x, the layout NeMo
+uses at 256K, the ring's hops cross nodes, which the 16K-token causal steps do not hide on InfiniBand: priced slower
+than CP 4 inside the node. At 16K the two solves end 0.4 ms apart on the same layout: their optimality gaps.)
 
 NeMo's table has CP off at 16K and on from 64K (TP4 CP2) to 256K (TP4 CP8); so has the solver. At 16K the two
 candidates for the x axis are the ring (c=2) and Ulysses' heads split (four all-to-alls of a layer's q/k/v/output,
-0.308 ms each: 39 ms a step); the rest (linear layers split on the sequence with their weights gathered, the
+0.308 ms each: 39.4 ms a step); the rest (linear layers split on the sequence with their weights gathered, the
 gradient reduction) is the same. The ring hides its K/V hops behind 8K-token causal steps and exposes the last
-dK/dV hop (0.60 ms a layer, 19 ms a step), but it also runs one kernel per step and combines their results in
-memory (``strategy.context.ring_merge_time``: the online-softmax merges of the partial outputs into an fp32
-accumulator, the partial dq/dK/dV added into theirs, the accumulators cast back: 3.76 GB a layer at 3.35 TB/s,
-1.12 ms, 36 ms a step), which one fused kernel over all keys does not. Priced before those passes, the ring won by
-20 ms (1.691 s against 1.711 s); with them it loses by about as much, and CP stays off. The margin is thin (~1%):
-the deciding terms are the all-to-alls' 39 ms against the ring's 55 ms.
+dK/dV hop (0.60 ms a layer, 19.2 ms a step), but it also runs one kernel per step and combines their results in
+memory (``strategy.context.ring_merge_time``: the online-softmax merge of the partial output into an fp32
+accumulator, flash backward's rowsum(dO·O) pass, the partial dq/dK/dV added into theirs, the accumulators cast back:
+2.95 GB a layer at 3.35 TB/s, 0.88 ms, 28.2 ms a step), which one fused kernel over all keys does not. Priced
+without those passes the ring won by 20 ms (1.6913 s against 1.7111 s); with them every attention pinned to the
+ring gives 1.7191 s, 8 ms (0.5%) slower, and CP stays off. The margin is thin: the deciding terms are the
+all-to-alls' 39.4 ms against the ring's 47.4 ms (Megatron TP2 on x, forced with ``roles``, is 1.7365 s).
 """
 
 from __future__ import annotations
@@ -101,11 +103,11 @@ def test_context_parallel_on_for_long_sequences(s: int) -> None:
 
 
 def test_context_parallel_off_at_16k() -> None:
-    """NeMo leaves CP off at 16K: with the option offered the solver does not take it (the same step time as with
-    it removed)."""
+    """NeMo leaves CP off at 16K: with the option offered the solver does not take it (the step time of the plan
+    with it removed, within the two solves' optimality gaps)."""
     gain, plan = _gain(16384)
     assert not _cp(plan), f"16K tokens: {len(_cp(plan))} attentions split over the sequence\n{plan}"
-    assert gain == pytest.approx(1.0, abs=1e-6), gain
+    assert gain == pytest.approx(1.0, abs=1e-3), gain
 
 
 def test_context_parallel_gain_grows_with_the_sequence() -> None:

@@ -133,11 +133,11 @@ def test_cost_terms() -> None:
         assert cost(gm, "cp_allgather") == pytest.approx(ag)  # balanced: no imbalance priced
         hop = autopart.cost.send_recv_time(local, link)
         ring = cost(gm, "cp_ring")
-        # the ring's passes in memory, fp32 (e = 4) elements of this rank's q (8 heads) and K+V (2 + 2 heads):
-        # per step after the first 48 B per q element (forward 8 + 3e, backward 8 + 5e) and 16 per K/V one
-        # (8 + 2e), then the casts of out, dq and dK/dV (4 + e each)
+        # the ring's passes outside its kernels, fp32 (e = 4) elements of this rank's q (8 heads) and K+V (2 + 2
+        # heads): per step after the first 32 B per q element (forward merge 8 + e, backward rowsum 2e and dq add
+        # 8 + e) and 12 per K/V one (8 + e), then the casts of out, dq and dK/dV (4 + e each)
         nq, nkv = 8 * (s // c) * 64, 4 * (s // c) * 64
-        merge = ((c - 1) * (48 * nq + 16 * nkv) + 8 * (2 * nq + nkv)) / cluster.device.mem_bandwidth
+        merge = ((c - 1) * (32 * nq + 12 * nkv) + 8 * (2 * nq + nkv)) / cluster.device.mem_bandwidth
         assert ring >= hop + merge
         if s == 131072:  # blocks of 16K tokens: every hop hidden but the dK/dV return
             assert ring == pytest.approx(hop + merge)
