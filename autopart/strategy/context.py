@@ -206,13 +206,15 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
         step = roofline_time(rank / c * (0.5 if a["is_causal"] else 1.0), 0.0, cluster.device)
         hop = send_recv_time(local, link)
         t = (c - 1) * max(0.0, hop - step) + (c - 1) * max(0.0, 2 * hop - 2.5 * step) + hop
-        t += ring_merge_time(q.numel() * q.element_size() / split, local, q.element_size(), c, cluster.device)
+        balanced = a["is_causal"] and balanced_ok(node.graph, q.shape[2], c)
+        t += ring_merge_time(q.numel() * q.element_size() / split, local, q.element_size(), c, cluster.device,
+                             balanced)
     if a["is_causal"] and not balanced_ok(node.graph, q.shape[2], c):
         t += (c - 1) / c * roofline_time(3.5 * rank / 2, 0.0, cluster.device)
     return t
 
 
-def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device) -> float:
+def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device, balanced: bool = False) -> float:
     """Seconds of the memory-bound passes ring attention adds to one fused attention kernel on the busiest rank
     (forward and backward), at the device's memory bandwidth; ``q_bytes`` and ``kv_bytes`` the rank's q (= output)
     and K+V shards in the activations' dtype of ``e`` bytes, so Nq = q_bytes/e and Nkv = kv_bytes/e elements.
@@ -221,9 +223,10 @@ def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device) -> 
     one kernel per step and combines their results in memory, as this runtime, TransformerEngine's P2P context
     parallelism and ``torch.distributed.tensor.experimental.context_parallel`` (its ``_SDPAMerger``, fp32) do.
     Only the passes outside the step's kernels count: a block's kernel is compute-bound, its own reads of q, O,
-    dO and writes of partial results hide under its arithmetic (roofline). Per step after the first (the busiest
-    rank computes every step: the last of contiguous rows, and under the balanced layout every step touches all
-    its queries or all its keys; counted whole):
+    dO and writes of partial results hide under its arithmetic (roofline). Per step after the first, on the
+    busiest rank (contiguous rows: the last, every block whole; the balanced layout: a step attends all the
+    rank's queries to half of the block's keys, or half its queries to all the keys, and rank c−1 runs only the
+    first kind, rank 0 only the second, so the dearer of the two counts):
 
     * forward: the online-softmax merge reads the fp32 accumulator and the step's partial output and writes the
       accumulator back: (8 + e)·Nq;
@@ -235,10 +238,13 @@ def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device) -> 
     launches four more kernels (the merge; the rowsum pass and two adds): 4(c−1) op latencies (0 unless
     calibrated). The log-sum-exp's own passes, 1/head_dim of these, are left out.
 
-    Bytes: (c−1)·((16 + 4e)·Nq + (8 + e)·Nkv) + (4 + e)·(2Nq + Nkv); time = bytes / mem_bandwidth.
+    Bytes: (c−1)·((16 + 4e)·Nq + (8 + e)·Nkv) + (4 + e)·(2Nq + Nkv), balanced (c−1)·max((16 + 4e)·Nq +
+    (8 + e)·Nkv/2, (16 + 4e)·Nq/2 + (8 + e)·Nkv) + the casts; time = bytes / mem_bandwidth.
     """
     nq, nkv = q_bytes / e, kv_bytes / e
-    nbytes = (c - 1) * ((16 + 4 * e) * nq + (8 + e) * nkv) + (4 + e) * (2 * nq + nkv)
+    step = max((16 + 4 * e) * nq + (8 + e) * nkv / 2, (16 + 4 * e) * nq / 2 + (8 + e) * nkv) if balanced else \
+        (16 + 4 * e) * nq + (8 + e) * nkv
+    nbytes = (c - 1) * step + (4 + e) * (2 * nq + nkv)
     return nbytes / device.mem_bandwidth + 4 * (c - 1) * device.op_latency
 
 

@@ -9,9 +9,9 @@ What the cost model says (measured when written, 2 cores; ~20 s to trace each le
 
 | seq | mesh | with CP: attention | step s | without CP: attention | step s | gain |
 |---|---|---|---|---|---|---|
-| 16K | (8, 2) | S(0)S(1): heads on x (Ulysses all-to-alls), no CP | 1.7115 | the same layout | 1.7111 | 1.00x |
-| 64K | (8, 2, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 2.2346 | S(0)RS(1): heads on y | 3.2502 | 1.45x |
-| 256K | (8, 8, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 6.3315 | S(0)S(1)R: heads on x | 18.233 | 2.88x |
+| 16K | (8, 2) | S(0)S(1): heads on x (Ulysses all-to-alls), no CP | 1.7111 | the same layout | 1.7115 | 1.00x |
+| 64K | (8, 2, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 2.2231 | S(0)RS(1): heads on y | 3.2502 | 1.46x |
+| 256K | (8, 8, 4) | S(0)S(1)S(2): heads on x, ring c=4 on y | 6.3199 | S(0)S(1)R: heads on x | 18.233 | 2.88x |
 
 (``benchmarks/bench_context_plans.py`` prints it. Without CP the heads can be split on one axis only, so attention
 runs replicated on the other: placements give a tensor dim to one mesh axis. With CP over 8 on x, the layout NeMo
@@ -25,10 +25,10 @@ gradient reduction) is the same. The ring hides its K/V hops behind 8K-token cau
 dK/dV hop (0.60 ms a layer, 19.2 ms a step), but it also runs one kernel per step and combines their results in
 memory (``strategy.context.ring_merge_time``: the online-softmax merge of the partial output into an fp32
 accumulator, flash backward's rowsum(dO·O) pass, the partial dq/dK/dV added into theirs, the accumulators cast back:
-2.95 GB a layer at 3.35 TB/s, 0.88 ms, 28.2 ms a step), which one fused kernel over all keys does not. Priced
+2.55 GB a layer at 3.35 TB/s, 0.76 ms, 24.4 ms a step), which one fused kernel over all keys does not. Priced
 without those passes the ring won by 20 ms (1.6913 s against 1.7111 s); with them every attention pinned to the
-ring gives 1.7191 s, 8 ms (0.5%) slower, and CP stays off. The margin is thin: the deciding terms are the
-all-to-alls' 39.4 ms against the ring's 47.4 ms (Megatron TP2 on x, forced with ``roles``, is 1.7365 s).
+ring gives 1.7153 s, 4 ms (0.25%) slower, and CP stays off. The margin is thin: the deciding terms are the
+all-to-alls' 39.4 ms against the ring's 43.6 ms (Megatron TP2 on x, forced with ``roles``, is 1.7365 s).
 """
 
 from __future__ import annotations
