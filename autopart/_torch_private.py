@@ -36,3 +36,18 @@ def queue_backward_callback(fn) -> None:
     """Run ``fn`` when the backward pass now running ends (``Variable._execution_engine.queue_callback``, as
     FSDP uses); call it from inside backward (a hook or an autograd Function's backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+
+
+def flash_attention_cpu(q, k, v, is_causal: bool, attn_mask, scale: float):
+    """(output, log-sum-exp ``[b, h, s]``) of attention by the CPU flash kernel
+    (``aten._scaled_dot_product_flash_attention_for_cpu``): no score matrix is materialised. ``attn_mask`` is
+    additive, of q's dtype; a row it masks wholly gets output 0 and log-sum-exp 0 (not −inf)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
+                                                                     scale=scale)
+
+
+def flash_attention_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, attn_mask, scale: float):
+    """(dq, dk, dv) of ``flash_attention_cpu`` (``aten._scaled_dot_product_flash_attention_for_cpu_backward``),
+    given the output and log-sum-exp the softmax is normalised by (it recomputes the probabilities from them)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)

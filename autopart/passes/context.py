@@ -2,13 +2,14 @@
 
 Requires: ``annotate`` and ``insert_collectives`` ran (q, k, v reach the node ``Shard(2)`` on the sequence axis).
 Ensures: every ``scaled_dot_product_attention`` node whose output is ``Shard(2)`` on a mesh axis calls
-``autopart.runtime.context.context_attention(q, k, v, axis, strategy, is_causal, scale, layout)`` instead, with the
-strategy the plan chose (the node record's ``tag``: ``"cp_ring"`` or ``"cp_allgather"``) and the layout of the
-rows each rank holds: ``"contiguous"`` (rank i holds the i-th n-th of the sequence) or, when the attention is
-causal and ``strategy.context.balanced_ok`` holds, ``"balanced"`` (chunks i and 2n−1−i). A balanced program runs on
-the permuted sequence: ``arange(s)`` position sources become ``runtime.context.sequence_positions``, causal
-attention not split on the sequence gets the mask of the permuted positions, and ``gm.meta["autopart.context"]``
-(``{"axis", "n", "s", "layout"}``) tells the runtime to permute user inputs and un-permute outputs.
+``autopart.runtime.context.context_attention(q, k, v, axis, strategy, is_causal, scale, layout, attn_mask)`` instead
+(the mask, if any, split on its query rows), with the strategy the plan chose (the node record's ``tag``: ``"cp_ring"``
+or ``"cp_allgather"``) and the layout of the rows each rank holds: ``"contiguous"`` (rank i holds the i-th n-th of the
+sequence) or, when the attention is causal and ``strategy.context.balanced_ok`` holds, ``"balanced"`` (chunks i and
+2n−1−i). A balanced program runs on the permuted sequence: ``arange(s)`` position sources become
+``runtime.context.sequence_positions``, causal attention not split on the sequence gets the mask of the permuted
+positions, and ``gm.meta["autopart.context"]`` (``{"axis", "n", "s", "layout"}``) tells the runtime to permute user
+inputs and un-permute outputs.
 
 State-space sequence ops (``strategy.context.SEQUENCE_OPS``) whose output is ``Shard(1)`` on a mesh axis call
 ``autopart.runtime.ssm.context_scan`` (``"cp_state"``) or ``context_conv1d`` (``"cp_halo"``) on that axis; they
@@ -94,7 +95,8 @@ def context_parallel(gm: fx.GraphModule, plan) -> tuple[fx.GraphModule, bool]:
                              f"{ATTENTION_TAGS}): the plan was made by an older autopart or edited by hand; re-plan")
         a = _sdpa_args(node)
         node.target = RC.context_attention
-        node.args = (a["query"], a["key"], a["value"], axes[0], tag, bool(a["is_causal"]), a["scale"], layout)
+        node.args = (a["query"], a["key"], a["value"], axes[0], tag, bool(a["is_causal"]), a["scale"], layout,
+                     a["attn_mask"])
         node.kwargs = {}
         changed = True
     if ctx:

@@ -1,8 +1,11 @@
 """Context parallelism: ``scaled_dot_product_attention`` with the sequence split over one mesh axis.
 
-Legal (``sequence_split_ok``): self-attention (q and k of one length) without a mask tensor or dropout, causal or
-not, grouped-query or not. The ``_sdpa`` rule (``strategy/nn.py``) offers q, k, v and the output ``Shard(2)`` on
-an axis; ``cp_variants`` turns each such option into its two strategies, told apart by ``OpOption.tag``:
+Legal (``sequence_split_ok``): self-attention (q and k of one length) without dropout, causal or not, grouped-query or
+not, with no mask tensor or a boolean one over (queries, keys) whole (Hugging Face builds the causal mask from the
+positions as such a tensor): it is split with the queries' rows and each block is cut from its key columns by position
+(contiguous layout only: a mask tensor blocks the balanced one). The ``_sdpa`` rule (``strategy/nn.py``) offers q, k, v
+and the output ``Shard(2)`` on an axis; ``cp_variants`` turns each such option into its two strategies, told apart by
+``OpOption.tag``:
 
 * ``"cp_allgather"``: K and V all-gathered along the sequence on the axis, reduce-scattered in backward (Llama 3);
 * ``"cp_ring"``: K/V blocks passed around the axis' ring in n−1 send/recv steps, online-softmax merge.
@@ -66,12 +69,28 @@ def _sdpa_args(node: fx.Node) -> dict:
 def sequence_split_ok(info: NodeInfo) -> bool:
     """Whether the sequence split is legal for this SDPA call (see the module docstring)."""
     a = _sdpa_args(info.node)
-    if a["attn_mask"] is not None or a["dropout_p"] or len(info.inputs) != 3:
+    mask = a["attn_mask"] is not None
+    if a["dropout_p"] or len(info.inputs) != 3 + mask:
         return False
-    if [info.index(a[k]) for k in ("query", "key", "value")] != [0, 1, 2]:
+    if [info.index(a[k]) for k in ("query", "key", "value", "attn_mask")[:3 + mask]] != list(range(3 + mask)):
         return False
     shapes = [info.shape(i) for i in range(3)]
-    return all(len(s) == 4 for s in shapes) and shapes[0][2] == shapes[1][2] == shapes[2][2] > 1
+    if not (all(len(s) == 4 for s in shapes) and shapes[0][2] == shapes[1][2] == shapes[2][2] > 1):
+        return False
+    return not mask or _mask_splits(a["attn_mask"].meta["val"], shapes[0][2])
+
+
+def _mask_splits(mask, s: int) -> bool:
+    """A mask the ring and all-gather strategies take: boolean, [..., s queries, s keys] (rows split with the
+    queries, each step's block cut from the key columns by position: ``runtime.context._pairs``)."""
+    return mask.dtype == torch.bool and 2 <= mask.dim() <= 4 and tuple(mask.shape[-2:]) == (s, s)
+
+
+def sequence_split_inputs(info: NodeInfo) -> tuple:
+    """The input placements of the sequence split on one axis: q, k, v ``Shard(2)``, a mask split on its query
+    rows (every key column kept)."""
+    extra = (Shard(len(info.shape(3)) - 2),) if len(info.inputs) == 4 else ()
+    return (Shard(2),) * 3 + extra
 
 
 def cp_axis(option: OpOption) -> int | None:
@@ -153,6 +172,9 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
       transfer hides when the block holds at least F/B tokens), exposed (c−1) · max(0, t − T) with t = α + Bβ;
       backward sends K/V and the dK/dV accumulators (2B) per step, hidden behind 2.5 T, plus the final return of
       the accumulators to their owner: (c−1) · max(0, 2t − 2.5 T) + t;
+    * ring, the passes one fused kernel does not make (``ring_merge_time``): per step the partial output merged
+      into an fp32 accumulator by log-sum-exp, the partial dq, dK and dV added into theirs, the accumulators cast
+      back at the end;
     * causal mask, contiguous rows: the last rank attends (2c−1)/c of the average, so the step waits
       (c−1)/c of the rank's attention time (forward and backward) longer.
     """
@@ -184,9 +206,46 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
         step = roofline_time(rank / c * (0.5 if a["is_causal"] else 1.0), 0.0, cluster.device)
         hop = send_recv_time(local, link)
         t = (c - 1) * max(0.0, hop - step) + (c - 1) * max(0.0, 2 * hop - 2.5 * step) + hop
+        balanced = a["is_causal"] and balanced_ok(node.graph, q.shape[2], c)
+        t += ring_merge_time(q.numel() * q.element_size() / split, local, q.element_size(), c, cluster.device,
+                             balanced)
     if a["is_causal"] and not balanced_ok(node.graph, q.shape[2], c):
         t += (c - 1) / c * roofline_time(3.5 * rank / 2, 0.0, cluster.device)
     return t
+
+
+def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device, balanced: bool = False) -> float:
+    """Seconds of the memory-bound passes ring attention adds to one fused attention kernel on the busiest rank
+    (forward and backward), at the device's memory bandwidth; ``q_bytes`` and ``kv_bytes`` the rank's q (= output)
+    and K+V shards in the activations' dtype of ``e`` bytes, so Nq = q_bytes/e and Nkv = kv_bytes/e elements.
+
+    One kernel over all the keys keeps its running softmax in registers and writes its output once; the ring runs
+    one kernel per step and combines their results in memory, as this runtime, TransformerEngine's P2P context
+    parallelism and ``torch.distributed.tensor.experimental.context_parallel`` (its ``_SDPAMerger``, fp32) do.
+    Only the passes outside the step's kernels count: a block's kernel is compute-bound, its own reads of q, O,
+    dO and writes of partial results hide under its arithmetic (roofline). Per step after the first, on the
+    busiest rank (contiguous rows: the last, every block whole; the balanced layout: a step attends all the
+    rank's queries to half of the block's keys, or half its queries to all the keys, and rank c−1 runs only the
+    first kind, rank 0 only the second, so the dearer of the two counts):
+
+    * forward: the online-softmax merge reads the fp32 accumulator and the step's partial output and writes the
+      accumulator back: (8 + e)·Nq;
+    * backward: flash backward's rowsum(dO∘O) pass, run per call, reads O and dO (2e·Nq); the partial dq is added
+      into its fp32 accumulator ((8 + e)·Nq), the partial dK, dV into the travelling fp32 accumulators
+      ((8 + e)·Nkv);
+
+    and once, the three accumulators cast back to the activations' dtype ((4 + e)·(2Nq + Nkv)). Each step
+    launches four more kernels (the merge; the rowsum pass and two adds): 4(c−1) op latencies (0 unless
+    calibrated). The log-sum-exp's own passes, 1/head_dim of these, are left out.
+
+    Bytes: (c−1)·((16 + 4e)·Nq + (8 + e)·Nkv) + (4 + e)·(2Nq + Nkv), balanced (c−1)·max((16 + 4e)·Nq +
+    (8 + e)·Nkv/2, (16 + 4e)·Nq/2 + (8 + e)·Nkv) + the casts; time = bytes / mem_bandwidth.
+    """
+    nq, nkv = q_bytes / e, kv_bytes / e
+    step = max((16 + 4 * e) * nq + (8 + e) * nkv / 2, (16 + 4 * e) * nq / 2 + (8 + e) * nkv) if balanced else \
+        (16 + 4 * e) * nq + (8 + e) * nkv
+    nbytes = (c - 1) * step + (4 + e) * (2 * nq + nkv)
+    return nbytes / device.mem_bandwidth + 4 * (c - 1) * device.op_latency
 
 
 _DIM_ARG = {aten.slice.Tensor: 1, aten.select.int: 1, aten.narrow.default: 1, aten.index_select.default: 1,

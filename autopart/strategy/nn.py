@@ -61,10 +61,11 @@ def _sdpa(info: NodeInfo, n: int) -> list[Option1D]:
     """Batch (dim 0) or heads (dim 1) split; grouped-query attention needs kv heads divisible too (checked by
     the caller's evenness filter). A mask follows where it is not broadcast.
 
-    Sequence (dim 2) split, context parallelism: q, k, v and the output ``Shard(2)``, for self-attention without
-    a mask tensor or dropout (causal or not). Running the op on the shards would be wrong (local queries need
-    every key): the planner turns this option into its two tagged strategies (``autopart.strategy.context``:
-    ring, all-gather of K/V) and ``autopart.passes.context`` lowers it to ``autopart.runtime.context``."""
+    Sequence (dim 2) split, context parallelism: q, k, v and the output ``Shard(2)`` (a boolean mask on its query rows),
+    for self-attention without dropout (``strategy.context.sequence_split_ok``). Running the op on the shards would be
+    wrong (local queries need every key): the planner turns this option into its two tagged strategies
+    (``autopart.strategy.context``: ring, all-gather of K/V) and ``autopart.passes.context`` lowers it to
+    ``autopart.runtime.context``."""
     k = len(info.inputs)
     opts = [Option1D(tuple(R for _ in range(k)), R)]
     for d in (0, 1):
@@ -76,10 +77,10 @@ def _sdpa(info: NodeInfo, n: int) -> list[Option1D]:
             di = d - (4 - len(s))
             ins.append(R if di < 0 or s[di] == 1 else Shard(di))
         opts.append(Option1D(tuple(ins), Shard(d)))
-    from autopart.strategy.context import sequence_split_ok
+    from autopart.strategy.context import sequence_split_inputs, sequence_split_ok
 
     if sequence_split_ok(info):
-        opts.append(Option1D((Shard(2),) * 3, Shard(2)))
+        opts.append(Option1D(sequence_split_inputs(info), Shard(2)))
     return opts
 
 

@@ -2,7 +2,7 @@
 
 * The runtime's two attentions (``autopart.runtime.context``: ring and all-gather of K/V) against one process's
   ``scaled_dot_product_attention``: output and dq, dk, dv of every rank's rows, causal and not, grouped-query and
-  not, contiguous and balanced layouts, on 2 and 4 ranks.
+  not, contiguous and balanced layouts, an explicit boolean mask (two packed causal documents), on 2 and 4 ranks.
 * The reference Llama (grouped-query attention, RoPE) under cp=2 and cp=4 with each strategy, balanced (16 tokens)
   and contiguous (12 tokens on 4 ranks): the loss of every step and the gathered parameters after 3 AdamW steps
   within 1e-5 of one process, forward-only logits in the natural order. On a model this small the
@@ -22,8 +22,17 @@ from tests.multiproc.parity import OPT, batches, check, make_model
 
 pytestmark = pytest.mark.multiproc
 
-CASES = [(strategy, layout, h, hk, causal) for strategy in ("cp_ring", "cp_allgather")
+CASES = [(strategy, layout, h, hk, causal, False) for strategy in ("cp_ring", "cp_allgather")
          for layout in ("contiguous", "balanced") for h, hk, causal in ((4, 2, True), (4, 4, False), (4, 4, True))]
+# an explicit boolean mask (contiguous rows): causal within two packed documents (positions 0-4 and 5-15), as
+# Hugging Face builds it; some of a block's rows see none of its keys
+CASES += [(strategy, "contiguous", 4, 2, False, True) for strategy in ("cp_ring", "cp_allgather")]
+
+
+def _packed_mask(s: int) -> torch.Tensor:
+    pos = torch.arange(s)
+    doc = (pos >= 5).long()
+    return (pos[:, None] >= pos[None, :]) & (doc[:, None] == doc[None, :])
 
 
 def _attention_errors() -> list[float]:
@@ -34,13 +43,14 @@ def _attention_errors() -> list[float]:
 
     rank, n = dist.get_rank(), dist.get_world_size()
     worst = []
-    for strategy, layout, h, hk, causal in CASES:
+    for strategy, layout, h, hk, causal, masked in CASES:
         g = torch.Generator().manual_seed(0)
         b, s, d = 2, 16, 8
         q, w = (torch.randn(b, h, s, d, generator=g) for _ in range(2))
         k, v = (torch.randn(b, hk, s, d, generator=g) for _ in range(2))
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=h != hk)
+        mask = _packed_mask(s) if masked else None
+        ref = F.scaled_dot_product_attention(*full, attn_mask=mask, is_causal=causal, enable_gqa=h != hk)
         (ref * w).sum().backward()
         perm = balanced_permutation(s, n) if layout == "balanced" else torch.arange(s)
 
@@ -48,8 +58,9 @@ def _attention_errors() -> list[float]:
             return t[:, :, perm].chunk(n, 2)[rank]
 
         local = [mine(t).clone().requires_grad_() for t in (q, k, v)]
+        rows = mask.chunk(n, 0)[rank] if masked else None  # this rank's query rows, every key column
         with C.axis_groups([dist.group.WORLD], [rank], [n]):
-            out = context_attention(*local, 0, strategy, causal, None, layout)
+            out = context_attention(*local, 0, strategy, causal, None, layout, rows)
             (out * mine(w)).sum().backward()
         errs = [(out - mine(ref)).abs().max().item()]
         errs += [(a.grad - mine(b.grad)).abs().max().item() for a, b in zip(local, full)]
@@ -170,3 +181,26 @@ def test_gpt_cp2_position_embeddings_parity() -> None:
     results = run_ranks(2, _distributed, 2, "cp_ring", 16, False, None, "gpt")
     check("gpt cp2 ring", [r[:5] for r in results], _reference(16, "gpt"))
     _check_cp(results, 2, "cp_ring", 16)
+
+
+def _hf_llama_cp2(tag: str):
+    from tests.multiproc.parity import distributed
+
+    model, ids = make_model("hf-llama"), batches()[0]
+    pins = _cp_pins(model, ids, tag, False)
+    pins["input_ids"] = pins.pop("ids")  # Hugging Face's name of the token ids
+    return distributed("hf-llama", (2,), ("cp",), {}, pipeline="off", pins=pins)
+
+
+def test_hf_llama_mask_cp2_parity() -> None:
+    """Hugging Face's Llama gives SDPA no ``is_causal`` but a boolean mask built from the positions (causal, and
+    its packed-sequence check): the mask is split on its query rows with the sequence, each ring step's block cut
+    from its key columns (``runtime.context._pairs``); contiguous rows (the mask blocks the balanced layout)."""
+    from autopart.plan import Plan
+    from tests.multiproc.parity import reference
+
+    results = run_ranks(2, _hf_llama_cp2, "cp_ring")
+    check("hf-llama cp2 ring, mask tensor", results, reference("hf-llama"))
+    plan = Plan.from_json(results[0][3])
+    sdpa = [r for r in plan.nodes.values() if r["op"] == "aten.scaled_dot_product_attention.default"]
+    assert len(sdpa) == 2 and all(r["tag"] == "cp_ring" and r["inputs"][3] == "S(2)" for r in sdpa), sdpa
