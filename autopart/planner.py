@@ -56,6 +56,7 @@ from autopart.cost import (
     backward_flops,
     collective_time,
     exposed_after,
+    hierarchical_time,
     node_bytes,
     node_flops,
     roofline_time,
@@ -214,15 +215,18 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         return math.inf
     total = 0.0
     cur = list(src)
+    summed: list[tuple[int, float]] = []  # a bucketed gradient's sum, per axis: one hierarchical reduction below
     for st in steps:
         full = list(cur)
         full[st.axis] = Replicate()
         nbytes = _local_bytes(val, full, mesh)
+        if bucketed and st.fwd == "none" and st.bwd == "all_reduce":
+            summed.append((st.axis, nbytes))
+            cur[st.axis] = st.dst
+            continue
         for kind in (st.fwd, st.bwd):
             if kind in _COMM_KIND:
                 link = cluster.link(st.axis)
-                if bucketed and st.fwd == "none":
-                    link = Link(0.0, link.beta)
                 # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
                 sent = nbytes / mesh[st.axis] if kind == "all_to_all" else nbytes
                 if scatter_grad and kind == "all_reduce" and st.fwd == "none":
@@ -231,6 +235,10 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
         cur[st.axis] = st.dst
+    if summed:  # as grad_reduction_time, by bandwidth only (the bucket pays the latency)
+        levels = [(mesh[a], Link(0.0, cluster.link(a).beta)) for a, _ in sorted(summed, reverse=True)]
+        total += hierarchical_time("reduce_scatter" if scatter_grad else "all_reduce", max(b for _, b in summed),
+                                   levels)
     return total
 
 
@@ -853,18 +861,13 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) 
 
 
 def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
-    """The data-parallel reduction of ``nbytes`` of a rank's gradients over mesh ``axes``: an all-reduce per axis;
-    for ZeRO-1 parameters a reduce-scatter per axis, outermost first, each leaving 1/n (the mirror of
-    ``zero1_gather_time``: the rank keeps the slice of the summed gradient its optimizer states cover)."""
+    """The data-parallel reduction of ``nbytes`` of a rank's gradients over mesh ``axes``: one all-reduce over
+    them; for ZeRO-1/2 parameters a reduce-scatter (the rank keeps the slice of the summed gradient its optimizer
+    states cover). Over several axes the bytes shrink outward (``cost.comm.hierarchical_time``), innermost axis
+    first, as the runtime reduces them (``runtime/grads.py``)."""
     mesh = cluster.mesh_shape
-    t = 0.0
-    for i in sorted(axes):
-        if zero1:
-            t += collective_time("reduce_scatter", nbytes, mesh[i], cluster.link(i))
-            nbytes /= mesh[i]
-        else:
-            t += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
-    return t
+    levels = [(mesh[i], cluster.link(i)) for i in sorted(axes, reverse=True)]
+    return hierarchical_time("reduce_scatter" if zero1 else "all_reduce", nbytes, levels)
 
 
 def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> tuple[float, float]:
