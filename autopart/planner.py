@@ -204,8 +204,8 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                     param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
                     scatter_grad: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
-    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency, and in
-    full: what backward hides of it, where the device overlaps communication, is not linear in the choices;
+    parameter whose gradient all-reduce shares a bucket with the others (priced by bandwidth and its share of one
+    bucket's latency, its bytes over ``BUCKET_BYTES``, and in full: what backward hides of it, where the device overlaps communication, is not linear in the choices;
     ``gradient_reduction`` prices it in the plan's step, which recipes and pipeline candidates are compared by).
     ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
     gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring)."""
@@ -235,10 +235,13 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
         cur[st.axis] = st.dst
-    if summed:  # as grad_reduction_time, by bandwidth only (the bucket pays the latency)
-        levels = [(mesh[a], Link(0.0, cluster.link(a).beta)) for a, _ in sorted(summed, reverse=True)]
-        total += hierarchical_time("reduce_scatter" if scatter_grad else "all_reduce", max(b for _, b in summed),
-                                   levels)
+    if summed:  # as grad_reduction_time; the latency is the bucket's, each parameter paying its share of it
+        kind = "reduce_scatter" if scatter_grad else "all_reduce"
+        nbytes = max(b for _, b in summed)
+        axes = sorted((a for a, _ in summed), reverse=True)
+        total += hierarchical_time(kind, nbytes, [(mesh[a], Link(0.0, cluster.link(a).beta)) for a in axes])
+        total += min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a))
+                                                                             for a in axes])
     return total
 
 
