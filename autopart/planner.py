@@ -719,11 +719,15 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
     """ZeRO-1/2's all-gather of the updated parameter after the optimizer step, axis by axis (innermost first).
     The runtime gathers the parameters in flat buckets (``runtime/zero1.py``): the ILP prices each parameter's
     bandwidth alone (``latency=False``), the plan's record adds the latency once per bucket
-    (``zero1_gather_latency``)."""
+    (``zero1_gather_latency``). Beside the collectives, the runtime's copies: the updated slice packed into the
+    bucket and the gathered block unpacked into the parameter (read and write, at the device's bandwidth): work
+    plain data parallelism does not do, which is what separates the two when their collectives cost the same
+    (a ring's reduce-scatter and all-gather are its all-reduce)."""
     mesh = cluster.mesh_shape
     axes = [i for i, p in enumerate(spec) if isinstance(p, Replicate) and mesh[i] > 1]
-    size = _local_bytes(val, spec, mesh) / max(1, math.prod(mesh[i] for i in axes))
-    t = 0.0
+    ways = max(1, math.prod(mesh[i] for i in axes))
+    size = _local_bytes(val, spec, mesh) / ways
+    t = roofline_time(0.0, 2 * size * (ways + 1), cluster.device) if axes else 0.0
     for i in reversed(axes):
         size *= mesh[i]
         link = cluster.link(i).for_collective("all_gather")
