@@ -206,7 +206,8 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
     parameter whose gradient all-reduce shares a bucket with the others (priced by bandwidth and its share of one
     bucket's latency, its bytes over ``BUCKET_BYTES``, and in full: what backward hides of it, where the device
-    overlaps communication, is not linear in the choices; ``gradient_reduction`` prices it in the plan's step, which recipes and pipeline candidates are compared by).
+    overlaps communication, is not linear in the choices; ``gradient_reduction`` prices it in the plan's step,
+    which recipes and pipeline candidates are compared by).
     ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
     gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring)."""
     mesh = cluster.mesh_shape
