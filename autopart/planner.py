@@ -765,12 +765,13 @@ def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float
 
 
 def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
-    """Per ZeRO-1/2-able parameter node, the share of its after-step gather's bandwidth the ILP prices: the part of
+    """Per ZeRO-1/2-able parameter node and set of gathered mesh axes, the share of its after-step gather's
+    bandwidth the ILP prices: the part of
     ``param_gather``'s exposed time it adds, per second of its bandwidth. Empty (all of it) where the device does
     not overlap communication with compute.
 
-    Estimated before the shardings are chosen, with every parameter that can be ZeRO-1/2 so (its cheapest such
-    layout) and the forward as fast as the whole mesh makes it (each op's roofline split over every device): the
+    Estimated before the shardings are chosen, per set of gathered axes, with every parameter that can be ZeRO-1/2
+    over them so (its cheapest such layout) and the forward as fast as the whole mesh makes it (each op's roofline split over every device): the
     buckets' chain ``C_k`` against each parameter's first use ``e_k`` (``exposed_before`` with all in flight, in
     the order of first use, as the runtime packs them) is late by ``L_k = max(0, C_k - e_k)``, the exposed time is
     ``max_k L_k``, and
@@ -782,22 +783,30 @@ def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
     if not cluster.device.comm_overlap:
         return {}
     before, clock = _forward_floor(info, cluster.device, math.prod(cluster.mesh_shape))
-    chain = []  # (node, bandwidth, first use)
+    mesh = cluster.mesh_shape
+    chains: dict[tuple, list] = defaultdict(list)  # per set of gathered axes: (node, bandwidth, first use)
     for n in info.nodes:
         if info.kind[n.name] != "param" or not info.needs_grad[n.name]:
             continue
-        bws = [zero1_gather_time(value_of(n), o.output, cluster, latency=False) for o in info.options[n.name]
-               if o.tag in ("zero1", "zero2")]
-        if bws and min(bws) > 0:
-            chain.append((n.name, min(bws), min((before[u.name] for u in n.users if u.name in before),
-                                                 default=clock)))
-    chain.sort(key=lambda c: c[2])
-    shares, done, worst = {}, 0.0, 0.0
-    for name, bw, e in chain:
-        done += bw
-        late = max(worst, done - e)
-        shares[name] = (late - worst) / bw
-        worst = late
+        cheapest: dict[tuple, float] = {}
+        for o in info.options[n.name]:
+            if o.tag in ("zero1", "zero2"):
+                axes = zero1_gather_entry(value_of(n), o.output, mesh)[0]
+                bw = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
+                cheapest[axes] = min(bw, cheapest.get(axes, math.inf))
+        first = min((before[u.name] for u in n.users if u.name in before), default=clock)
+        for axes, bw in cheapest.items():
+            if bw > 0:
+                chains[axes].append((n.name, bw, first))
+    shares = {}
+    for axes, chain in chains.items():  # a layout family at a time: gathering over more axes hides less
+        chain.sort(key=lambda c: c[2])
+        done, worst = 0.0, 0.0
+        for name, bw, e in chain:
+            done += bw
+            late = max(worst, done - e)
+            shares[name, axes] = (late - worst) / bw
+            worst = late
     return shares
 
 
@@ -1166,8 +1175,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 # the runtime's work per parameter per step, more for a ZeRO-3 one (0 unless calibrated)
                 comp[a] = device.param_latency + (device.zero3_latency if o.tag == "zero3" else 0.0)
                 if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
+                    axes = zero1_gather_entry(val, o.output, mesh)[0]
                     icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False) * float(np.mean(
-                        [gather_share.get(m, 1.0) for m in members]))  # latency per bucket: _record
+                        [gather_share.get((m, axes), 1.0) for m in members]))  # latency per bucket: _record
                 grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole

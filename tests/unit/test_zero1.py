@@ -230,7 +230,8 @@ def test_ilp_gather_share():
     traced = trace(big, (big_ids,), {"labels": big_ids})
     shares = zero1_gather_shares(_analyzed(traced, (4,)), cluster)
     fqn = traced.params
-    by_fqn = {fqn[n]: v for n, v in shares.items()}
+    assert {axes for _, axes in shares} == {(0,)}  # one layout family on a 1-D mesh: gathered over it
+    by_fqn = {fqn[n]: v for (n, _), v in shares.items()}
     assert all(-1e-9 <= v <= 1 + 1e-9 for v in shares.values()), shares
     emb = "wte.weight" if "wte.weight" in by_fqn else "lm_head.weight"  # tied: the export names it either way
     assert by_fqn[emb] == pytest.approx(1.0, rel=1e-3)
