@@ -770,15 +770,15 @@ def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
     ``param_gather``'s exposed time it adds, per second of its bandwidth. Empty (all of it) where the device does
     not overlap communication with compute.
 
-    Estimated before the shardings are chosen, per set of gathered axes, with every parameter that can be ZeRO-1/2
-    over them so (its cheapest such layout) and the forward as fast as the whole mesh makes it (each op's roofline
-    split over every device): the buckets' chain ``C_k`` against each parameter's first use ``e_k``
-    (``exposed_before`` with all in flight, in the order of first use, as the runtime packs them) is late by
-    ``L_k = max(0, C_k - e_k)``, the exposed time is ``max_k L_k``, and parameter ``k`` is charged the increase of that running maximum it causes. The shares sum to the record's
-    exposed gather when every such parameter is ZeRO-1/2 (fewer shorten the chain: the ILP then prices a little
-    more than the record); the earliest parameters (the embedding) carry them, the rest hide. A pipeline stage's
-    first micro-batch is a fraction of the traced batch (``solver.pipeline.gather_exposed`` prices that window):
-    there the ILP's shares are lower than what the pipeline record charges."""
+    Estimated before the shardings are chosen, per set of gathered axes, with every parameter that can be ZeRO-1/2 over
+    them so (its cheapest such layout) and the forward as fast as the whole mesh makes it (each op's roofline split over
+    every device): the buckets' chain ``C_k`` against each parameter's first use ``e_k`` (``exposed_before`` with all in
+    flight, in the order of first use, as the runtime packs them) is late by ``L_k = max(0, C_k - e_k)``, the exposed
+    time is ``max_k L_k``, and parameter ``k`` is charged the increase of that running maximum it causes. The shares sum
+    to the record's exposed gather when every such parameter is ZeRO-1/2 (fewer shorten the chain: the ILP then prices a
+    little more than the record); the earliest parameters (the embedding) carry them, the rest hide. A pipeline stage's
+    first micro-batch is a fraction of the traced batch (``solver.pipeline.gather_exposed`` prices that window): there
+    the ILP's shares are lower than what the pipeline record charges."""
     if not cluster.device.comm_overlap:
         return {}
     before, clock = _forward_floor(info, cluster.device, math.prod(cluster.mesh_shape))
