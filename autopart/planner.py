@@ -56,6 +56,7 @@ from autopart.cost import (
     backward_flops,
     collective_time,
     exposed_after,
+    hierarchical_time,
     node_bytes,
     node_flops,
     roofline_time,
@@ -203,9 +204,10 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                     param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
                     scatter_grad: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
-    parameter whose gradient all-reduce shares one bucket with the others (priced by bandwidth, no latency, and in
-    full: what backward hides of it, where the device overlaps communication, is not linear in the choices;
-    ``gradient_reduction`` prices it in the plan's step, which recipes and pipeline candidates are compared by).
+    parameter whose gradient all-reduce shares a bucket with the others (priced by bandwidth and its share of one
+    bucket's latency, its bytes over ``BUCKET_BYTES``, and in full: what backward hides of it, where the device
+    overlaps communication, is not linear in the choices; ``gradient_reduction`` prices it in the plan's step,
+    which recipes and pipeline candidates are compared by).
     ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
     gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring)."""
     mesh = cluster.mesh_shape
@@ -214,15 +216,18 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         return math.inf
     total = 0.0
     cur = list(src)
+    summed: list[tuple[int, float]] = []  # a bucketed gradient's sum, per axis: one hierarchical reduction below
     for st in steps:
         full = list(cur)
         full[st.axis] = Replicate()
         nbytes = _local_bytes(val, full, mesh)
+        if bucketed and st.fwd == "none" and st.bwd == "all_reduce":
+            summed.append((st.axis, nbytes))
+            cur[st.axis] = st.dst
+            continue
         for kind in (st.fwd, st.bwd):
             if kind in _COMM_KIND:
                 link = cluster.link(st.axis)
-                if bucketed and st.fwd == "none":
-                    link = Link(0.0, link.beta)
                 # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
                 sent = nbytes / mesh[st.axis] if kind == "all_to_all" else nbytes
                 if scatter_grad and kind == "all_reduce" and st.fwd == "none":
@@ -231,6 +236,13 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
         cur[st.axis] = st.dst
+    if summed:  # as grad_reduction_time; the latency is the bucket's, each parameter paying its share of it
+        kind = "reduce_scatter" if scatter_grad else "all_reduce"
+        nbytes = max(b for _, b in summed)
+        axes = sorted((a for a, _ in summed), reverse=True)
+        total += hierarchical_time(kind, nbytes, [(mesh[a], Link(0.0, cluster.link(a).beta)) for a in axes])
+        total += min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a))
+                                                                             for a in axes])
     return total
 
 
@@ -708,11 +720,15 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
     """ZeRO-1/2's all-gather of the updated parameter after the optimizer step, axis by axis (innermost first).
     The runtime gathers the parameters in flat buckets (``runtime/zero1.py``): the ILP prices each parameter's
     bandwidth alone (``latency=False``), the plan's record adds the latency once per bucket
-    (``zero1_gather_latency``)."""
+    (``zero1_gather_latency``). Beside the collectives, the runtime's copies: the updated slice packed into the
+    bucket and the gathered block unpacked into the parameter (read and write, at the device's bandwidth): work
+    plain data parallelism does not do, which is what separates the two when their collectives cost the same
+    (a ring's reduce-scatter and all-gather are its all-reduce)."""
     mesh = cluster.mesh_shape
     axes = [i for i, p in enumerate(spec) if isinstance(p, Replicate) and mesh[i] > 1]
-    size = _local_bytes(val, spec, mesh) / max(1, math.prod(mesh[i] for i in axes))
-    t = 0.0
+    ways = max(1, math.prod(mesh[i] for i in axes))
+    size = _local_bytes(val, spec, mesh) / ways
+    t = roofline_time(0.0, 2 * size * (ways + 1), cluster.device) if axes else 0.0
     for i in reversed(axes):
         size *= mesh[i]
         link = cluster.link(i).for_collective("all_gather")
@@ -749,39 +765,47 @@ def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float
 
 
 def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
-    """Per ZeRO-1/2-able parameter node, the share of its after-step gather's bandwidth the ILP prices: the part of
+    """Per ZeRO-1/2-able parameter node and set of gathered mesh axes, the share of its after-step gather's
+    bandwidth the ILP prices: the part of
     ``param_gather``'s exposed time it adds, per second of its bandwidth. Empty (all of it) where the device does
     not overlap communication with compute.
 
-    Estimated before the shardings are chosen, with every parameter that can be ZeRO-1/2 so (its cheapest such
-    layout) and the forward as fast as the whole mesh makes it (each op's roofline split over every device): the
-    buckets' chain ``C_k`` against each parameter's first use ``e_k`` (``exposed_before`` with all in flight, in
-    the order of first use, as the runtime packs them) is late by ``L_k = max(0, C_k - e_k)``, the exposed time is
-    ``max_k L_k``, and
-    parameter ``k`` is charged the increase of that running maximum it causes. The shares sum to the record's
-    exposed gather when every such parameter is ZeRO-1/2 (fewer shorten the chain: the ILP then prices a little
-    more than the record); the earliest parameters (the embedding) carry them, the rest hide. A pipeline stage's
-    first micro-batch is a fraction of the traced batch (``solver.pipeline.gather_exposed`` prices that window):
-    there the ILP's shares are lower than what the pipeline record charges."""
+    Estimated before the shardings are chosen, per set of gathered axes, with every parameter that can be ZeRO-1/2 over
+    them so (its cheapest such layout) and the forward as fast as the whole mesh makes it (each op's roofline split over
+    every device): the buckets' chain ``C_k`` against each parameter's first use ``e_k`` (``exposed_before`` with all in
+    flight, in the order of first use, as the runtime packs them) is late by ``L_k = max(0, C_k - e_k)``, the exposed
+    time is ``max_k L_k``, and parameter ``k`` is charged the increase of that running maximum it causes. The shares sum
+    to the record's exposed gather when every such parameter is ZeRO-1/2 (fewer shorten the chain: the ILP then prices a
+    little more than the record); the earliest parameters (the embedding) carry them, the rest hide. A pipeline stage's
+    first micro-batch is a fraction of the traced batch (``solver.pipeline.gather_exposed`` prices that window): there
+    the ILP's shares are lower than what the pipeline record charges."""
     if not cluster.device.comm_overlap:
         return {}
     before, clock = _forward_floor(info, cluster.device, math.prod(cluster.mesh_shape))
-    chain = []  # (node, bandwidth, first use)
+    mesh = cluster.mesh_shape
+    chains: dict[tuple, list] = defaultdict(list)  # per set of gathered axes: (node, bandwidth, first use)
     for n in info.nodes:
         if info.kind[n.name] != "param" or not info.needs_grad[n.name]:
             continue
-        bws = [zero1_gather_time(value_of(n), o.output, cluster, latency=False) for o in info.options[n.name]
-               if o.tag in ("zero1", "zero2")]
-        if bws and min(bws) > 0:
-            chain.append((n.name, min(bws), min((before[u.name] for u in n.users if u.name in before),
-                                                 default=clock)))
-    chain.sort(key=lambda c: c[2])
-    shares, done, worst = {}, 0.0, 0.0
-    for name, bw, e in chain:
-        done += bw
-        late = max(worst, done - e)
-        shares[name] = (late - worst) / bw
-        worst = late
+        cheapest: dict[tuple, float] = {}
+        for o in info.options[n.name]:
+            if o.tag in ("zero1", "zero2"):
+                axes = zero1_gather_entry(value_of(n), o.output, mesh)[0]
+                bw = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
+                cheapest[axes] = min(bw, cheapest.get(axes, math.inf))
+        first = min((before[u.name] for u in n.users if u.name in before), default=clock)
+        for axes, bw in cheapest.items():
+            if bw > 0:
+                chains[axes].append((n.name, bw, first))
+    shares = {}
+    for axes, chain in chains.items():  # a layout family at a time: gathering over more axes hides less
+        chain.sort(key=lambda c: c[2])
+        done, worst = 0.0, 0.0
+        for name, bw, e in chain:
+            done += bw
+            late = max(worst, done - e)
+            shares[name, axes] = (late - worst) / bw
+            worst = late
     return shares
 
 
@@ -853,18 +877,13 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) 
 
 
 def grad_reduction_time(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
-    """The data-parallel reduction of ``nbytes`` of a rank's gradients over mesh ``axes``: an all-reduce per axis;
-    for ZeRO-1 parameters a reduce-scatter per axis, outermost first, each leaving 1/n (the mirror of
-    ``zero1_gather_time``: the rank keeps the slice of the summed gradient its optimizer states cover)."""
+    """The data-parallel reduction of ``nbytes`` of a rank's gradients over mesh ``axes``: one all-reduce over
+    them; for ZeRO-1/2 parameters a reduce-scatter (the rank keeps the slice of the summed gradient its optimizer
+    states cover). Over several axes the bytes shrink outward (``cost.comm.hierarchical_time``), innermost axis
+    first, as the runtime reduces them (``runtime/grads.py``)."""
     mesh = cluster.mesh_shape
-    t = 0.0
-    for i in sorted(axes):
-        if zero1:
-            t += collective_time("reduce_scatter", nbytes, mesh[i], cluster.link(i))
-            nbytes /= mesh[i]
-        else:
-            t += collective_time("all_reduce", nbytes, mesh[i], cluster.link(i))
-    return t
+    levels = [(mesh[i], cluster.link(i)) for i in sorted(axes, reverse=True)]
+    return hierarchical_time("reduce_scatter" if zero1 else "all_reduce", nbytes, levels)
 
 
 def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> tuple[float, float]:
@@ -1155,8 +1174,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 # the runtime's work per parameter per step, more for a ZeRO-3 one (0 unless calibrated)
                 comp[a] = device.param_latency + (device.zero3_latency if o.tag == "zero3" else 0.0)
                 if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
+                    axes = zero1_gather_entry(val, o.output, mesh)[0]
                     icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False) * float(np.mean(
-                        [gather_share.get(m, 1.0) for m in members]))  # latency per bucket: _record
+                        [gather_share.get((m, axes), 1.0) for m in members]))  # latency per bucket: _record
                 grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
                 if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                     bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole

@@ -12,6 +12,7 @@ from autopart.cost.comm import (
     all_to_all_time,
     collective_time,
     exposed_after,
+    hierarchical_time,
     reduce_scatter_time,
     send_recv_time,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "collective_time",
     "exposed_after",
     "gpt_params",
+    "hierarchical_time",
     "gpt_train_flops",
     "matmul_flops",
     "megatron_activation_bytes_per_layer",

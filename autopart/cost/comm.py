@@ -19,6 +19,10 @@ A calibrated link (``autopart.calibrate``) carries α and β measured per collec
 gloo and NCCL implement each collective with its own algorithm, so one pair does not fit them all. A measured
 all-reduce keeps the ring parametrization it was fitted in.
 
+``hierarchical_time`` prices one collective over the ranks of several mesh axes (a data-parallel gradient summed over
+nodes and the GPUs in each): as NCCL runs it on one group spanning them and autopart's runtime runs it axis by axis
+(``runtime/grads.py``), the bytes shrink outward, so the slow inter-node link carries 1/(GPUs per node) of them.
+
 ``exposed_after`` prices collectives that run concurrently with compute (the data-parallel gradient buckets on a
 device whose collectives overlap, ``Device.comm_overlap``): what finishes after the compute window.
 ``exposed_before`` prices the other way round: collectives launched ahead of compute that waits for each of them
@@ -97,6 +101,30 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if kind not in fns:
         raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
     return fns[kind](nbytes, n, link)
+
+
+def hierarchical_time(kind: str, nbytes: float, levels: Sequence[tuple[int, Link]]) -> float:
+    """One all-reduce, reduce-scatter or all-gather of S bytes over the ranks of several mesh axes, ``levels`` =
+    ``(n, link)`` per axis, innermost (fastest) first: sum over axes k of the collective on that axis of
+    S_k = S / (n_1 ... n_(k-1)) bytes.
+
+    * reduce-scatter: over the innermost axis first, each rank keeping 1/n_1, whose sum it scatters on the next;
+    * all-gather: the mirror, outermost first (gathered size S_k on axis k);
+    * all-reduce: reduce-scatter over every axis but the outermost, all-reduce of S / (n_1 ... n_(K-1)) there,
+      all-gather back; a ring all-reduce is a reduce-scatter and an all-gather, so each inner axis costs an
+      all-reduce of S_k.
+
+    On equal links this is the ring over all n_1 ... n_K ranks (the bandwidth terms sum to 2(N-1)/N S β for an
+    all-reduce), with fewer latency steps; across nodes it is what NCCL's rings achieve through the node's NICs
+    (each ring crosses a node boundary once per channel, the channels spread over the NICs): the inter-node link
+    carries S / (GPUs per node), not S, per GPU."""
+    if kind not in ("all_reduce", "reduce_scatter", "all_gather"):
+        raise ValueError(f"hierarchical_time: {kind!r} is not a reduction or a gather")
+    t, size = 0.0, float(nbytes)
+    for n, link in levels:
+        t += collective_time(kind, size, n, link)
+        size /= n
+    return t
 
 
 def exposed_after(ready: Sequence[float], cost: Sequence[float], window: float) -> float:

@@ -240,8 +240,7 @@ class GradReducer:
             if async_op:
                 b.work = dist.all_reduce(b.flat, group=self._own[b.axes], async_op=True)
             else:
-                for a in b.axes:
-                    dist.all_reduce(b.flat, group=self._groups[a])
+                hierarchical_all_reduce(b.flat, sorted(b.axes), self._groups, self._sizes)
             return
         # reduce-scatter: block r of the flat (r the mixed-radix index over the reduced axes, outer first) holds,
         # per entry, the slice of the rank whose coordinates are r on those axes and this rank's elsewhere
@@ -276,8 +275,11 @@ class GradReducer:
             b.out = torch.empty(per, dtype=flat.dtype, device=flat.device)
             b.work = dist.reduce_scatter_tensor(b.out, flat, group=self._own[b.axes], async_op=True)
             return
-        cur = flat
-        for a in red:  # outer axis first: each step keeps this rank's share of the blocks
+        # axis by axis, innermost first (the outer, slower links carry the smallest share: hierarchical_time):
+        # the blocks reordered so that the innermost axis' coordinate leads
+        k = len(red)
+        cur = flat.view(*[self._sizes[a] for a in red], per).permute(*range(k - 1, -1, -1), k).reshape(-1)
+        for a in reversed(red):
             out = torch.empty(cur.numel() // self._sizes[a], dtype=cur.dtype, device=cur.device)
             dist.reduce_scatter_tensor(out, cur, group=self._groups[a])
             cur = out
@@ -302,6 +304,31 @@ class GradReducer:
                 else:  # ZeRO-1: the reduced slice back into the whole gradient buffer
                     P.dtensor_local(e.param.grad).view(-1)[s.start:s.end].copy_(part)
         b.work, b.flat, b.out, b.grads = None, None, None, []
+
+
+def hierarchical_all_reduce(flat: torch.Tensor, axes: list[int], groups: list, sizes: list[int]) -> None:
+    """Sum the 1-D ``flat`` in place over mesh ``axes`` (outer first) on the mesh's per-axis ``groups``, as
+    ``cost.comm.hierarchical_time`` prices it: reduce-scatter over every axis but the outermost, innermost first;
+    all-reduce what is left (1/n of the bytes per inner axis) over the outermost; all-gather back. One axis: one
+    all-reduce."""
+    inner = list(reversed(axes[1:]))
+    if not inner:
+        if axes:
+            dist.all_reduce(flat, group=groups[axes[0]])
+        return
+    ways = math.prod(sizes[a] for a in inner)
+    pad = -flat.numel() % ways
+    cur = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+    for a in inner:
+        out = cur.new_empty(cur.numel() // sizes[a])
+        dist.reduce_scatter_tensor(out, cur, group=groups[a])
+        cur = out
+    dist.all_reduce(cur, group=groups[axes[0]])
+    for a in reversed(inner):
+        out = cur.new_empty(cur.numel() * sizes[a])
+        dist.all_gather_into_tensor(out, cur, group=groups[a])
+        cur = out
+    flat.copy_(cur[: flat.numel()])
 
 
 def _mixed_radix(coords: list[int], sizes: list[int], axes) -> int:
