@@ -62,6 +62,7 @@ from autopart.cost import (
 )
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 from autopart.runtime.grads import BUCKET_BYTES  # the runtime's reduction and gather bucket, priced as run
+from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # ZeRO-1/2 gather buckets held at once after the step
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
 from autopart.trace import Traced
@@ -1173,20 +1174,101 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                    region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved)
 
 
-# The two moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
-# larger of the two (``peak_forward`` / ``peak_backward`` in ``plan.predicted["memory_bytes"]``).
+# The three moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
+# largest (``peak_forward`` / ``peak_backward`` / ``peak_optimizer`` in ``plan.predicted["memory_bytes"]``).
 MEMORY_ROWS = ("end of forward (model states, gathered parameters, saved activations, one recomputed layer)",
-               "end of backward (model states, gradients, one reduction bucket)")
+               "end of backward (model states, gradients, one reduction bucket)",
+               "optimizer step (model states, gradients, the step's temporaries; after it, the ZeRO-1/2 parameter "
+               "gather in flight instead of their gradients)")
+
+# What torch's AdamW allocates during ``step`` beyond its states, as a share of the states of the parameter group it
+# steps: the foreach implementation (what ``ParallelModule.optimizer`` defaults to) computes ``sqrt(exp_avg_sq)`` for
+# the whole group at once (one of Adam's two states; divided and added to in place, then used by ``addcdiv_``), and
+# steps the runtime's groups one after the other (the plain parameters, then the ZeRO-1/2 slices, runtime/zero1.py).
+# The single-tensor loop (``foreach=False``) holds two parameter-sized temporaries of the largest parameter: less.
+OPTIMIZER_STEP_TEMPORARY = 0.5
 
 
-def memory_rows(prob: Problem, mem: list[np.ndarray]) -> list[np.ndarray]:
-    """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 2) array, from ``mem`` (the node memory after
-    checkpointing and offload: states for parameters and buffers, saved activations for ops)."""
+def optimizer_temporaries(prob: Problem, opts: PlanOptions, offload: frozenset, cluster: Cluster) -> list[np.ndarray]:
+    """Per group, the optimizer step's temporaries (``OPTIMIZER_STEP_TEMPORARY`` of its optimizer states) per
+    option: zero but for trainable parameters, and zero where the optimizer steps on the host (``offload``
+    "optimizer" off a CPU cluster: the device keeps parameters and gradients only)."""
+    out = []
+    on_host = "optimizer" in offload and cluster.device.name != "cpu"
+    node_of = {n.name: n for n in prob.info.nodes}
+    for gid, members in enumerate(prob.groups):
+        name = members[0]
+        popts = prob.info.options[name]
+        if prob.info.kind[name] != "param" or not prob.info.needs_grad[name] or on_host:
+            out.append(np.zeros(len(popts)))
+            continue
+        k = prob.scale[gid] if prob.scale else len(members)
+        states = [param_state_bytes(value_of(node_of[name]), o.output, cluster.mesh_shape, opts, o.tag)[1]
+                  for o in popts]
+        out.append(np.array(states) * k * OPTIMIZER_STEP_TEMPORARY)
+    return out
+
+
+def zero1_gather_bytes(entries, mesh) -> float:
+    """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once: the ``GATHER_IN_FLIGHT`` largest buckets
+    (filled as ``zero1_gather_latency`` fills them, from ``zero1_gather_entry`` per parameter), each its gathered
+    buffer ``G``, the packed slices ``G / N`` (N ranks over its axes) and, over several axes, the last-but-one
+    gather's output and its re-packed copy, ``G / n`` each (n the outermost axis, gathered last:
+    ``runtime/zero1.gather_bucket``)."""
+    used: dict[tuple, float] = {}
+    buckets: list[list] = []
+    open_: dict[tuple, list] = {}
+    for axes, dtype, nbytes in entries:
+        key = (axes, dtype)
+        if key not in used or used[key] + nbytes > BUCKET_BYTES:
+            open_[key] = [axes, 0.0]
+            buckets.append(open_[key])
+            used[key] = 0.0
+        used[key] += nbytes
+        open_[key][1] += nbytes
+    peaks = []
+    for axes, g in buckets:
+        ways = math.prod(mesh[i] for i in axes)
+        peaks.append(g + g / ways + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0))
+    return sum(sorted(peaks, reverse=True)[:GATHER_IN_FLIGHT])
+
+
+def zero1_gather_entries(prob: Problem, choice, mesh) -> list[tuple]:
+    """``zero1_gather_entry`` of every trainable ZeRO-1/2 parameter of ``choice``, in graph order (a tied group's
+    member once per node it stands for)."""
+    out = []
+    for n in prob.info.nodes:
+        if prob.info.kind[n.name] != "param" or not prob.info.needs_grad[n.name]:
+            continue
+        gid = prob.group_of[n.name]
+        o = prob.info.options[n.name][choice[gid]]
+        if o.tag in ("zero1", "zero2"):
+            k = prob.scale[gid] if prob.scale else len(prob.groups[gid])
+            out += [zero1_gather_entry(value_of(n), o.output, mesh)] * max(1, round(k / len(prob.groups[gid])))
+    return out
+
+
+def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], mesh) -> float:
+    """What the optimizer row's linear terms (``memory_rows``: states, gradients, temporaries) miss for ``choice``:
+    after the step the ZeRO-1/2 gradients are freed and their gather buckets are in flight, which weigh more than
+    those gradients and the temporaries when few parameters are sliced (ZeRO-2: the gradients are slices already);
+    zero otherwise. (The row sums the temporaries of both parameter groups, which the runtime steps one at a time:
+    exact with one group, over by the smaller group's with two.)"""
+    zero_grads = sum(float(prob.grad_memory[g][c]) for g, c in enumerate(choice)
+                     if prob.info.options[prob.groups[g][0]][c].tag in ("zero1", "zero2"))
+    temp = sum(float(t[c]) for t, c in zip(temps, choice))
+    return max(0.0, zero1_gather_bytes(zero1_gather_entries(prob, choice, mesh), mesh) - zero_grads - temp)
+
+
+def memory_rows(prob: Problem, mem: list[np.ndarray], temps: list[np.ndarray]) -> list[np.ndarray]:
+    """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 3) array, from ``mem`` (the node memory after
+    checkpointing and offload: states for parameters and buffers, saved activations for ops) and ``temps`` (the
+    optimizer step's temporaries, ``optimizer_temporaries``)."""
     out = []
     for g, m in enumerate(mem):
         kind = prob.info.kind[prob.groups[g][0]]
         states = m if kind in ("param", "buffer", "constant") else 0.0 * m
-        out.append(np.stack([m, states + prob.grad_memory[g]], axis=1))
+        out.append(np.stack([m, states + prob.grad_memory[g], states + prob.grad_memory[g] + temps[g]], axis=1))
     return out
 
 
@@ -1481,7 +1563,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
     def memory_model(modes: dict[str, str], offload: frozenset, mem: list[np.ndarray]):
         """The ILP's node memory rows (self-edges' terms on their diagonal) and edge memory for these modes."""
-        rows = memory_rows(prob, mem)
+        rows = memory_rows(prob, mem, optimizer_temporaries(prob, opts, offload, cluster))
         for key, em in zip(self_keys, edge_memory_rows(prob, self_keys, modes, offload, cluster), strict=True):
             rows[key[0]] = rows[key[0]] + em[np.arange(len(em)), np.arange(len(em))]
         return rows, edge_memory_rows(prob, edge_keys, modes, offload, cluster)
@@ -1522,11 +1604,14 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
         try:
-            # two memory rows, the two moments the plan's peak is the larger of: the end of forward (states,
-            # gathered parameters, saved activations, one recomputed layer) and the end of backward (states,
-            # gradients, one reduction bucket)
+            # three memory rows, the moments the plan's peak is the largest of: the end of forward (states,
+            # gathered parameters, saved activations, one recomputed layer), the end of backward (states,
+            # gradients, one reduction bucket) and the optimizer step (states, gradients, the step's temporaries;
+            # after it ZeRO-1/2's gather buckets)
             rows, emem = memory_model(modes, offload, mem)
-            base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0])
+            temps = optimizer_temporaries(prob, opts, offload, cluster)
+            base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0,
+                             0.0 if sol0 is None else optimizer_row_base(prob, sol0.choice, temps, cluster.mesh_shape)])
             base[0] += working  # forward-only: the live inputs and output of the largest op (nothing is saved)
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
@@ -1541,7 +1626,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
                                        hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
                 grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
-                need = np.array([recompute_of(sol.choice), min(BUCKET_BYTES, grads)])
+                need = np.array([recompute_of(sol.choice), min(BUCKET_BYTES, grads),
+                                 optimizer_row_base(prob, sol.choice, temps, cluster.mesh_shape)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
                 base = np.maximum(base, need)
@@ -1565,7 +1651,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     sol0, modes0, _, mem0, off0, ckpt0, ebytes0 = results[first]
     bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
     row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0]))
+               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0, optimizer_row_base(
+                   prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
     if binds:
@@ -1637,6 +1724,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
+    temporaries = {"plain": 0.0, "zero": 0.0}
+    zero_grads = 0.0  # gradients of ZeRO-1/2 parameters, freed before their gather after the step
     node_by_name = {n.name: n for n in info.nodes}
     for gid, members in enumerate(prob.groups):
         a = sol.choice[gid]
@@ -1651,6 +1740,11 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             local, opt_states = local * n, opt_states * n
             if "optimizer" in offload and cluster.device.name != "cpu":
                 opt_states = 0.0
+            # the optimizer step's temporaries, per runtime parameter group (runtime/zero1.py: plain, ZeRO-1/2)
+            group = "zero" if chosen_opt.tag in ("zero1", "zero2") else "plain"
+            temporaries[group] += opt_states * OPTIMIZER_STEP_TEMPORARY if info.needs_grad[members[0]] else 0.0
+            if group == "zero":
+                zero_grads += float(prob.grad_memory[gid][a])
             memory["parameters"] += local
             memory["optimizer_states"] += opt_states
             memory["gathered_parameters"] += m - local - opt_states
@@ -1798,7 +1892,13 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
     memory["peak_forward"] += recompute
     memory["peak_backward"] = states + memory["gradients"] + min(bucketed, BUCKET_BYTES)
-    memory["total"] = max(memory["peak_forward"], memory["peak_backward"])
+    # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
+    # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
+    memory["optimizer_temporaries"] = max(temporaries.values())
+    memory["gather_in_flight"] = zero1_gather_bytes(gather_entries, mesh)
+    memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
+                                                                  memory["gather_in_flight"] - zero_grads)
+    memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),

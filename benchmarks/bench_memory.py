@@ -3,14 +3,14 @@
     PYTHONPATH=. python benchmarks/bench_memory.py [--configs dp2,tp2,...] [--detail tp2]
     PYTHONPATH=. python benchmarks/bench_memory.py --sweep
 
-Reference GPT (d_model 256, 4 layers, 4 heads, vocab 1024, seq 128), global batch 8, AdamW (default, single-tensor
-on CPU). Per configuration: ``autopart.parallelize`` on a fresh gloo world, one warm-up step (so AdamW's states
-exist), then one measured step (``forward_backward`` + ``opt.step()`` + ``opt.zero_grad()``) under
-``autopart.runtime.memtrack.MemoryTracker`` with the parameters, gradients (as backward makes them) and optimizer
-states registered. Measured = peak live tensor bytes on a rank, the max over ranks; predicted = the plan's
-``predicted["memory_bytes"]["total"]``. Options the current ``parallelize`` rejects (``zero=``, a checkpoint mode)
-are listed as skipped with the error. ``--detail NAME`` prints, for rank 0 of that configuration, the storages
-live at the peak grouped by the op that made them.
+Reference GPT (d_model 256, 4 layers, 4 heads, vocab 1024, seq 128), global batch 8, AdamW as ``pm.optimizer`` makes
+it (foreach: what the planner's optimizer-step moment prices). Per configuration: ``autopart.parallelize`` on a
+fresh gloo world, one warm-up step (so AdamW's states exist), then one measured step (``forward_backward`` +
+``opt.step()`` + ``opt.zero_grad()``) under ``autopart.runtime.memtrack.MemoryTracker`` with the parameters,
+gradients (as backward makes them) and optimizer states registered. Measured = peak live tensor bytes on a rank, the
+max over ranks; predicted = the plan's ``predicted["memory_bytes"]["total"]``. Options the current ``parallelize``
+rejects (``zero=``, a checkpoint mode) are listed as skipped with the error. ``--detail NAME`` prints, for rank 0 of
+that configuration, the storages live at the peak grouped by the op that made them.
 
 Pipelined configurations (``pp2-*``): parameters, gradients and optimizer states exist only on a rank's stage;
 the predicted figure for a rank is the total of the plan's stage record(s) on that rank
@@ -120,7 +120,7 @@ def _rank(name: str, detail: bool, plan_json: str | None = None, budget: float |
     del model
     gc.collect()
     orig_alive = sum(r().numel() * r().element_size() for r in originals if r() is not None)
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, foreach=False)  # the plan's optimizer (ZeRO-1: sliced states)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)  # the plan's optimizer (ZeRO-1/2: sliced states), foreach
 
     def step():
         loss = pm.forward_backward(ids, labels=ids)

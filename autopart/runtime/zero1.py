@@ -51,6 +51,10 @@ from autopart.runtime import grads as _grads
 # collectives issued by the after-step gather (all_gather_into_tensor calls), and buckets gathered
 STATS = {"all_gathers": 0, "buckets": 0}
 
+# How many gather buckets the after-step gather holds at once (their gathered buffers, packed slices and, over
+# several axes, the intermediate gathers): the planner's optimizer-step memory moment prices this many buckets.
+GATHER_IN_FLIGHT = 1
+
 
 @dataclass
 class _Slice:
