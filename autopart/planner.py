@@ -1210,11 +1210,13 @@ def optimizer_temporaries(prob: Problem, opts: PlanOptions, offload: frozenset, 
 
 
 def zero1_gather_bytes(entries, mesh) -> float:
-    """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once: the ``GATHER_IN_FLIGHT`` largest buckets
-    (filled as ``zero1_gather_latency`` fills them, from ``zero1_gather_entry`` per parameter), each its gathered
-    buffer ``G``, the packed slices ``G / N`` (N ranks over its axes) and, over several axes, the last-but-one
-    gather's output and its re-packed copy, ``G / n`` each (n the outermost axis, gathered last:
-    ``runtime/zero1.gather_bucket``)."""
+    """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once, buckets filled as
+    ``zero1_gather_latency`` fills them (from ``zero1_gather_entry`` per parameter) and gathered in that order:
+    ``GATHER_IN_FLIGHT`` consecutive buckets, each its gathered buffer ``G``, the packed slices ``G / N`` (N ranks
+    over its axes) and, over several axes, the last-but-one gather's output and its re-packed copy, ``G / n`` each
+    (n the outermost axis, gathered last: ``runtime/zero1.gather_bucket``); plus the gathered buffer of the bucket
+    before them, which the runtime's after-step loop still references (its ``blocks``) until the next gather
+    returns (measured: two buckets' gathered buffers live at once)."""
     used: dict[tuple, float] = {}
     buckets: list[list] = []
     open_: dict[tuple, list] = {}
@@ -1226,11 +1228,11 @@ def zero1_gather_bytes(entries, mesh) -> float:
             used[key] = 0.0
         used[key] += nbytes
         open_[key][1] += nbytes
-    peaks = []
-    for axes, g in buckets:
-        ways = math.prod(mesh[i] for i in axes)
-        peaks.append(g + g / ways + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0))
-    return sum(sorted(peaks, reverse=True)[:GATHER_IN_FLIGHT])
+    held = [g + g / math.prod(mesh[i] for i in axes) + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0)
+            for axes, g in buckets]
+    return max((sum(held[max(0, i + 1 - GATHER_IN_FLIGHT): i + 1]) +
+                (buckets[i - GATHER_IN_FLIGHT][1] if i >= GATHER_IN_FLIGHT else 0.0) for i in range(len(held))),
+               default=0.0)
 
 
 def zero1_gather_entries(prob: Problem, choice, mesh) -> list[tuple]:
