@@ -215,6 +215,7 @@ def sweep() -> None:
     from harness import run_ranks
 
     import autopart
+    from autopart.plan import peak_moment
     from autopart.trace import trace
 
     shape, names, roles = SWEEP_SPEC
@@ -240,13 +241,13 @@ def sweep() -> None:
           f"{names}, roles {roles}, cluster 'cpu'")
     print(f"loose plan (no budget): predicted total T = {_mib(total)} MiB, predicted step "
           f"{loose.predicted['step_time_s'] * 1e3:.1f} ms, techniques: {_techniques(loose)}\n")
-    print("| budget MiB (f x T) | techniques | predicted step (ms) | predicted peak (MiB) | "
+    print("| budget MiB (f x T) | techniques | predicted step (ms) | predicted peak (MiB), at | "
           "measured peak, max rank (MiB) | measured / predicted | measured <= budget? |")
     print("|---|---|---|---|---|---|---|")
     for f, budget, p, res, why in rows:
         pred = float(p.predicted["memory_bytes"]["total"])
         head = (f"| {_mib(budget)} ({f:.2f}) | {_techniques(p)} | {p.predicted['step_time_s'] * 1e3:.1f} | "
-                f"{_mib(pred)} |")
+                f"{_mib(pred)}, {peak_moment(p.predicted['memory_bytes']) or 'a pipeline stage'} |")
         if res is None:
             print(f"{head} skipped: {why} | | |")
             continue
@@ -263,6 +264,8 @@ def sweep() -> None:
 
 def main() -> None:
     from harness import run_ranks
+
+    from autopart.plan import peak_moment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -321,6 +324,20 @@ def main() -> None:
             print(f"| {name} | {rk} | {stage} | {_mib(rp['total'])} | {_mib(r['peak'])} | "
                   f"{r['peak'] / rp['total']:.2f} | {_three(rp)} | {_three(r['breakdown'])} | "
                   f"{_mib(r['param_bytes'])} | {_mib(r['recv_bytes']) if st else '-'} |")
+    print("\nthe optimizer step (the plan's third memory moment, peak_optimizer) vs the measured peak of "
+          "`opt.step()` + `opt.zero_grad()`, max over ranks, MiB (pipelined plans: not priced per stage)")
+    print("| config | predicted optimizer step | of which temporaries / gather in flight | measured optimizer phase "
+          "| measured / predicted | plan's peak moment |")
+    print("|---|---|---|---|---|---|")
+    for name, _world, res, _ in rows:
+        pred = res[0]["predicted"]
+        opt_peak = max(r["opt_peak"] for r in res)
+        if "peak_optimizer" not in pred:
+            print(f"| {name} | - | - | {_mib(opt_peak)} | - | - |")
+            continue
+        print(f"| {name} | {_mib(pred['peak_optimizer'])} | {_mib(pred['optimizer_temporaries'])} / "
+              f"{_mib(pred['gather_in_flight'])} | {_mib(opt_peak)} | {opt_peak / pred['peak_optimizer']:.2f} | "
+              f"{peak_moment(pred)} |")
     print("\nper rank: live before the step (P+OS+B), fwd+bwd peak (at op), optimizer peak (at op), full-size "
           "original parameters still alive after `del model`")
     for name, _world, res, _ in rows:
