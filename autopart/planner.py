@@ -1262,6 +1262,30 @@ def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], mesh) -> 
     return max(0.0, zero1_gather_bytes(zero1_gather_entries(prob, choice, mesh), mesh) - zero_grads - temp)
 
 
+def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> float:
+    """The gradient reduction's buckets at the end of backward (``runtime/grads.py``), what the end-of-backward
+    row adds to the gradients kept: a bucket of all-reduced gradients (at most ``BUCKET_BYTES``) and one of
+    reduce-scattered ones (ZeRO-1/2), which also holds its reduce-scatter output (the slices: 1/N of it, N the
+    ranks they span) and, on a CPU cluster, gloo's copy of the flat input, alive as long as the collective's work
+    (measured: an ``aten.split`` of the flat's size). One bucket of each kind: the runtime keeps every launched
+    bucket's flat until backward ends (measured with 12 buckets), so gradients over ``BUCKET_BYTES`` of one kind
+    are under-priced here by the flats of the other buckets."""
+    reduced = scattered = slices = 0.0
+    for g, c in enumerate(choice):
+        b = float(prob.bucket_memory[g][c])
+        if not b:
+            continue
+        o = prob.info.options[prob.groups[g][0]][c]
+        if o.tag in ("zero1", "zero2"):
+            scattered += b
+            slices += b / zero1_ways(o.output, cluster.mesh_shape)
+        else:
+            reduced += b
+    held = min(BUCKET_BYTES, scattered)
+    return min(BUCKET_BYTES, reduced) + held * (2 if cluster.device.name == "cpu" else 1) + \
+        (slices * held / scattered if scattered else 0.0)
+
+
 def memory_rows(prob: Problem, mem: list[np.ndarray], temps: list[np.ndarray]) -> list[np.ndarray]:
     """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 3) array, from ``mem`` (the node memory after
     checkpointing and offload: states for parameters and buffers, saved activations for ops) and ``temps`` (the
@@ -1627,8 +1651,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
                                        hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
-                grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
-                need = np.array([recompute_of(sol.choice), min(BUCKET_BYTES, grads),
+                need = np.array([recompute_of(sol.choice), reduction_bucket_bytes(prob, sol.choice, cluster),
                                  optimizer_row_base(prob, sol.choice, temps, cluster.mesh_shape)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
@@ -1651,7 +1674,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
     sol0, modes0, _, mem0, off0, ckpt0, ebytes0 = results[first]
-    bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
+    bucket0 = reduction_bucket_bytes(prob, sol0.choice, cluster)
     row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
                np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0, optimizer_row_base(
                    prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
@@ -1878,8 +1901,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             "chosen": int(sol.choice[gid]),
         }
     unsupported = sorted({str(n.target) for n in info.nodes if not info.known[n.name]})
-    # two candidate peaks: end of forward (activations saved, no gradient yet, plus the loss's backward
-    # temporaries, counted in the activations) and end of backward (gradients, one reduction bucket, no activation)
+    # three candidate peaks (MEMORY_ROWS): end of forward (activations saved, no gradient yet, plus the loss's
+    # backward temporaries, counted in the activations), end of backward (gradients, one reduction bucket, no
+    # activation) and the optimizer step (below)
     states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
     if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
         memory["kv_cache"] = sum(kv_cache_bytes(n, chosen[n.name], mesh, opts.kv_cache_tokens)
@@ -1891,9 +1915,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["activations"] += timings.get("regathered_bytes", 0.0)
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
         memory.get("kv_cache", 0.0)
-    bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
     memory["peak_forward"] += recompute
-    memory["peak_backward"] = states + memory["gradients"] + min(bucketed, BUCKET_BYTES)
+    memory["peak_backward"] = states + memory["gradients"] + reduction_bucket_bytes(prob, sol.choice, cluster)
     # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
     # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
     memory["optimizer_temporaries"] = max(temporaries.values())

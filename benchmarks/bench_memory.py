@@ -56,6 +56,7 @@ CONFIGS = {
     # on the traced graph by tests/multiproc/test_sequence_parallel.sequence_pins)
     "tp2+sp": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp"}),
     "tp2+sp+ckpt-sel": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp", "checkpoint": "selective"}),
+    "tp2+sp+ckpt-full": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp", "checkpoint": "full"}),
     "dp2+zero1": ((2,), ("dp",), {"dp": "dp"}, {"zero": 1}),
     "dp2+zero2": ((2,), ("dp",), {"dp": "dp"}, {"zero": 2}),
     "dp2+zero3": ((2,), ("dp",), {"dp": "dp"}, {"zero": 3}),
