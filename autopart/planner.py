@@ -1262,39 +1262,56 @@ def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], mesh) -> 
     return max(0.0, zero1_gather_bytes(zero1_gather_entries(prob, choice, mesh), mesh) - zero_grads - temp)
 
 
-def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> float:
+def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[float, float]:
     """The gradient reduction's buckets at the end of backward (``runtime/grads.py``), what the end-of-backward
-    row adds to the gradients kept: a bucket of all-reduced gradients (at most ``BUCKET_BYTES``) and one of
-    reduce-scattered ones (ZeRO-1/2), which also holds its reduce-scatter output (the slices: 1/N of it, N the
-    ranks they span) and, on a CPU cluster, gloo's copy of the flat input, alive as long as the collective's work
-    (measured: an ``aten.split`` of the flat's size). One bucket of each kind: the runtime keeps every launched
-    bucket's flat until backward ends (measured with 12 buckets), so gradients over ``BUCKET_BYTES`` of one kind
-    are under-priced here by the flats of the other buckets."""
+    row adds to the gradients kept, as (flat buckets, what reduce-scattering adds): a bucket of all-reduced
+    gradients (at most ``BUCKET_BYTES``) and one of reduce-scattered ones (ZeRO-1/2), which also holds its
+    reduce-scatter output (the slices: 1/N of it, N the ranks they span) and, on a CPU cluster, gloo's copy of the
+    flat input, alive as long as the collective's work (measured: an ``aten.split`` of the flat's size). One bucket
+    of each kind: the runtime keeps every launched bucket's flat until backward ends (measured with 12 buckets), so
+    gradients over ``BUCKET_BYTES`` of one kind are under-priced here by the flats of the other buckets."""
     reduced = scattered = slices = 0.0
     for g, c in enumerate(choice):
         b = float(prob.bucket_memory[g][c])
-        if not b:
-            continue
         o = prob.info.options[prob.groups[g][0]][c]
-        if o.tag in ("zero1", "zero2"):
+        if b and o.tag in ("zero1", "zero2"):
             scattered += b
             slices += b / zero1_ways(o.output, cluster.mesh_shape)
         else:
             reduced += b
     held = min(BUCKET_BYTES, scattered)
-    return min(BUCKET_BYTES, reduced) + held * (2 if cluster.device.name == "cpu" else 1) + \
-        (slices * held / scattered if scattered else 0.0)
+    extra = held * (1.0 if cluster.device.name == "cpu" else 0.0) + (slices * held / scattered if held else 0.0)
+    return min(BUCKET_BYTES, reduced) + held, extra
 
 
-def memory_rows(prob: Problem, mem: list[np.ndarray], temps: list[np.ndarray]) -> list[np.ndarray]:
+def bucket_rows(prob: Problem, cluster: Cluster) -> list[np.ndarray] | None:
+    """Per group and option, its bytes in the reduction buckets at the end of backward (``reduction_bucket_bytes``,
+    summed per parameter: its gradient, and for a reduce-scattered one its slice of the output and, on a CPU
+    cluster, gloo's copy), when every gradient fits one bucket: the ILP's end-of-backward row then adds them
+    exactly, whatever the plan replicates. None when they may not (the row's base carries the buckets then)."""
+    if sum(float(b.max()) for b in prob.bucket_memory) > BUCKET_BYTES:
+        return None
+    copy = 1.0 if cluster.device.name == "cpu" else 0.0
+    out = []
+    for g, members in enumerate(prob.groups):
+        popts = prob.info.options[members[0]]
+        out.append(np.array([float(prob.bucket_memory[g][a]) * (
+            1 + copy + 1 / zero1_ways(o.output, cluster.mesh_shape) if o.tag in ("zero1", "zero2") else 1.0)
+            for a, o in enumerate(popts)]))
+    return out
+
+
+def memory_rows(prob: Problem, mem: list[np.ndarray], temps: list[np.ndarray],
+                buckets: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 3) array, from ``mem`` (the node memory after
-    checkpointing and offload: states for parameters and buffers, saved activations for ops) and ``temps`` (the
-    optimizer step's temporaries, ``optimizer_temporaries``)."""
+    checkpointing and offload: states for parameters and buffers, saved activations for ops), ``temps`` (the
+    optimizer step's temporaries, ``optimizer_temporaries``) and ``buckets`` (``bucket_rows``, when linear)."""
     out = []
     for g, m in enumerate(mem):
         kind = prob.info.kind[prob.groups[g][0]]
         states = m if kind in ("param", "buffer", "constant") else 0.0 * m
-        out.append(np.stack([m, states + prob.grad_memory[g], states + prob.grad_memory[g] + temps[g]], axis=1))
+        grads = states + prob.grad_memory[g]
+        out.append(np.stack([m, grads + (buckets[g] if buckets is not None else 0.0), grads + temps[g]], axis=1))
     return out
 
 
@@ -1587,9 +1604,18 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     self_edges = [(u, np.diag(m)) for (u, v), m in prob.edges.items() if u == v]
     self_keys = [(u, v) for (u, v) in prob.edges if u == v and (u, v) in prob.edge_saved]
 
+    linear_buckets = bucket_rows(prob, cluster)
+
+    def buckets_of(choice) -> tuple[float, float]:
+        """The end-of-backward buckets of ``choice`` beyond what the rows hold: (starting bound, exact need)."""
+        if linear_buckets is not None:
+            return 0.0, 0.0
+        flat, extra = reduction_bucket_bytes(prob, choice, cluster)
+        return flat, flat + extra
+
     def memory_model(modes: dict[str, str], offload: frozenset, mem: list[np.ndarray]):
         """The ILP's node memory rows (self-edges' terms on their diagonal) and edge memory for these modes."""
-        rows = memory_rows(prob, mem, optimizer_temporaries(prob, opts, offload, cluster))
+        rows = memory_rows(prob, mem, optimizer_temporaries(prob, opts, offload, cluster), linear_buckets)
         for key, em in zip(self_keys, edge_memory_rows(prob, self_keys, modes, offload, cluster), strict=True):
             rows[key[0]] = rows[key[0]] + em[np.arange(len(em)), np.arange(len(em))]
         return rows, edge_memory_rows(prob, edge_keys, modes, offload, cluster)
@@ -1651,7 +1677,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
                                        hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
-                need = np.array([recompute_of(sol.choice), reduction_bucket_bytes(prob, sol.choice, cluster),
+                need = np.array([recompute_of(sol.choice), buckets_of(sol.choice)[1],
                                  optimizer_row_base(prob, sol.choice, temps, cluster.mesh_shape)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
@@ -1674,9 +1700,11 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
     sol0, modes0, _, mem0, off0, ckpt0, ebytes0 = results[first]
-    bucket0 = reduction_bucket_bytes(prob, sol0.choice, cluster)
+    # the bounded solves start from the free optimum's flat buckets: a plan reduce-scattering more adds its share
+    # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
+    bucket0 = buckets_of(sol0.choice)[0]
     row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0, optimizer_row_base(
+               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
                    prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
@@ -1916,7 +1944,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
         memory.get("kv_cache", 0.0)
     memory["peak_forward"] += recompute
-    memory["peak_backward"] = states + memory["gradients"] + reduction_bucket_bytes(prob, sol.choice, cluster)
+    memory["peak_backward"] = states + memory["gradients"] + sum(reduction_bucket_bytes(prob, sol.choice, cluster))
     # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
     # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
     memory["optimizer_temporaries"] = max(temporaries.values())
