@@ -145,7 +145,8 @@ def test_optimizer_step_binds_zero1_with_tiny_activations():
         return make_plan(traced, cluster, ("dp",), PlanOptions(roles={"dp": "dp"}, zero=1, memory_limit=limit,
                                                                offload="none", pipeline="off"))
 
-    mem = plan(1e15).predicted["memory_bytes"]
+    free = plan(1e15)
+    mem = free.predicted["memory_bytes"]
     assert mem["gradients"] > 2 * BUCKET_BYTES and mem["activations"] < 0.05 * mem["gradients"], mem
     states = mem["parameters"] + mem["optimizer_states"] + mem["buffers"]
     temps = OPTIMIZER_STEP_TEMPORARY * mem["optimizer_states"]  # every trainable parameter sliced: one group
@@ -157,6 +158,7 @@ def test_optimizer_step_binds_zero1_with_tiny_activations():
     # end of backward: one bucket reduce-scattered, and its output (half of it)
     assert mem["peak_backward"] == pytest.approx(states + mem["gradients"] + 1.5 * BUCKET_BYTES, rel=1e-9)
     assert mem["total"] == mem["peak_optimizer"] > max(mem["peak_forward"], mem["peak_backward"])
+    assert "peak at the optimizer step" in str(free)
     assert plan(mem["total"] * (1 + 1e-6)).predicted["memory_bytes"]["total"] == pytest.approx(mem["total"])
     with pytest.raises(ValueError, match="Memory binds at the optimizer step"):
         plan(mem["total"] * (1 - 1e-4))
