@@ -421,8 +421,13 @@ def memory(plan) -> dict[str, Any]:
                             "activations of its micro-batches in flight",
                 "note": "states split into parameters and optimizer states in the stage plan's ratio"}
     states = pred["parameters"] + pred["optimizer_states"] + pred.get("buffers", 0.0)
-    fwd, bwd = pred["peak_forward"], pred["peak_backward"]
-    if fwd >= bwd:
+    fwd, bwd, opt = pred["peak_forward"], pred["peak_backward"], pred.get("peak_optimizer", 0.0)
+    if opt > max(fwd, bwd):  # the optimizer step's temporaries (or ZeRO-1/2's gather buckets after it): "other"
+        kinds = {"parameters": pred["parameters"], "gradients": pred["gradients"],
+                 "optimizer_states": pred["optimizer_states"], "activations": 0.0,
+                 "other": opt - states - pred["gradients"] + pred.get("buffers", 0.0)}
+        at = "optimizer step (gradients, the step's temporaries or the ZeRO-1/2 parameter gather, activations freed)"
+    elif fwd >= bwd:
         kinds = {"parameters": pred["parameters"] + pred["gathered_parameters"], "gradients": 0.0,
                  "optimizer_states": pred["optimizer_states"],
                  "activations": fwd - states - pred["gathered_parameters"], "other": pred.get("buffers", 0.0)}

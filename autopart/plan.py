@@ -21,6 +21,18 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
+# the moments of a step the planner prices (``planner.MEMORY_ROWS``), by their record key
+PEAK_MOMENTS = {"peak_forward": "end of forward", "peak_backward": "end of backward",
+                "peak_optimizer": "optimizer step"}
+
+
+def peak_moment(memory: dict) -> str:
+    """The moment of the step whose bytes are the plan's peak (the largest of ``PEAK_MOMENTS`` in ``memory``,
+    a plan's ``predicted["memory_bytes"]``), or "" when the record has none (a pipelined plan's stages)."""
+    have = [k for k in PEAK_MOMENTS if k in memory]
+    return PEAK_MOMENTS[max(have, key=lambda k: memory[k])] if have else ""
+
+
 def _fmt_time(s: float) -> str:
     if s >= 1:
         return f"{s:.3f} s"
@@ -138,7 +150,8 @@ class Plan:
             f"axes: {roles}",
             f"predicted step {_fmt_time(pred['step_time_s'])} = compute {_fmt_time(pred['compute_s'])} + comm "
             f"{_fmt_time(pred['comm_s'])};  memory/device "
-            + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in pred["memory_bytes"].items()),
+            + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in pred["memory_bytes"].items())
+            + (f";  peak at the {peak_moment(pred['memory_bytes'])}" if peak_moment(pred["memory_bytes"]) else ""),
             "per layer: predicted time (compute + conversions, forward and backward), placements, collectives",
             f"solver {sol.get('backend')} {sol.get('status')}: objective {_fmt_time(sol.get('objective', 0))}, "
             f"bound {_fmt_time(sol.get('bound', 0))}, gap {sol.get('gap', 0):.2%}, {sol.get('wall_time_s', 0):.2f} s, "

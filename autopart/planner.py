@@ -1301,20 +1301,144 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                    region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved)
 
 
-# The two moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
-# larger of the two (``peak_forward`` / ``peak_backward`` in ``plan.predicted["memory_bytes"]``).
+# The three moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
+# largest (``peak_forward`` / ``peak_backward`` / ``peak_optimizer`` in ``plan.predicted["memory_bytes"]``).
 MEMORY_ROWS = ("end of forward (model states, gathered parameters, saved activations, one recomputed layer)",
-               "end of backward (model states, gradients, one reduction bucket)")
+               "end of backward (model states, gradients, one reduction bucket)",
+               "optimizer step (model states, gradients, the step's temporaries; after it, the ZeRO-1/2 parameter "
+               "gather in flight instead of their gradients)")
+
+# What torch's AdamW allocates during ``step`` beyond its states, as a share of the states of the parameter group it
+# steps: the foreach implementation (what ``ParallelModule.optimizer`` defaults to) computes ``sqrt(exp_avg_sq)`` for
+# the whole group at once (one of Adam's two states; divided and added to in place, then used by ``addcdiv_``), and
+# steps the runtime's groups one after the other (the plain parameters, then the ZeRO-1/2 slices, runtime/zero1.py).
+# The single-tensor loop (``foreach=False``) holds two parameter-sized temporaries of the largest parameter: less.
+OPTIMIZER_STEP_TEMPORARY = 0.5
 
 
-def memory_rows(prob: Problem, mem: list[np.ndarray]) -> list[np.ndarray]:
-    """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 2) array, from ``mem`` (the node memory after
-    checkpointing and offload: states for parameters and buffers, saved activations for ops)."""
+def optimizer_temporaries(prob: Problem, opts: PlanOptions, offload: frozenset, cluster: Cluster) -> list[np.ndarray]:
+    """Per group, the optimizer step's temporaries (``OPTIMIZER_STEP_TEMPORARY`` of its optimizer states) per
+    option: zero but for trainable parameters, and zero where the optimizer steps on the host (``offload``
+    "optimizer" off a CPU cluster: the device keeps parameters and gradients only)."""
+    out = []
+    on_host = "optimizer" in offload and cluster.device.name != "cpu"
+    node_of = {n.name: n for n in prob.info.nodes}
+    for gid, members in enumerate(prob.groups):
+        name = members[0]
+        popts = prob.info.options[name]
+        if prob.info.kind[name] != "param" or not prob.info.needs_grad[name] or on_host:
+            out.append(np.zeros(len(popts)))
+            continue
+        k = prob.scale[gid] if prob.scale else len(members)
+        states = [param_state_bytes(value_of(node_of[name]), o.output, cluster.mesh_shape, opts, o.tag)[1]
+                  for o in popts]
+        out.append(np.array(states) * k * OPTIMIZER_STEP_TEMPORARY)
+    return out
+
+
+def zero1_gather_bytes(entries, mesh) -> float:
+    """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once, buckets filled as
+    ``zero1_gather_latency`` fills them (from ``zero1_gather_entry`` per parameter) and gathered in that order:
+    ``GATHER_IN_FLIGHT`` consecutive buckets, each its gathered buffer ``G``, the packed slices ``G / N`` (N ranks
+    over its axes) and, over several axes, the last-but-one gather's output and its re-packed copy, ``G / n`` each
+    (n the outermost axis, gathered last: ``runtime/zero1.gather_bucket``); plus the gathered buffer of the bucket
+    before them, which the runtime's after-step loop still references (its ``blocks``) until the next gather
+    returns (measured: two buckets' gathered buffers live at once)."""
+    used: dict[tuple, float] = {}
+    buckets: list[list] = []
+    open_: dict[tuple, list] = {}
+    for axes, dtype, nbytes in entries:
+        key = (axes, dtype)
+        if key not in used or used[key] + nbytes > BUCKET_BYTES:
+            open_[key] = [axes, 0.0]
+            buckets.append(open_[key])
+            used[key] = 0.0
+        used[key] += nbytes
+        open_[key][1] += nbytes
+    held = [g + g / math.prod(mesh[i] for i in axes) + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0)
+            for axes, g in buckets]
+    return max((sum(held[max(0, i + 1 - GATHER_IN_FLIGHT): i + 1]) +
+                (buckets[i - GATHER_IN_FLIGHT][1] if i >= GATHER_IN_FLIGHT else 0.0) for i in range(len(held))),
+               default=0.0)
+
+
+def zero1_gather_entries(prob: Problem, choice, mesh) -> list[tuple]:
+    """``zero1_gather_entry`` of every trainable ZeRO-1/2 parameter of ``choice``, in graph order (a tied group's
+    member once per node it stands for)."""
+    out = []
+    for n in prob.info.nodes:
+        if prob.info.kind[n.name] != "param" or not prob.info.needs_grad[n.name]:
+            continue
+        gid = prob.group_of[n.name]
+        o = prob.info.options[n.name][choice[gid]]
+        if o.tag in ("zero1", "zero2"):
+            k = prob.scale[gid] if prob.scale else len(prob.groups[gid])
+            out += [zero1_gather_entry(value_of(n), o.output, mesh)] * max(1, round(k / len(prob.groups[gid])))
+    return out
+
+
+def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], mesh) -> float:
+    """What the optimizer row's linear terms (``memory_rows``: states, gradients, temporaries) miss for ``choice``:
+    after the step the ZeRO-1/2 gradients are freed and their gather buckets are in flight, which weigh more than
+    those gradients and the temporaries when few parameters are sliced (ZeRO-2: the gradients are slices already);
+    zero otherwise. (The row sums the temporaries of both parameter groups, which the runtime steps one at a time:
+    exact with one group, over by the smaller group's with two.)"""
+    zero_grads = sum(float(prob.grad_memory[g][c]) for g, c in enumerate(choice)
+                     if prob.info.options[prob.groups[g][0]][c].tag in ("zero1", "zero2"))
+    temp = sum(float(t[c]) for t, c in zip(temps, choice))
+    return max(0.0, zero1_gather_bytes(zero1_gather_entries(prob, choice, mesh), mesh) - zero_grads - temp)
+
+
+def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[float, float]:
+    """The gradient reduction's buckets at the end of backward (``runtime/grads.py``), what the end-of-backward
+    row adds to the gradients kept, as (flat buckets, what reduce-scattering adds): a bucket of all-reduced
+    gradients (at most ``BUCKET_BYTES``) and one of reduce-scattered ones (ZeRO-1/2), which also holds its
+    reduce-scatter output (the slices: 1/N of it, N the ranks they span) and, on a CPU cluster, gloo's copy of the
+    flat input, alive as long as the collective's work (measured: an ``aten.split`` of the flat's size). One bucket
+    of each kind: the runtime keeps every launched bucket's flat until backward ends (measured with 12 buckets), so
+    gradients over ``BUCKET_BYTES`` of one kind are under-priced here by the flats of the other buckets."""
+    reduced = scattered = slices = 0.0
+    for g, c in enumerate(choice):
+        b = float(prob.bucket_memory[g][c])
+        o = prob.info.options[prob.groups[g][0]][c]
+        if b and o.tag in ("zero1", "zero2"):
+            scattered += b
+            slices += b / zero1_ways(o.output, cluster.mesh_shape)
+        else:
+            reduced += b
+    held = min(BUCKET_BYTES, scattered)
+    extra = held * (1.0 if cluster.device.name == "cpu" else 0.0) + (slices * held / scattered if held else 0.0)
+    return min(BUCKET_BYTES, reduced) + held, extra
+
+
+def bucket_rows(prob: Problem, cluster: Cluster) -> list[np.ndarray] | None:
+    """Per group and option, its bytes in the reduction buckets at the end of backward (``reduction_bucket_bytes``,
+    summed per parameter: its gradient, and for a reduce-scattered one its slice of the output and, on a CPU
+    cluster, gloo's copy), when every gradient fits one bucket: the ILP's end-of-backward row then adds them
+    exactly, whatever the plan replicates. None when they may not (the row's base carries the buckets then)."""
+    if sum(float(b.max()) for b in prob.bucket_memory) > BUCKET_BYTES:
+        return None
+    copy = 1.0 if cluster.device.name == "cpu" else 0.0
+    out = []
+    for g, members in enumerate(prob.groups):
+        popts = prob.info.options[members[0]]
+        out.append(np.array([float(prob.bucket_memory[g][a]) * (
+            1 + copy + 1 / zero1_ways(o.output, cluster.mesh_shape) if o.tag in ("zero1", "zero2") else 1.0)
+            for a, o in enumerate(popts)]))
+    return out
+
+
+def memory_rows(prob: Problem, mem: list[np.ndarray], temps: list[np.ndarray],
+                buckets: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Per group, its bytes at each of ``MEMORY_ROWS`` as a (K, 3) array, from ``mem`` (the node memory after
+    checkpointing and offload: states for parameters and buffers, saved activations for ops), ``temps`` (the
+    optimizer step's temporaries, ``optimizer_temporaries``) and ``buckets`` (``bucket_rows``, when linear)."""
     out = []
     for g, m in enumerate(mem):
         kind = prob.info.kind[prob.groups[g][0]]
         states = m if kind in ("param", "buffer", "constant") else 0.0 * m
-        out.append(np.stack([m, states + prob.grad_memory[g]], axis=1))
+        grads = states + prob.grad_memory[g]
+        out.append(np.stack([m, grads + (buckets[g] if buckets is not None else 0.0), grads + temps[g]], axis=1))
     return out
 
 
@@ -1607,9 +1731,18 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     self_edges = [(u, np.diag(m)) for (u, v), m in prob.edges.items() if u == v]
     self_keys = [(u, v) for (u, v) in prob.edges if u == v and (u, v) in prob.edge_saved]
 
+    linear_buckets = bucket_rows(prob, cluster)
+
+    def buckets_of(choice) -> tuple[float, float]:
+        """The end-of-backward buckets of ``choice`` beyond what the rows hold: (starting bound, exact need)."""
+        if linear_buckets is not None:
+            return 0.0, 0.0
+        flat, extra = reduction_bucket_bytes(prob, choice, cluster)
+        return flat, flat + extra
+
     def memory_model(modes: dict[str, str], offload: frozenset, mem: list[np.ndarray]):
         """The ILP's node memory rows (self-edges' terms on their diagonal) and edge memory for these modes."""
-        rows = memory_rows(prob, mem)
+        rows = memory_rows(prob, mem, optimizer_temporaries(prob, opts, offload, cluster), linear_buckets)
         for key, em in zip(self_keys, edge_memory_rows(prob, self_keys, modes, offload, cluster), strict=True):
             rows[key[0]] = rows[key[0]] + em[np.arange(len(em)), np.arange(len(em))]
         return rows, edge_memory_rows(prob, edge_keys, modes, offload, cluster)
@@ -1650,11 +1783,14 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
         try:
-            # two memory rows, the two moments the plan's peak is the larger of: the end of forward (states,
-            # gathered parameters, saved activations, one recomputed layer) and the end of backward (states,
-            # gradients, one reduction bucket)
+            # three memory rows, the moments the plan's peak is the largest of: the end of forward (states,
+            # gathered parameters, saved activations, one recomputed layer), the end of backward (states,
+            # gradients, one reduction bucket) and the optimizer step (states, gradients, the step's temporaries;
+            # after it ZeRO-1/2's gather buckets)
             rows, emem = memory_model(modes, offload, mem)
-            base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0])
+            temps = optimizer_temporaries(prob, opts, offload, cluster)
+            base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0,
+                             0.0 if sol0 is None else optimizer_row_base(prob, sol0.choice, temps, cluster.mesh_shape)])
             base[0] += working  # forward-only: the live inputs and output of the largest op (nothing is saved)
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
@@ -1668,8 +1804,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                 sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
                                        hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
-                grads = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
-                need = np.array([recompute_of(sol.choice), min(BUCKET_BYTES, grads)])
+                need = np.array([recompute_of(sol.choice), buckets_of(sol.choice)[1],
+                                 optimizer_row_base(prob, sol.choice, temps, cluster.mesh_shape)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
                 base = np.maximum(base, need)
@@ -1691,9 +1827,12 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
     sol0, modes0, _, mem0, off0, ckpt0, ebytes0 = results[first]
-    bucket0 = min(BUCKET_BYTES, sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol0.choice)))
+    # the bounded solves start from the free optimum's flat buckets: a plan reduce-scattering more adds its share
+    # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
+    bucket0 = buckets_of(sol0.choice)[0]
     row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), bucket0]))
+               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
+                   prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
     if binds:
@@ -1765,6 +1904,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
+    temporaries = {"plain": 0.0, "zero": 0.0}
+    zero_grads = 0.0  # gradients of ZeRO-1/2 parameters, freed before their gather after the step
     node_by_name = {n.name: n for n in info.nodes}
     for gid, members in enumerate(prob.groups):
         a = sol.choice[gid]
@@ -1779,6 +1920,11 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             local, opt_states = local * n, opt_states * n
             if "optimizer" in offload and cluster.device.name != "cpu":
                 opt_states = 0.0
+            # the optimizer step's temporaries, per runtime parameter group (runtime/zero1.py: plain, ZeRO-1/2)
+            group = "zero" if chosen_opt.tag in ("zero1", "zero2") else "plain"
+            temporaries[group] += opt_states * OPTIMIZER_STEP_TEMPORARY if info.needs_grad[members[0]] else 0.0
+            if group == "zero":
+                zero_grads += float(prob.grad_memory[gid][a])
             memory["parameters"] += local
             memory["optimizer_states"] += opt_states
             memory["gathered_parameters"] += m - local - opt_states
@@ -1916,8 +2062,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             "chosen": int(sol.choice[gid]),
         }
     unsupported = sorted({str(n.target) for n in info.nodes if not info.known[n.name]})
-    # two candidate peaks: end of forward (activations saved, no gradient yet, plus the loss's backward
-    # temporaries, counted in the activations) and end of backward (gradients, one reduction bucket, no activation)
+    # three candidate peaks (MEMORY_ROWS): end of forward (activations saved, no gradient yet, plus the loss's
+    # backward temporaries, counted in the activations), end of backward (gradients, one reduction bucket, no
+    # activation) and the optimizer step (below)
     states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
     if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
         memory["kv_cache"] = sum(kv_cache_bytes(n, chosen[n.name], mesh, opts.kv_cache_tokens)
@@ -1929,10 +2076,15 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["activations"] += timings.get("regathered_bytes", 0.0)
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
         memory.get("kv_cache", 0.0)
-    bucketed = sum(float(g[c]) for g, c in zip(prob.bucket_memory, sol.choice))
     memory["peak_forward"] += recompute
-    memory["peak_backward"] = states + memory["gradients"] + min(bucketed, BUCKET_BYTES)
-    memory["total"] = max(memory["peak_forward"], memory["peak_backward"])
+    memory["peak_backward"] = states + memory["gradients"] + sum(reduction_bucket_bytes(prob, sol.choice, cluster))
+    # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
+    # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
+    memory["optimizer_temporaries"] = max(temporaries.values())
+    memory["gather_in_flight"] = zero1_gather_bytes(gather_entries, mesh)
+    memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
+                                                                  memory["gather_in_flight"] - zero_grads)
+    memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),

@@ -3,14 +3,14 @@
     PYTHONPATH=. python benchmarks/bench_memory.py [--configs dp2,tp2,...] [--detail tp2]
     PYTHONPATH=. python benchmarks/bench_memory.py --sweep
 
-Reference GPT (d_model 256, 4 layers, 4 heads, vocab 1024, seq 128), global batch 8, AdamW (default, single-tensor
-on CPU). Per configuration: ``autopart.parallelize`` on a fresh gloo world, one warm-up step (so AdamW's states
-exist), then one measured step (``forward_backward`` + ``opt.step()`` + ``opt.zero_grad()``) under
-``autopart.runtime.memtrack.MemoryTracker`` with the parameters, gradients (as backward makes them) and optimizer
-states registered. Measured = peak live tensor bytes on a rank, the max over ranks; predicted = the plan's
-``predicted["memory_bytes"]["total"]``. Options the current ``parallelize`` rejects (``zero=``, a checkpoint mode)
-are listed as skipped with the error. ``--detail NAME`` prints, for rank 0 of that configuration, the storages
-live at the peak grouped by the op that made them.
+Reference GPT (d_model 256, 4 layers, 4 heads, vocab 1024, seq 128), global batch 8, AdamW as ``pm.optimizer`` makes
+it (foreach: what the planner's optimizer-step moment prices). Per configuration: ``autopart.parallelize`` on a
+fresh gloo world, one warm-up step (so AdamW's states exist), then one measured step (``forward_backward`` +
+``opt.step()`` + ``opt.zero_grad()``) under ``autopart.runtime.memtrack.MemoryTracker`` with the parameters,
+gradients (as backward makes them) and optimizer states registered. Measured = peak live tensor bytes on a rank, the
+max over ranks; predicted = the plan's ``predicted["memory_bytes"]["total"]``. Options the current ``parallelize``
+rejects (``zero=``, a checkpoint mode) are listed as skipped with the error. ``--detail NAME`` prints, for rank 0 of
+that configuration, the storages live at the peak grouped by the op that made them.
 
 Pipelined configurations (``pp2-*``): parameters, gradients and optimizer states exist only on a rank's stage;
 the predicted figure for a rank is the total of the plan's stage record(s) on that rank
@@ -56,6 +56,7 @@ CONFIGS = {
     # on the traced graph by tests/multiproc/test_sequence_parallel.sequence_pins)
     "tp2+sp": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp"}),
     "tp2+sp+ckpt-sel": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp", "checkpoint": "selective"}),
+    "tp2+sp+ckpt-full": ((2,), ("tp",), {"tp": "tp"}, {"pins": "sp", "checkpoint": "full"}),
     "dp2+zero1": ((2,), ("dp",), {"dp": "dp"}, {"zero": 1}),
     "dp2+zero2": ((2,), ("dp",), {"dp": "dp"}, {"zero": 2}),
     "dp2+zero3": ((2,), ("dp",), {"dp": "dp"}, {"zero": 3}),
@@ -120,7 +121,7 @@ def _rank(name: str, detail: bool, plan_json: str | None = None, budget: float |
     del model
     gc.collect()
     orig_alive = sum(r().numel() * r().element_size() for r in originals if r() is not None)
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, foreach=False)  # the plan's optimizer (ZeRO-1: sliced states)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3)  # the plan's optimizer (ZeRO-1/2: sliced states), foreach
 
     def step():
         loss = pm.forward_backward(ids, labels=ids)
@@ -215,6 +216,7 @@ def sweep() -> None:
     from harness import run_ranks
 
     import autopart
+    from autopart.plan import peak_moment
     from autopart.trace import trace
 
     shape, names, roles = SWEEP_SPEC
@@ -240,13 +242,13 @@ def sweep() -> None:
           f"{names}, roles {roles}, cluster 'cpu'")
     print(f"loose plan (no budget): predicted total T = {_mib(total)} MiB, predicted step "
           f"{loose.predicted['step_time_s'] * 1e3:.1f} ms, techniques: {_techniques(loose)}\n")
-    print("| budget MiB (f x T) | techniques | predicted step (ms) | predicted peak (MiB) | "
+    print("| budget MiB (f x T) | techniques | predicted step (ms) | predicted peak (MiB), at | "
           "measured peak, max rank (MiB) | measured / predicted | measured <= budget? |")
     print("|---|---|---|---|---|---|---|")
     for f, budget, p, res, why in rows:
         pred = float(p.predicted["memory_bytes"]["total"])
         head = (f"| {_mib(budget)} ({f:.2f}) | {_techniques(p)} | {p.predicted['step_time_s'] * 1e3:.1f} | "
-                f"{_mib(pred)} |")
+                f"{_mib(pred)}, {peak_moment(p.predicted['memory_bytes']) or 'a pipeline stage'} |")
         if res is None:
             print(f"{head} skipped: {why} | | |")
             continue
@@ -263,6 +265,8 @@ def sweep() -> None:
 
 def main() -> None:
     from harness import run_ranks
+
+    from autopart.plan import peak_moment
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -321,6 +325,20 @@ def main() -> None:
             print(f"| {name} | {rk} | {stage} | {_mib(rp['total'])} | {_mib(r['peak'])} | "
                   f"{r['peak'] / rp['total']:.2f} | {_three(rp)} | {_three(r['breakdown'])} | "
                   f"{_mib(r['param_bytes'])} | {_mib(r['recv_bytes']) if st else '-'} |")
+    print("\nthe optimizer step (the plan's third memory moment, peak_optimizer) vs the measured peak of "
+          "`opt.step()` + `opt.zero_grad()`, max over ranks, MiB (pipelined plans: not priced per stage)")
+    print("| config | predicted optimizer step | of which temporaries / gather in flight | measured optimizer phase "
+          "| measured / predicted | plan's peak moment |")
+    print("|---|---|---|---|---|---|")
+    for name, _world, res, _ in rows:
+        pred = res[0]["predicted"]
+        opt_peak = max(r["opt_peak"] for r in res)
+        if "peak_optimizer" not in pred:
+            print(f"| {name} | - | - | {_mib(opt_peak)} | - | - |")
+            continue
+        print(f"| {name} | {_mib(pred['peak_optimizer'])} | {_mib(pred['optimizer_temporaries'])} / "
+              f"{_mib(pred['gather_in_flight'])} | {_mib(opt_peak)} | {opt_peak / pred['peak_optimizer']:.2f} | "
+              f"{peak_moment(pred)} |")
     print("\nper rank: live before the step (P+OS+B), fwd+bwd peak (at op), optimizer peak (at op), full-size "
           "original parameters still alive after `del model`")
     for name, _world, res, _ in rows:

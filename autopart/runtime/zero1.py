@@ -67,7 +67,8 @@ from autopart.runtime import grads as _grads
 STATS = {"all_gathers": 0, "buckets": 0}
 
 # after-step gather buckets outstanding at once: each holds its gathered buffer (at most grads.BUCKET_BYTES) until
-# forward waits for it. Two keep the link busy: the next bucket is queued while forward waits for the current one.
+# forward waits for it (the planner's optimizer-step memory moment prices this many). Two keep the link busy: the
+# next bucket is queued while forward waits for the current one.
 GATHER_IN_FLIGHT = 2
 
 
