@@ -1341,9 +1341,8 @@ def zero1_gather_bytes(entries, mesh) -> float:
     ``zero1_gather_latency`` fills them (from ``zero1_gather_entry`` per parameter) and gathered in that order:
     ``GATHER_IN_FLIGHT`` consecutive buckets, each its gathered buffer ``G``, the packed slices ``G / N`` (N ranks
     over its axes) and, over several axes, the last-but-one gather's output and its re-packed copy, ``G / n`` each
-    (n the outermost axis, gathered last: ``runtime/zero1.gather_bucket``); plus the gathered buffer of the bucket
-    before them, which the runtime's after-step loop still references (its ``blocks``) until the next gather
-    returns (measured: two buckets' gathered buffers live at once)."""
+    (n the outermost axis, gathered last: ``runtime/zero1.gather_bucket``). The step launches the first
+    ``GATHER_IN_FLIGHT`` and forward launches each next one as it consumes one, so any such window is live."""
     used: dict[tuple, float] = {}
     buckets: list[list] = []
     open_: dict[tuple, list] = {}
@@ -1357,9 +1356,7 @@ def zero1_gather_bytes(entries, mesh) -> float:
         open_[key][1] += nbytes
     held = [g + g / math.prod(mesh[i] for i in axes) + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0)
             for axes, g in buckets]
-    return max((sum(held[max(0, i + 1 - GATHER_IN_FLIGHT): i + 1]) +
-                (buckets[i - GATHER_IN_FLIGHT][1] if i >= GATHER_IN_FLIGHT else 0.0) for i in range(len(held))),
-               default=0.0)
+    return max((sum(held[max(0, i + 1 - GATHER_IN_FLIGHT): i + 1]) for i in range(len(held))), default=0.0)
 
 
 def zero1_gather_entries(prob: Problem, choice, mesh) -> list[tuple]:
@@ -2081,7 +2078,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
     # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
     memory["optimizer_temporaries"] = max(temporaries.values())
-    memory["gather_in_flight"] = zero1_gather_bytes(gather_entries, mesh)
+    memory["gather_in_flight"] = zero1_gather_bytes([g[1] for g in zero_gathers], mesh)
     memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
                                                                   memory["gather_in_flight"] - zero_grads)
     memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
