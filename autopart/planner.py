@@ -63,7 +63,9 @@ from autopart.cost import (
 )
 from autopart.cost.comm import exposed_before
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
-from autopart.runtime.grads import BUCKET_BYTES  # the runtime's reduction and gather bucket, priced as run
+
+# the runtime's reduction and gather bucket, and how many reduction buckets it holds at once: priced as run
+from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT
 from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
@@ -1391,9 +1393,9 @@ def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[flo
     row adds to the gradients kept, as (flat buckets, what reduce-scattering adds): a bucket of all-reduced
     gradients (at most ``BUCKET_BYTES``) and one of reduce-scattered ones (ZeRO-1/2), which also holds its
     reduce-scatter output (the slices: 1/N of it, N the ranks they span) and, on a CPU cluster, gloo's copy of the
-    flat input, alive as long as the collective's work (measured: an ``aten.split`` of the flat's size). One bucket
-    of each kind: the runtime keeps every launched bucket's flat until backward ends (measured with 12 buckets), so
-    gradients over ``BUCKET_BYTES`` of one kind are under-priced here by the flats of the other buckets."""
+    flat input, alive as long as the collective's work (measured: an ``aten.split`` of the flat's size). At most
+    ``REDUCE_IN_FLIGHT`` buckets of each kind: the runtime finishes the oldest launched bucket beyond that many
+    (``runtime/grads.py``; counted per kind, which is the safe side when both kinds interleave)."""
     reduced = scattered = slices = 0.0
     for g, c in enumerate(choice):
         b = float(prob.bucket_memory[g][c])
@@ -1403,9 +1405,9 @@ def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[flo
             slices += b / zero1_ways(o.output, cluster.mesh_shape)
         else:
             reduced += b
-    held = min(BUCKET_BYTES, scattered)
+    held = min(REDUCE_IN_FLIGHT * BUCKET_BYTES, scattered)
     extra = held * (1.0 if cluster.device.name == "cpu" else 0.0) + (slices * held / scattered if held else 0.0)
-    return min(BUCKET_BYTES, reduced) + held, extra
+    return min(REDUCE_IN_FLIGHT * BUCKET_BYTES, reduced) + held, extra
 
 
 def bucket_rows(prob: Problem, cluster: Cluster) -> list[np.ndarray] | None:

@@ -38,6 +38,11 @@ BUCKET_BYTES = 25 * 2**20  # at most this many gradient bytes per flat reduction
 # step waits for all of them at the end of backward. Pipelined modules reduce after the schedule, not overlapped.
 OVERLAP_WITH_BACKWARD = True
 OVERLAP_IN_PIPELINE = False
+# Buckets whose flat buffer may be alive at once in backward: launching one finishes (waits for, copies back and
+# frees) the oldest beyond this many, so the end of backward holds at most this many flats beside the gradients
+# (the planner's end-of-backward memory row prices them). Two let a bucket's collective run while the next one fills;
+# under NCCL a wait only orders the compute stream after the oldest, which has long finished.
+REDUCE_IN_FLIGHT = 2
 
 # reductions launched from gradient hooks while backward was still running / at the end of backward or after it
 STATS = {"launched_in_backward": 0, "launched_at_end": 0}
@@ -66,6 +71,7 @@ class _Bucket:
     flat: torch.Tensor | None = None
     out: torch.Tensor | None = None
     grads: list = field(default_factory=list)  # (entry, local gradient) as copied into ``flat``
+    done: bool = False  # finished: results copied back, buffers freed
 
 
 def axes_groups(dm, axes_sets) -> dict[tuple[int, ...], object]:
@@ -185,7 +191,7 @@ class GradReducer:
             return
         self._in_backward = True
         for b in self.buckets():
-            b.ready, b.launched, b.work, b.flat, b.out, b.grads = set(), False, None, None, None, []
+            b.ready, b.launched, b.work, b.flat, b.out, b.grads, b.done = set(), False, None, None, None, [], False
         self._held = {}
         for k, e in self._entries.items():  # reduce only this backward's gradients; add the earlier ones after
             if e.param.grad is not None:
@@ -204,6 +210,13 @@ class GradReducer:
                 break
             self._launch(nb, async_op=True)
             STATS["launched_in_backward"] += 1
+            self._drain()
+
+    def _drain(self) -> None:
+        """Finish the oldest launched buckets beyond ``REDUCE_IN_FLIGHT`` (their flats freed)."""
+        pending = [b for b in self._buckets if b.launched and not b.done]
+        for b in pending[: max(0, len(pending) - REDUCE_IN_FLIGHT)]:
+            self._finish(b)
 
     def _end_backward(self) -> None:
         try:
@@ -211,6 +224,7 @@ class GradReducer:
                 if not b.launched:
                     self._launch(b, async_op=True)
                     STATS["launched_at_end"] += 1
+                    self._drain()
             for b in self._buckets:
                 self._finish(b)
             for k, g in self._held.items():
@@ -303,7 +317,7 @@ class GradReducer:
                     s.leaf.grad = part.clone() if s.leaf.grad is None else s.leaf.grad.add_(part)
                 else:  # ZeRO-1: the reduced slice back into the whole gradient buffer
                     P.dtensor_local(e.param.grad).view(-1)[s.start:s.end].copy_(part)
-        b.work, b.flat, b.out, b.grads = None, None, None, []
+        b.work, b.flat, b.out, b.grads, b.done = None, None, None, [], True
 
 
 def hierarchical_all_reduce(flat: torch.Tensor, axes: list[int], groups: list, sizes: list[int]) -> None:

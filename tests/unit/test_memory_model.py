@@ -8,7 +8,7 @@ import torch
 import autopart
 from autopart.cost import megatron_activation_bytes_per_layer, model_state_bytes
 from autopart.models import GPT, GPTConfig
-from autopart.planner import BUCKET_BYTES, PlanOptions, make_plan
+from autopart.planner import BUCKET_BYTES, REDUCE_IN_FLIGHT, PlanOptions, make_plan
 from autopart.trace import trace
 
 
@@ -69,10 +69,10 @@ def test_model_states_match_zero_table(d):
         # to divide)
         expect = model_state_bytes(psi, d if level else 1, level, bytes_param=2, bytes_grad=2, bytes_optim=12)
         assert states == pytest.approx(expect, rel=0.01), (zero, states / psi, expect / psi)
-        if level == 2:  # end of backward: the gradient slices, one bucket of whole gradients in flight and its
-            # reduce-scatter output, 1/d of it (a GPU cluster: no gloo copy of the bucket)
+        if level == 2:  # end of backward: the gradient slices, the buckets of whole gradients in flight and
+            # their reduce-scatter output, 1/d of them (a GPU cluster: no gloo copy of the bucket)
             whole = sum(mem[k] for k in ("parameters", "gradients", "optimizer_states", "buffers")) + \
-                min(BUCKET_BYTES, 2 * psi) * (1 + 1 / d)
+                min(REDUCE_IN_FLIGHT * BUCKET_BYTES, 2 * psi) * (1 + 1 / d)
             assert mem["peak_backward"] == pytest.approx(whole, rel=1e-6), (mem["peak_backward"], whole)
 
 
@@ -139,7 +139,7 @@ def test_optimizer_step_binds_zero1_with_tiny_activations():
     from autopart.planner import OPTIMIZER_STEP_TEMPORARY
     from autopart.runtime.zero1 import GATHER_IN_FLIGHT
 
-    traced = _meta_gpt(1024, 8, layers=2, s=8, dropout=0.0, dtype=torch.float32)
+    traced = _meta_gpt(1024, 8, layers=4, s=8, dropout=0.0, dtype=torch.float32)
     cluster = autopart.preset("a100-80gb", (2,))
 
     def plan(limit):
@@ -157,8 +157,9 @@ def test_optimizer_step_binds_zero1_with_tiny_activations():
     assert (GATHER_IN_FLIGHT - 1) * 1.5 * BUCKET_BYTES < mem["gather_in_flight"] <= GATHER_IN_FLIGHT * 1.5 * \
         BUCKET_BYTES < mem["gradients"]
     assert mem["peak_optimizer"] == pytest.approx(states + mem["gradients"] + temps, rel=1e-9)
-    # end of backward: one bucket reduce-scattered, and its output (half of it)
-    assert mem["peak_backward"] == pytest.approx(states + mem["gradients"] + 1.5 * BUCKET_BYTES, rel=1e-9)
+    # end of backward: REDUCE_IN_FLIGHT buckets reduce-scattered, and their output (half of them)
+    assert mem["peak_backward"] == pytest.approx(states + mem["gradients"] + REDUCE_IN_FLIGHT * 1.5 * BUCKET_BYTES,
+                                                 rel=1e-9)
     assert mem["total"] == mem["peak_optimizer"] > max(mem["peak_forward"], mem["peak_backward"])
     assert "peak at the optimizer step" in str(free)
     assert plan(mem["total"] * (1 + 1e-6)).predicted["memory_bytes"]["total"] == pytest.approx(mem["total"])
