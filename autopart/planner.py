@@ -1292,17 +1292,20 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
     Order, for shared work: the recipes without stages first (on the 2-block reduction: quick), the best of them
     warm-starts the search's plan without stages; then the search; then ``megatron-1f1b``, whose stage problems
     the search mostly solved already (``_Session``). ``plan.solver["ilp"]`` sums up every ILP solve made."""
-    from autopart.solver.ilp import record_solves
+    from contextlib import nullcontext
+
+    from autopart.solver.ilp import record_solves, share_solutions
 
     global _SESSION
     outer, _SESSION = _SESSION, _Session() if SHARE_WORK else None
     t0 = time.perf_counter()
     try:
-        with record_solves() as solves:
+        with record_solves() as solves, share_solutions() if SHARE_WORK else nullcontext() as shared:
             plan = _make_plan_with_recipes(traced, cluster, axis_names, opts)
     finally:
         session, _SESSION = _SESSION, outer
-    plan.solver["ilp"] = solve_summary(solves, session.hits if session is not None else 0)
+    reused = (session.hits if session is not None else 0) + (shared.hits if shared is not None else 0)
+    plan.solver["ilp"] = solve_summary(solves, reused)
     plan.solver["planning_s"] = time.perf_counter() - t0
     return plan
 
