@@ -349,3 +349,28 @@ def test_repair_to_budget_counts_edge_memory():
             assert max(p.peaks(out)) <= p.memory_limit + 1e-9
             repaired += max(p.peaks(start)) > p.memory_limit
     assert repaired > 3
+
+
+def test_share_solutions_answers_a_problem_solved_before():
+    from autopart.solver.ilp import record_solves, share_solutions
+
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, memory=True)
+    while p.memory_limit is None or brute_force(p) is None:
+        p = random_problem(rng, memory=True)
+    best = brute_force(p)
+    twin = Problem([f"other{i}" for i in range(len(p.names))], [c.copy() for c in p.node_cost], p.node_memory,
+                   p.edges, memory_limit=p.memory_limit, hint=list(best[1]))
+    with record_solves() as solves, share_solutions() as shared:
+        first = solve(p, EXACT)
+        again = solve(twin, EXACT)  # other names and a hint: the same problem, answered from the first solve
+        assert shared.hits == 1 and len(solves) == 1
+        assert again.choice == first.choice and again.hint == "reused" and again.objective == first.objective
+        assert math.isclose(first.objective, best[0], rel_tol=1e-9)
+        # another memory limit or another cost is another problem: solved
+        looser = solve(Problem(p.names, p.node_cost, p.node_memory, p.edges, memory_limit=p.memory_limit * 2), EXACT)
+        dearer = [c.copy() for c in p.node_cost]
+        dearer[0] = dearer[0] + 1.0
+        solve(Problem(p.names, dearer, p.node_memory, p.edges, memory_limit=p.memory_limit), EXACT)
+        assert shared.hits == 1 and len(solves) == 3 and looser.hint == "none"
+    assert solve(twin, EXACT).hint == "used"  # outside the block nothing is shared
