@@ -1108,6 +1108,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     last_of_layer = set(seen_layer.values())
     # conversion times by (value, source, target, ...): shared by every problem of a make_plan call on this cluster
     cache, spec_ids = _SESSION.pricing(cluster) if _SESSION is not None else ({}, {})
+    if _SESSION is not None:
+        _SESSION.keep.append(traced)  # the node and edge prices below name the graph by id: alive while they are
     out_nodes = set()
     for o in traced.graph.find_nodes(op="output"):
         for a in torch.utils._pytree.tree_leaves(o.args):
