@@ -10,13 +10,16 @@ rewriting (not part of planning: "-"); total = strategies+costs + solve (+ Plan 
 cpu = the process's CPU time over the same span (``time.process_time``: what a shared machine inflates least);
 recipes / search = the two parts of ``make_plan`` (scoring the standard recipes; the free search with pipeline
 stages); ILP solves / max gap = every solve made while planning and the largest optimality gap among them.
-``--breakdown`` prints the CPU time of every sharding problem solved on the way.
+``--breakdown`` prints the CPU time of every sharding problem solved on the way; ``--profile N`` profiles each plan
+call (cProfile on CPU time) and prints its N functions of largest cumulative time.
 Global batch: one sequence per device of the first mesh axis (at least 8), full context length of the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -41,7 +44,7 @@ def _seq_len(model) -> int:
 
 
 def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict | None = None,
-          cluster: str = "a100-80gb", repeat: int = 1) -> list[dict]:
+          cluster: str = "a100-80gb", repeat: int = 1, profile: int = 0) -> list[dict]:
     extra = extra or {}
     rows = []
     for name in models:
@@ -60,15 +63,23 @@ def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict
             t = traced[batch]
             names = ("dp", "tp")[: len(shape)] if len(shape) == 2 else ("dp",)
             for _ in range(repeat):
+                prof = cProfile.Profile(time.process_time) if profile else None
                 t0, c0 = time.perf_counter(), time.process_time()
                 try:
+                    if prof is not None:
+                        prof.enable()
                     p = autopart.plan(model, autopart.mesh(shape, names), (ids,), {"labels": ids},
                                       cluster=autopart.preset(cluster, shape), traced=t, time_limit_s=time_limit_s,
                                       **extra)
                     err = None
                 except Exception as exc:  # noqa: BLE001 - reported in the table
                     p, err = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                finally:
+                    if prof is not None:
+                        prof.disable()
                 total, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if prof is not None:  # CPU seconds (the profiler's own overhead inflates Python code ~2-3x)
+                    pstats.Stats(prof).sort_stats("cumulative").print_stats(profile)
                 s = p.solver if p else {}
                 ilp = s.get("ilp", {})
                 rows.append({
@@ -131,6 +142,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="plan each configuration this many times (one export)")
     ap.add_argument("--breakdown", action="store_true",
                     help="print the CPU time of every sharding problem solved (planner._sharding_plan) as it ends")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile every plan call (CPU time) and print its N functions of largest cumulative time")
     ap.add_argument("--sharding-only", action="store_true",
                     help="decide shardings (ZeRO placements included) but no checkpointing or offload variants")
     a = ap.parse_args()
@@ -149,7 +162,7 @@ def main() -> None:
         _print_each_solve()
     extra = {"checkpoint": "none", "offload": "none"} if a.sharding_only else {}
     print("decisions:", "shardings only" if a.sharding_only else "all (shardings, ZeRO, checkpointing, offload)")
-    bench(models, meshes, a.time_limit, extra, a.cluster, a.repeat)
+    bench(models, meshes, a.time_limit, extra, a.cluster, a.repeat, a.profile)
 
 
 if __name__ == "__main__":

@@ -349,3 +349,49 @@ def test_repair_to_budget_counts_edge_memory():
             assert max(p.peaks(out)) <= p.memory_limit + 1e-9
             repaired += max(p.peaks(start)) > p.memory_limit
     assert repaired > 3
+
+
+def test_share_solutions_answers_a_problem_solved_before():
+    from autopart.solver.ilp import record_solves, share_solutions
+
+    rng = np.random.default_rng(7)
+    p = random_problem(rng, memory=True)
+    while p.memory_limit is None or brute_force(p) is None:
+        p = random_problem(rng, memory=True)
+    best = brute_force(p)
+    twin = Problem([f"other{i}" for i in range(len(p.names))], [c.copy() for c in p.node_cost], p.node_memory,
+                   p.edges, memory_limit=p.memory_limit, hint=list(best[1]))
+    with record_solves() as solves, share_solutions() as shared:
+        first = solve(p, EXACT)
+        again = solve(twin, EXACT)  # other names and a hint: the same problem, answered from the first solve
+        assert shared.hits == 1 and len(solves) == 1
+        assert again.choice == first.choice and again.hint == "reused" and again.objective == first.objective
+        assert math.isclose(first.objective, best[0], rel_tol=1e-9)
+        # another memory limit or another cost is another problem: solved
+        looser = solve(Problem(p.names, p.node_cost, p.node_memory, p.edges, memory_limit=p.memory_limit * 2), EXACT)
+        dearer = [c.copy() for c in p.node_cost]
+        dearer[0] = dearer[0] + 1.0
+        solve(Problem(p.names, dearer, p.node_memory, p.edges, memory_limit=p.memory_limit), EXACT)
+        assert shared.hits == 1 and len(solves) == 3 and looser.hint == "none"
+    assert solve(twin, EXACT).hint == "used"  # outside the block nothing is shared
+
+
+def test_highs_presolve_off_on_large_memoryless_problems_keeps_the_optimum(monkeypatch):
+    """Without a memory row and with HIGHS_PRESOLVE_OFF_VARS variables or more, HiGHS runs without its own presolve
+    (faster there); the optimum is the one it proves with its presolve on."""
+    import autopart.solver.ilp as ilp
+
+    rng = np.random.default_rng(3)
+    n, k = 24, 12
+    cost = [rng.random(k) for _ in range(n)]
+    edges = [(i, i + 1, rng.random((k, k))) for i in range(n - 1)] + [(i, i + 2, rng.random((k, k)))
+                                                                    for i in range(0, n - 2, 3)]
+    p = Problem([f"g{i}" for i in range(n)], cost, [np.zeros(k)] * n, edges)
+    runs = {}
+    for threshold in (10**9, 0):  # presolve on / off for this problem
+        monkeypatch.setattr(ilp, "HIGHS_PRESOLVE_OFF_VARS", threshold)
+        runs[threshold] = solve(p, MIP_ONLY)
+    on, off = runs[10**9], runs[0]
+    assert on.num_variables >= 3000 and on.status == off.status == "optimal"
+    assert math.isclose(on.objective, off.objective, rel_tol=1e-9) and math.isclose(off.objective, off.bound,
+                                                                                       rel_tol=1e-9)
