@@ -83,8 +83,11 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     d = cluster.device
     for value in (d.peak_flops, d.mem_bandwidth, d.host_bandwidth, d.memory_bytes):
         assert math.isfinite(value) and value > 0
-    # the runtime's framework time: tens of microseconds or more per op on any CPU, a rank's share of its host
-    assert 1e-6 < d.op_latency < 0.05 and 0 <= d.param_latency < 0.05, (d.op_latency, d.param_latency)
+    # the runtime's framework time: tens of microseconds or more per op on any CPU, a rank's share of its host.
+    # Its split between ops and parameters comes from two models' difference and may put all of it on either side
+    # (a fresh clone on the idle machine measured 0 per op, 72 us per parameter): the sum is what must be there
+    assert 0 <= d.op_latency < 0.05 and 0 <= d.param_latency < 0.05, (d.op_latency, d.param_latency)
+    assert d.op_latency + d.param_latency > 1e-6, (d.op_latency, d.param_latency)
     assert d.host_ranks == 2 and d.alone_speedup >= 1
     link = cluster.links[0]
     assert {k for k, _, _ in link.per_collective} == set(COLLECTIVES)
