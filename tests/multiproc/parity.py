@@ -89,6 +89,16 @@ def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5) -> tupl
     return out, model
 
 
+def train(pm, opt) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``STEPS`` steps of ``pm`` with ``opt`` on ``batches()``: the losses, then the gathered parameters."""
+    losses = []
+    for ids in batches():
+        losses.append(pm.forward_backward(ids, labels=ids).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
 def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False,
                 checkpoint: dict[str, str] | str | None = None, pipeline: dict | str | None = None,
                 layers: int = 2, pins: dict[str, str] | None = None):
@@ -98,14 +108,7 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch:
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False,
                               checkpoint=checkpoint, pipeline=pipeline, pins=pins)
-    opt = torch.optim.AdamW(pm.parameters(), **OPT)
-    losses = []
-    for ids in batches():
-        loss = pm.forward_backward(ids, labels=ids)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    losses, full = train(pm, torch.optim.AdamW(pm.parameters(), **OPT))
     logits = pm(batches()[0])  # forward only, a signature the plan was not traced for: planned on first use
     return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, check, make_model, reference
+from tests.multiproc.parity import OPT, batches, check, make_model, reference, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -61,14 +61,8 @@ def _after_backward_run(zero: int):
     ids0 = batches()[0]
     pm = autopart.parallelize(model, autopart.mesh((2, 2), ("a", "b")), (ids0,), {"labels": ids0},
                               roles={"a": "dp"}, zero=zero, pipeline="off", pins=_pins(model, ids0))
-    opt = pm.optimizer(torch.optim.AdamW, **OPT)
-    losses = []
-    for ids in batches():
-        losses.append(pm.forward_backward(ids, labels=ids).item())
-        opt.step()
-        opt.zero_grad()
+    losses, full = train(pm, pm.optimizer(torch.optim.AdamW, **OPT))
     reduced = {tuple(a) for a in pm.plan.reduced.values()}
-    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
     return losses, full, str(pm.plan), reduced, pm(batches()[0]).detach(), dict(pm.plan.zero)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, check, make_model, reference
+from tests.multiproc.parity import OPT, batches, check, make_model, reference, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -24,12 +24,7 @@ def _offload_run(name: str, offload: str, zero):
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     assert isinstance(opt, HostOffloadOptimizer) == (offload in ("optimizer", "both"))
     C.REGATHER_STATS["offloaded"] = 0
-    losses = []
-    for ids in batches():
-        losses.append(pm.forward_backward(ids, labels=ids).item())
-        opt.step()
-        opt.zero_grad()
-    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    losses, full = train(pm, opt)
     return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), C.REGATHER_STATS["offloaded"]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, check, make_model, reference
+from tests.multiproc.parity import OPT, batches, check, make_model, reference, train
 
 pytestmark = pytest.mark.multiproc
 
@@ -210,13 +210,7 @@ def _pipeline_zero1_run():
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"pp": "pp", "dp": "dp"}, zero=1,
                               pipeline={"schedule": "1f1b", "micro_batches": 2})
-    opt = pm.optimizer(torch.optim.AdamW, **OPT)
-    losses = []
-    for ids in batches():
-        losses.append(pm.forward_backward(ids, labels=ids).item())
-        opt.step()
-        opt.zero_grad()
-    full = {k: v.clone() for k, v in pm.full_state_dict().items()}
+    losses, full = train(pm, pm.optimizer(torch.optim.AdamW, **OPT))
     return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach()
 
 
