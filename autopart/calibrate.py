@@ -199,25 +199,7 @@ def _median_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Cal
     Blocks last ``seconds``, not a few calls: a process waking from a barrier is favoured by the OS scheduler for a
     moment, so a burst of a few milliseconds sees a whole core where a step sharing the host with other ranks sees
     its fair share (measured on a 2-core host, 2 ranks: 100 GFLOP/s in 2-call bursts, ~2x less sustained)."""
-    dist.barrier()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                         device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-    inner = max(1, min(1000, math.ceil(seconds / max(float(probe), 1e-7))))
-    out = []
-    for _ in range(blocks):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        out.append((time.perf_counter() - t0) / inner)
-    return statistics.median(out)
+    return statistics.median(_paired_blocks([fn], blocks, seconds, sync)[0])
 
 
 def _collective(kind: str, nbytes: int, group: Any, n: int, local: int, ranks: list[int], device: str,

@@ -118,19 +118,25 @@ def test_gather_latency_once_per_bucket():
     assert zero1_gather_latency([], cluster) == 0.0
 
 
-def test_plan_prices_gather_bandwidth_per_parameter_latency_per_bucket():
-    """ZeRO-1 on 4 data-parallel H100s: each parameter's node holds its all-gather's bandwidth only; the plan's
-    step adds one bucket's latency (the tiny model's parameters fill one bucket), and the record reports both."""
+def _zero1_plan():
+    """(model, plan, cluster): a tiny GPT planned with ZeRO-1 on 4 data-parallel H100s."""
     import autopart
-    from autopart.cost import roofline_time
     from autopart.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=32))
     ids = torch.randint(0, 64, (8, 16))
     cluster = autopart.preset("h100-80gb", (4,))
-    p = autopart.plan(model, autopart.mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster,
-                      roles={"dp": "dp"}, zero=1, pipeline="off")
+    return model, autopart.plan(model, autopart.mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster,
+                                roles={"dp": "dp"}, zero=1, pipeline="off"), cluster
+
+
+def test_plan_prices_gather_bandwidth_per_parameter_latency_per_bucket():
+    """ZeRO-1 on 4 data-parallel H100s: each parameter's node holds its all-gather's bandwidth only; the plan's
+    step adds one bucket's latency (the tiny model's parameters fill one bucket), and the record reports both."""
+    from autopart.cost import roofline_time
+
+    model, p, cluster = _zero1_plan()
     assert p.zero and set(p.zero.values()) == {1}
     link = cluster.link(0).for_collective("all_gather")
     gathered = [r for r in p.nodes.values() if r["op"] == "param" and "gather_latency_s" in r]
@@ -215,12 +221,7 @@ def test_ilp_gather_share():
     from autopart.planner import _analyzed, zero1_gather_shares
     from autopart.trace import trace
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=32))
-    ids = torch.randint(0, 64, (8, 16))
-    cluster = autopart.preset("h100-80gb", (4,))
-    p = autopart.plan(model, autopart.mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster,
-                      roles={"dp": "dp"}, zero=1, pipeline="off")
+    model, p, cluster = _zero1_plan()
     pr = p.predicted
     assert pr["param_gather_s"] == pytest.approx(pr["param_gather_priced_s"] + pr["param_gather_latency_s"],
                                                  rel=0.02)
