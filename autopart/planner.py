@@ -1262,9 +1262,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                                                        last_of_layer))
         _, comp, grad, bucket, fwd, icomm, mem, kfull, ksel = hit
         if info.kind[rep.name] == "param" and gather_share:  # the share forward does not hide, per gathered axes
-            icomm = np.array([c * float(np.mean([gather_share.get((m, zero1_gather_entry(val, o.output, mesh)[0]),
-                                                                 1.0) for m in members]))
-                              if o.tag in ("zero1", "zero2") else c for c, o in zip(icomm, opts_r)])
+            icomm = icomm.copy()  # the cached prices stay whole
+            for a, o in enumerate(opts_r):
+                if o.tag in ("zero1", "zero2"):
+                    axes = zero1_gather_entry(val, o.output, mesh)[0]
+                    icomm[a] *= float(np.mean([gather_share.get((m, axes), 1.0) for m in members]))
         cost = comp + icomm
         for name in members:
             for prod, idx in out_nodes:
