@@ -73,6 +73,11 @@ class _Bucket:
     grads: list = field(default_factory=list)  # (entry, local gradient) as copied into ``flat``
     done: bool = False  # finished: results copied back, buffers freed
 
+    def reset(self) -> None:
+        """Before a backward (or an after-backward reduction): nothing ready, launched or held."""
+        self.ready, self.launched, self.work, self.flat, self.out, self.grads, self.done = \
+            set(), False, None, None, None, [], False
+
 
 def axes_groups(dm, axes_sets) -> dict[tuple[int, ...], object]:
     """A new process group per set of mesh axes (this rank's), over the ranks that differ only on those axes,
@@ -191,7 +196,7 @@ class GradReducer:
             return
         self._in_backward = True
         for b in self.buckets():
-            b.ready, b.launched, b.work, b.flat, b.out, b.grads, b.done = set(), False, None, None, None, [], False
+            b.reset()
         self._held = {}
         for k, e in self._entries.items():  # reduce only this backward's gradients; add the earlier ones after
             if e.param.grad is not None:
@@ -237,7 +242,7 @@ class GradReducer:
     def post_backward(self) -> None:
         """Reduce the gradients there now (pipelines: after the schedule), on the mesh's groups, axis by axis."""
         for b in self.buckets():
-            b.ready, b.launched, b.work, b.flat, b.out, b.grads = set(), False, None, None, None, []
+            b.reset()
             self._launch(b, async_op=False)
             self._finish(b)
 
