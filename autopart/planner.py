@@ -53,7 +53,6 @@ import torch.fx as fx
 
 from autopart.cost import (
     Cluster,
-    Link,
     backward_flops,
     collective_time,
     exposed_after,
@@ -243,7 +242,7 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         kind = "reduce_scatter" if scatter_grad else "all_reduce"
         nbytes = max(b for _, b in summed)
         axes = sorted((a for a, _ in summed), reverse=True)
-        total += hierarchical_time(kind, nbytes, [(mesh[a], Link(0.0, cluster.link(a).beta)) for a in axes])
+        total += hierarchical_time(kind, nbytes, [(mesh[a], cluster.link(a).without_latency()) for a in axes])
         total += min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a))
                                                                              for a in axes])
     return total
@@ -734,8 +733,8 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
     t = roofline_time(0.0, 2 * size * (ways + 1), cluster.device) if axes else 0.0
     for i in reversed(axes):
         size *= mesh[i]
-        link = cluster.link(i).for_collective("all_gather")
-        t += collective_time("all_gather", size, mesh[i], link if latency else Link(0.0, link.beta))
+        link = cluster.link(i)
+        t += collective_time("all_gather", size, mesh[i], link if latency else link.without_latency())
     return t
 
 

@@ -171,7 +171,8 @@ def test_user_cluster_file_toml_and_json(tmp_path, capsys) -> None:
         assert c.links[1] == h100.links[1]  # intra-node kept from the base
         assert c.links[0].bandwidth == pytest.approx(100e9)
         assert c.device.host_bandwidth == h100.device.host_bandwidth
-        assert c.with_mesh((2, 16)).links[1] == c.links[0]  # a 16-wide axis leaves the node: the file's IB link
+        wide = c.with_mesh((2, 16)).links[1]  # a 16-wide axis leaves the node: the file's IB link, 8 per node
+        assert wide.across() == c.links[0] and wide.local == 8 and wide.local_link == c.links[1]
         js = tmp_path / "box.json"
         js.write_text(json.dumps({"name": "test-box", "devices_per_node": 4, "reserve_bytes": 2**30,
                                   "device": {"peak_flops": 1e14, "mem_bandwidth": 1e12, "memory_bytes": "16GiB",
