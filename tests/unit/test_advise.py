@@ -63,7 +63,11 @@ def test_cli_advise_json_small_model(capsys) -> None:
     rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "256", "--gpus-per-node", "8", "--json"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["fits"] and d["gpus"] == 8 and d["mesh"] == [1, 8] and d["batch"] == 8 and d["seq"] == 256
+    assert d["fits"] and d["gpus"] == 8 and d["batch"] == 8 and d["seq"] == 256
+    # planned on every logical mesh of the node (tensor parallel 1, 2, 4, 8), the fastest kept
+    assert [v["mesh"] for v in d["views"]] == [[8], [4, 2], [2, 4]]
+    fastest = min((v for v in d["views"] if v["step_time_s"] is not None), key=lambda v: v["step_time_s"])
+    assert d["mesh"] == fastest["mesh"] and d["step_time_s"] == fastest["step_time_s"]
     assert d["model"].startswith("gpt:125m")
     _check_consistent(d)
     # 6 N T + attention: N counts the tied embedding once (as the head); the position table is a lookup
