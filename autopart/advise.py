@@ -868,12 +868,12 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
 def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ...] = SWEEP_GPUS,
           cluster: str | Cluster = "h100-80gb", gpus_per_node: int = 8, seq: int = 4096, batch_per_gpu: int = 1,
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
-          log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+          views: bool = True, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
     GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
     strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
     Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
-    deciding cost term reported."""
+    deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``)."""
     from autopart.trace import trace
 
     rows = []
@@ -903,7 +903,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 traced.export_seconds = time.perf_counter() - t0
                 adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
-                             optimizer_bytes_per_param=optimizer_bytes_per_param)
+                             optimizer_bytes_per_param=optimizer_bytes_per_param, views=views)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
             shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
             rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,
