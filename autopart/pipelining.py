@@ -48,7 +48,7 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
-from autopart.planner import _local_bytes, grad_reduction_time
+from autopart.planner import _local_bytes, reduction_shares
 from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce after the schedule
 from autopart.solver.pipeline import (
     SCHEDULES,
@@ -138,9 +138,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         us = sorted(set(users_units.get(n.name, [])))
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
-            # ZeRO-1/2's all-gather after the step: its bandwidth (``gather_s``) and its share of the
-            # buckets' latency (``gather_latency_s``: a whole bucket's for a parameter of a bucket or more, else
-            # bytes / BUCKET_BYTES of one; how small parameters round up to buckets within a stage is not counted)
+            # ZeRO-1/2's all-gather after the step: its bandwidth (``gather_s``) and its share of its bucket's
+            # latency (``gather_latency_s``, ``planner.zero1_latency_shares``: buckets filled over the whole model
+            # in the runtime's order; a stage's first and last may be split by a boundary, not counted)
             gather = nodes[n.name].get("gather_s", 0.0) + nodes[n.name].get("gather_latency_s", 0.0)
             for u in us or [0]:
                 own = nodes[n.name]["layer"] == units[u].name
@@ -195,12 +195,14 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
             u.time_s += c["time_s"]
             u.block_time_s += c["time_s"] * own
     fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
-    for fqn, axes in plan.reduced.items():
+    # each parameter's share of its reduction bucket, as the runtime fills them (a small gradient shares a bucket's
+    # latency with its neighbours; a stage's first and last bucket may be split by a boundary, not counted)
+    shares = reduction_shares(traced, nodes, plan.reduced, plan.zero, cluster)
+    for fqn in plan.reduced:
         ph = fqn_node.get(fqn)
         if ph is None or ph not in unit_of:
             continue
-        nbytes = nodes[ph].get("grad_bytes", 0.0)
-        t = grad_reduction_time(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
+        t = shares[fqn]
         for u in sorted(set(users_units.get(ph, [])) or {0}):
             units[u].reduce_s += t
             units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)

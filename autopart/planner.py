@@ -849,6 +849,20 @@ def zero1_gather_latency(entries, cluster: Cluster) -> float:
     return sum(zero1_bucket_latency(axes, cluster) for axes, _ in zero1_buckets(entries))
 
 
+def zero1_latency_shares(entries, cluster: Cluster) -> list[float]:
+    """Per entry (``zero1_gather_entry``, in the runtime's order), its share of its bucket's latency
+    (``zero1_buckets``), by gathered bytes: they sum to ``zero1_gather_latency``. What a pipeline stage's units add
+    to each parameter's bandwidth: parameters smaller than a bucket but too large to share one (two 16 MiB blocks
+    of a 25 MiB bucket) pay a whole bucket each, as the runtime gathers them."""
+    out = [0.0] * len(entries)
+    for axes, idx in zero1_buckets(entries):
+        lat = zero1_bucket_latency(axes, cluster)
+        nbytes = sum(entries[i][2] for i in idx)
+        for i in idx:
+            out[i] = lat * entries[i][2] / nbytes if nbytes else lat / len(idx)
+    return out
+
+
 def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) -> tuple[float, float]:
     """(total, exposed) seconds of ZeRO-1/2's parameter all-gather after the step, from the plan's node records
     ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in the order forward first uses them
@@ -893,11 +907,24 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
     axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
-    As the runtime runs it: per set of reduced axes, gradients in backward order (a parameter's is final when
-    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
-    (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
-    communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
-    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
+    As the runtime runs it (``reduction_buckets``), each bucket launched as its last gradient is produced. Where
+    the device overlaps communication with compute (``Device.comm_overlap``) the buckets run behind the backward
+    compute still to come (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed.
+    Otherwise all of it is."""
+    window, buckets = reduction_buckets(traced, nodes, reduced, zero, cluster)
+    total = sum(c for _, c, _ in buckets)
+    if not cluster.device.comm_overlap:
+        return total, total
+    return total, exposed_after([r for r, _, _ in buckets], [c for _, c, _ in buckets], window)
+
+
+def reduction_buckets(traced: Traced, nodes: dict, reduced: dict, zero: dict,
+                      cluster: Cluster) -> tuple[float, list[tuple[float, float, list[tuple[str, float]]]]]:
+    """The runtime's gradient reduction buckets (``runtime/grads.py``): per set of reduced axes (and all-reduce or
+    ZeRO-1/2's reduce-scatter), gradients in backward order (a parameter's is final when backward reaches its first
+    user), at most ``BUCKET_BYTES`` each (a larger gradient alone), each one collective per axis
+    (``grad_reduction_time``: its latency too). Returned: backward's compute time, and per bucket in launch order
+    (seconds into backward its last gradient is ready, its seconds, its (FQN, bytes))."""
     graph = [n for n in traced.graph.nodes if n.name in nodes]
     order = {n.name: i for i, n in enumerate(graph)}
     bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]
@@ -909,14 +936,14 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     for ph, fqn in traced.params.items():
         node_by_fqn.setdefault(fqn, ph)
     node_of = {n.name: n for n in graph}
-    by_set: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
+    by_set: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
     for fqn, axes in reduced.items():
         n = node_of[node_by_fqn[fqn]]
         users = [order[u.name] for u in n.users if u.name in order]
         ready = float(after[min(users)]) if users else window
         nbytes = _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
-        by_set[(tuple(axes), zero.get(fqn) in (1, 2))].append((ready, nbytes))  # ZeRO-1/2: reduce-scatter
-    launches = []
+        by_set[(tuple(axes), zero.get(fqn) in (1, 2))].append((ready, nbytes, fqn))  # ZeRO-1/2: reduce-scatter
+    buckets = []
     for (axes, zero1), grads in by_set.items():
         grads.sort()
         start = 0
@@ -925,13 +952,23 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
             while end < len(grads) and (end == start or nb + grads[end][1] <= BUCKET_BYTES):
                 nb += grads[end][1]
                 end += 1
-            launches.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster)))
+            buckets.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster),
+                            [(fqn, nbytes) for _, nbytes, fqn in grads[start:end]]))
             start = end
-    total = sum(c for _, c in launches)
-    if not cluster.device.comm_overlap:
-        return total, total
-    launches.sort()
-    return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
+    buckets.sort(key=lambda b: b[0])
+    return window, buckets
+
+
+def reduction_shares(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> dict[str, float]:
+    """Per reduced FQN, its share (by bytes) of its bucket's seconds (``reduction_buckets``): they sum to
+    ``gradient_reduction``'s total. What a pipeline stage's units add per parameter: small gradients share a
+    bucket's latency (the layer norms' all-reduce, one collective for many layers, not one each)."""
+    out = {}
+    for _, cost, members in reduction_buckets(traced, nodes, reduced, zero, cluster)[1]:
+        nb = sum(b for _, b in members)
+        for fqn, b in members:
+            out[fqn] = cost * b / nb if nb else cost / len(members)
+    return out
 
 
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
@@ -2020,9 +2057,6 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 rec["gather_s"] = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
                 zero_gathers += [(n.name, entry, rec["gather_s"], rec["time_s"] - rec["compute_s"])] * max(
                     1, round(k / len(prob.groups[gid])))  # a tied group's stand-ins
-                # its share of the buckets' latency, what pipeline units sum: a parameter of a bucket or more is
-                # gathered alone (one bucket), smaller ones share one (bytes / BUCKET_BYTES of it)
-                rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * min(1.0, entry[2] / BUCKET_BYTES)
         nodes[n.name] = rec
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]
@@ -2091,6 +2125,12 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     zero_gathers.sort(key=lambda g: min((position[u.name] for u in node_by_name[g[0]].users if u.name in position),
                                         default=len(position)))  # the runtime's bucket order: forward's first use
     gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster)
+    # each parameter's share of its bucket's latency, what pipeline units sum (a stand-in's mean: one instance's)
+    latency_of: dict[str, list[float]] = defaultdict(list)
+    for g, lat in zip(zero_gathers, zero1_latency_shares([g[1] for g in zero_gathers], cluster)):
+        latency_of[g[0]].append(lat)
+    for name, lats in latency_of.items():
+        nodes[name]["gather_latency_s"] = sum(lats) / len(lats)
     gather_total, gather_exposed = param_gather(traced, nodes, [g[:3] for g in zero_gathers], cluster)
     gather_priced = sum(g[3] for g in zero_gathers)
     comm_total += gather_exposed - gather_priced
