@@ -48,7 +48,7 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
-from autopart.planner import _local_bytes, reduction_shares
+from autopart.planner import _local_bytes, grad_reduction_time
 from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce after the schedule
 from autopart.solver.pipeline import (
     SCHEDULES,
@@ -195,14 +195,12 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
             u.time_s += c["time_s"]
             u.block_time_s += c["time_s"] * own
     fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
-    # each parameter's share of its reduction bucket, as the runtime fills them (a small gradient shares a bucket's
-    # latency with its neighbours; a stage's first and last bucket may be split by a boundary, not counted)
-    shares = reduction_shares(traced, nodes, plan.reduced, plan.zero, cluster)
-    for fqn in plan.reduced:
+    for fqn, axes in plan.reduced.items():
         ph = fqn_node.get(fqn)
         if ph is None or ph not in unit_of:
             continue
-        t = shares[fqn]
+        nbytes = nodes[ph].get("grad_bytes", 0.0)
+        t = grad_reduction_time(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
         for u in sorted(set(users_units.get(ph, [])) or {0}):
             units[u].reduce_s += t
             units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)

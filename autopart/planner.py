@@ -907,24 +907,11 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
     axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
-    As the runtime runs it (``reduction_buckets``), each bucket launched as its last gradient is produced. Where
-    the device overlaps communication with compute (``Device.comm_overlap``) the buckets run behind the backward
-    compute still to come (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed.
-    Otherwise all of it is."""
-    window, buckets = reduction_buckets(traced, nodes, reduced, zero, cluster)
-    total = sum(c for _, c, _ in buckets)
-    if not cluster.device.comm_overlap:
-        return total, total
-    return total, exposed_after([r for r, _, _ in buckets], [c for _, c, _ in buckets], window)
-
-
-def reduction_buckets(traced: Traced, nodes: dict, reduced: dict, zero: dict,
-                      cluster: Cluster) -> tuple[float, list[tuple[float, float, list[tuple[str, float]]]]]:
-    """The runtime's gradient reduction buckets (``runtime/grads.py``): per set of reduced axes (and all-reduce or
-    ZeRO-1/2's reduce-scatter), gradients in backward order (a parameter's is final when backward reaches its first
-    user), at most ``BUCKET_BYTES`` each (a larger gradient alone), each one collective per axis
-    (``grad_reduction_time``: its latency too). Returned: backward's compute time, and per bucket in launch order
-    (seconds into backward its last gradient is ready, its seconds, its (FQN, bytes))."""
+    As the runtime runs it: per set of reduced axes, gradients in backward order (a parameter's is final when
+    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
+    (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
+    communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
+    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
     graph = [n for n in traced.graph.nodes if n.name in nodes]
     order = {n.name: i for i, n in enumerate(graph)}
     bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]
@@ -936,14 +923,14 @@ def reduction_buckets(traced: Traced, nodes: dict, reduced: dict, zero: dict,
     for ph, fqn in traced.params.items():
         node_by_fqn.setdefault(fqn, ph)
     node_of = {n.name: n for n in graph}
-    by_set: dict[tuple, list[tuple[float, float, str]]] = defaultdict(list)
+    by_set: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for fqn, axes in reduced.items():
         n = node_of[node_by_fqn[fqn]]
         users = [order[u.name] for u in n.users if u.name in order]
         ready = float(after[min(users)]) if users else window
         nbytes = _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
-        by_set[(tuple(axes), zero.get(fqn) in (1, 2))].append((ready, nbytes, fqn))  # ZeRO-1/2: reduce-scatter
-    buckets = []
+        by_set[(tuple(axes), zero.get(fqn) in (1, 2))].append((ready, nbytes))  # ZeRO-1/2: reduce-scatter
+    launches = []
     for (axes, zero1), grads in by_set.items():
         grads.sort()
         start = 0
@@ -952,23 +939,13 @@ def reduction_buckets(traced: Traced, nodes: dict, reduced: dict, zero: dict,
             while end < len(grads) and (end == start or nb + grads[end][1] <= BUCKET_BYTES):
                 nb += grads[end][1]
                 end += 1
-            buckets.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster),
-                            [(fqn, nbytes) for _, nbytes, fqn in grads[start:end]]))
+            launches.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster)))
             start = end
-    buckets.sort(key=lambda b: b[0])
-    return window, buckets
-
-
-def reduction_shares(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> dict[str, float]:
-    """Per reduced FQN, its share (by bytes) of its bucket's seconds (``reduction_buckets``): they sum to
-    ``gradient_reduction``'s total. What a pipeline stage's units add per parameter: small gradients share a
-    bucket's latency (the layer norms' all-reduce, one collective for many layers, not one each)."""
-    out = {}
-    for _, cost, members in reduction_buckets(traced, nodes, reduced, zero, cluster)[1]:
-        nb = sum(b for _, b in members)
-        for fqn, b in members:
-            out[fqn] = cost * b / nb if nb else cost / len(members)
-    return out
+    total = sum(c for _, c in launches)
+    if not cluster.device.comm_overlap:
+        return total, total
+    launches.sort()
+    return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
 
 
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,

@@ -137,48 +137,6 @@ def test_gather_latency_shares_follow_the_buckets():
     assert sum(shares) == pytest.approx(zero1_gather_latency(entries, cluster), rel=1e-12)
 
 
-def test_reduction_shares_split_the_runtime_buckets():
-    """What a pipeline stage's units charge per reduced parameter (``reduction_shares``): its bucket's seconds split
-    by bytes; they sum to the plan's reduction. 20 KiB buckets over a tiny GPT: the MLP matrices (64 KiB of fp32)
-    fill one alone, paying a whole collective's latency; a layer norm's weight (256 B) shares an attention matrix's
-    (16 KiB) and pays a fraction of one (per parameter it was priced a whole collective each)."""
-    import autopart
-    from autopart.models import GPT, GPTConfig
-    from autopart.planner import gradient_reduction, reduction_buckets, reduction_shares
-    from autopart.trace import trace
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, d_model=64, bias=False))
-    ids = torch.randint(0, 64, (8, 16))
-    cluster = autopart.preset("h100-80gb", (4,))
-    t = trace(model, (ids,), {"labels": ids})
-    p = autopart.plan(model, autopart.mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster, traced=t,
-                      roles={"dp": "dp"}, zero=1, pipeline="off")
-    import autopart.planner as planner
-
-    old = planner.BUCKET_BYTES
-    planner.BUCKET_BYTES = 20 * 2**10
-    try:
-        shares = reduction_shares(t, p.nodes, p.reduced, p.zero, cluster)
-        total, _ = gradient_reduction(t, p.nodes, p.reduced, p.zero, cluster)
-        buckets = reduction_buckets(t, p.nodes, p.reduced, p.zero, cluster)[1]
-    finally:
-        planner.BUCKET_BYTES = old
-    assert set(shares) == set(p.reduced)
-    assert sum(shares.values()) == pytest.approx(total, rel=1e-12)
-    latency = 3 * cluster.link(0).for_collective("reduce_scatter").alpha  # a ring over 4 ranks, no bytes
-    alone = [m for _, _, m in buckets if len(m) == 1]
-    shared = [m for _, _, m in buckets if len(m) > 1]
-    assert alone and shared
-    for _, cost, members in buckets:
-        assert cost > latency  # every bucket pays one collective's latency, whatever it holds
-        for fqn, nbytes in members:
-            assert shares[fqn] == pytest.approx(cost * nbytes / sum(b for _, b in members), rel=1e-12)
-    assert any(b == 64 * 2**10 for m in alone for _, b in m)
-    for m in shared:
-        assert min(shares[fqn] for fqn, _ in m) < latency
-
-
 def _zero1_plan():
     """(model, plan, cluster): a tiny GPT planned with ZeRO-1 on 4 data-parallel H100s."""
     import autopart
