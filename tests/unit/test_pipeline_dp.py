@@ -254,3 +254,20 @@ def test_reduction_tail_after_the_schedule():
     # a reduction on rank 1 longer than rank 0's reduction and forward together: the rest of it is exposed
     assert reduction_tail(pl, layers, [0.5, 0.5, 4.0, 4.0], True, after_schedule=True) == pytest.approx(
         8.0 - 2.1)
+
+
+def test_reduction_tail_interleaved_chunks_share_their_rank_clock():
+    """Interleaved (p = 2, v = 2, one layer per chunk, ranks 0 1 0 1): a rank's gathers for its second chunk follow
+    those of its first, from its own reduction's end; its second chunk waits for them, not for the other rank's."""
+    from autopart.solver.pipeline import PipelinePlan, reduction_tail
+
+    layers = [LayerCost(fwd_s=1.0, bwd_s=2.0, act_bytes=0.0, state_bytes=0.0)] * 4
+    opts = PipelineOptions(2, 4, "interleaved", virtual=2)
+    pl = PipelinePlan((0, 1, 2, 3), (False,) * 4, 0.0, 0.0, (0.0,) * 4, (0.0, 0.0), opts)
+    red = [1.0, 0.0, 1.0, 0.0]  # rank 0 reduces 2 s after the schedule, rank 1 nothing
+    # rank 1's gather (3 s, chunk 3) from 0, done long before the first micro-batch reaches chunk 3 at 5: rank 0's 2 s
+    assert reduction_tail(pl, layers, red, True, [0.0, 0.0, 0.0, 3.0], after_schedule=True) == pytest.approx(2.0)
+    # rank 0's gather for chunk 2 (4 s) from its reduction's end (2): done at 6, chunk 2 reached at 4: 2 s more
+    assert reduction_tail(pl, layers, red, True, [0.0, 0.0, 4.0, 0.0], after_schedule=True) == pytest.approx(4.0)
+    # and behind chunk 0's gather (1 s) first: chunk 0 from 3, chunk 2 reached at 5, its gather done at 7
+    assert reduction_tail(pl, layers, red, True, [1.0, 0.0, 4.0, 0.0], after_schedule=True) == pytest.approx(5.0)
