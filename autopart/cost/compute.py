@@ -229,8 +229,16 @@ def backward_flops(target: Any, fwd_flops: int) -> int:
     return fwd_flops
 
 
-def node_bytes(args: Any, out: Any) -> int:
-    """Bytes read plus written: numel·element_size of every tensor in ``args`` and ``out`` (lists, tuples, dicts)."""
+# ops whose kernels write and read back an intermediate as large as their first argument, which neither their
+# arguments nor their output show: cross-entropy is log_softmax then nll_loss, so its (tokens, vocab) log-probabilities
+# are written in forward and read by the backward (priced as twice the forward's bytes: nll_loss_backward writes a
+# dense gradient of them, log_softmax_backward reads it and them and writes the logits' gradient)
+_INTERMEDIATE = frozenset([aten.cross_entropy_loss])
+
+
+def node_bytes(args: Any, out: Any, target: Any = None) -> int:
+    """Bytes read plus written: numel·element_size of every tensor in ``args`` and ``out`` (lists, tuples, dicts),
+    plus, with the op ``target`` given, the intermediate its kernels write (``_INTERMEDIATE``)."""
 
     def size(x: Any) -> int:
         if isinstance(x, torch.Tensor):
@@ -241,7 +249,8 @@ def node_bytes(args: Any, out: Any) -> int:
             return sum(size(y) for y in x.values())
         return 0
 
-    return size(args) + size(out)
+    extra = size(args[0]) if target is not None and _packet(target) in _INTERMEDIATE and args else 0
+    return size(args) + size(out) + extra
 
 
 _TRANSCENDENTAL = frozenset(
