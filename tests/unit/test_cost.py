@@ -214,6 +214,33 @@ def test_backward_flops():
 def test_node_bytes():
     a, b = meta(4, 8), meta(8, dtype=torch.float32)
     assert node_bytes((a, [b, (b, 3)], 1.0), meta(4, 8)) == 64 + 32 + 32 + 64
+    # cross-entropy writes (tokens, vocab) log-probabilities that its scalar output does not show
+    logits, labels = meta(16, 1000), meta(16, dtype=torch.long)
+    ce = aten.cross_entropy_loss.default
+    assert node_bytes((logits, labels), meta()) == 32000 + 128 + 2
+    assert node_bytes((logits, labels), meta(), ce) == 2 * 32000 + 128 + 2
+    assert node_bytes((a, a), meta(4, 8), aten.add.Tensor) == 3 * 64
+
+
+def test_h100_fused_attention_at_cudnn_published_rate():
+    # FlashAttention-3 paper (arXiv:2407.08608), H100 bf16, head dim 128, sequence 4096: cuDNN's fused attention
+    # forward with a causal mask 518 TFLOP/s, backward 499 TFLOP/s, FLOPs counted as autopart counts them
+    b, heads, s, d = 4, 16, 4096, 128
+    q = meta(b, heads, s, d)
+    sdpa = aten.scaled_dot_product_attention.default
+    fwd = node_flops(sdpa, (q, q, q), {"is_causal": True}, q)
+    assert fwd == 4 * b * heads * s * s * d // 2
+    total = fwd + backward_flops(sdpa, fwd)
+    published_s = fwd / 518e12 + 2.5 * fwd / 499e12
+    for name in ("h100-80gb", "h200-141gb"):  # the same chip; the H200's faster memory does not bind here
+        dev = PRESETS[name].device
+        t = roofline_time(total, 3 * node_bytes((q, q, q), q), dev, sdpa)
+        assert t == pytest.approx(published_s, rel=1e-9)
+        assert total / t < 0.8 * dev.achievable_flops  # slower than the GEMMs (643 TFLOP/s)
+        # the matmul family keeps the GEMM rate
+        assert roofline_time(total, 0.0, dev, aten.mm.default) == pytest.approx(total / dev.achievable_flops)
+    a100 = PRESETS["a100-80gb"].device  # no per-configuration FlashAttention-2 figure: the matmul rate
+    assert roofline_time(total, 0.0, a100, sdpa) == pytest.approx(total / a100.achievable_flops)
 
 
 # memory and FLOP closed forms
