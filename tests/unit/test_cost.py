@@ -348,10 +348,34 @@ def test_megatron_h100_1p7b_row_within_15_percent():
     assert 0.0 < p["param_gather_s"] < 0.5 * p["param_gather_total_s"]
     tflops = flops / p["step_time_s"] / gpus / 1e12
     if tflops > 408.8 * 1.15:
-        pytest.xfail(f"{tflops:.0f} TFLOP/s predicted vs 408.8 published: the compute term is faster than Megatron "
-                     f"measured at h = 2048 (its zero=0 score is 526); the after-step gather, now hidden as Megatron "
-                     f"hides it, no longer masks that (benchmarks/README.md, Megatron table)")
+        pytest.xfail(f"{tflops:.0f} TFLOP/s predicted vs 408.8 published: with attention at cuDNN's published "
+                     f"rate the compute term is still faster than Megatron measured at h = 2048. Named, not priced: "
+                     f"Megatron's loss on fp32 logits (logits.float(): ~52 bytes per logit where this GPT's bf16 "
+                     f"loss moves 12, ~0.026 s of the ~0.37 s step) and its gradient reduce-scatter in fp32 with "
+                     f"bf16 (accumulate_allreduce_grads_in_fp32); views priced by their bytes err the other way "
+                     f"(~0.03 s) (benchmarks/README.md, Megatron table)")
     assert tflops == pytest.approx(408.8, rel=0.15)
+
+
+def test_long_context_mfu_below_published_ceiling():
+    # REFERENCE.md: "A predicted MFU above ~60% is a bug". Llama-7B's width (h 4096, 32 heads of 128, ffn 11008) at
+    # 32K tokens, where causal attention is ~40% of the executed FLOPs, on one H100 node (tp 8); 2 layers keep the
+    # test cheap. MFU by Megatron's count (the whole s x s square: ``advise.model_flops``)
+    import autopart
+    from autopart.advise import model_flops
+    from autopart.models.llama import Llama, LlamaConfig
+    from autopart.trace import trace
+
+    seq = 32768
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=32000, max_seq_len=seq, n_layer=2, n_head=32, n_kv_head=32, d_model=4096,
+                                  d_ff=11008)).to(torch.bfloat16)
+        ids = torch.randint(0, 32000, (1, seq))
+    traced = trace(model, (ids,), {"labels": ids})
+    p = autopart.evaluate(model, 8, (ids,), {"labels": ids}, cluster="h100-80gb", tp=8, zero=0, traced=traced)
+    flops, _, _ = model_flops(model, traced, seq)
+    mfu = flops / p.predicted["step_time_s"] / 8 / PRESETS["h100-80gb"].device.peak_flops
+    assert 0.3 < mfu < 0.6, mfu
 
 
 def test_cluster_file_overlap_and_tree(tmp_path):
