@@ -757,7 +757,7 @@ def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float
         if info.kind[n.name] == "op":
             val = value_of(n)
             flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
-            nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val)
+            nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val, n.target)
             clock += roofline_time(flops / world, nbytes / world, device, n.target)
     if len(_FORWARD_FLOOR) >= 8:
         _FORWARD_FLOOR.pop(next(iter(_FORWARD_FLOOR)))
@@ -1108,7 +1108,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
     ksel = np.zeros(len(opts_r))
     if info.kind[rep.name] == "op":
         flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
-        nbytes = node_bytes(_fx_vals(list(rep.args) + list(rep.kwargs.values())), val)
+        nbytes = node_bytes(_fx_vals(list(rep.args) + list(rep.kwargs.values())), val, rep.target)
         g = info.needs_grad[rep.name]
         tflops = flops + (backward_flops(rep.target, flops) if g else 0)
         tbytes = nbytes * (3 if g else 1)

@@ -99,8 +99,9 @@ class Device:
     host_bandwidth: float  # bytes/s device<->host
     mfu: float = 1.0
     # measured by ``autopart.calibrate`` (0: not measured, use the two rates above): FLOP/s of fused attention,
-    # forward and backward counted as ``autopart.cost.compute`` counts them, and bytes/s of elementwise ops with
-    # transcendental math (gelu, exp, softmax, ...), which are compute-bound on CPUs
+    # forward and backward counted as ``autopart.cost.compute`` counts them (the GPU presets: a published kernel's,
+    # see ``preset``), and bytes/s of elementwise ops with transcendental math (gelu, exp, softmax, ...), which are
+    # compute-bound on CPUs
     attention_flops: float = 0.0
     math_bandwidth: float = 0.0
     # seconds of framework time per graph op, forward and backward (dispatch, autograd, the runtime's Python;
@@ -291,10 +292,19 @@ _A100 = Preset(
     reserve_bytes=4 * GiB,
 )
 
+
+
+def fused_attention_rate(forward_flops: float, backward_flops: float) -> float:
+    """FLOP/s of one fused attention call, forward and backward, from a kernel's published forward and backward
+    rates: ``autopart.cost.compute`` counts the backward as 2.5 x the forward's FLOPs (as the FlashAttention papers'
+    benchmarks do), so the pair takes F / forward + 2.5 F / backward seconds for 3.5 F FLOPs."""
+    return 3.5 / (1.0 / forward_flops + 2.5 / backward_flops)
+
+
 _H100 = Preset(
     device=Device(
         "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65,
-        comm_overlap=True,
+        attention_flops=fused_attention_rate(518e12, 499e12), comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 450e9),
     inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True),
@@ -473,14 +483,28 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
       (nvidia-smi 81920 MiB), PCIe Gen4 x16 (~25 GB/s achieved). NVLink 3: 600 GB/s bidirectional = 300 GB/s per
       direction, taken as bus bandwidth (nccl-tests doc/PERFORMANCE.md), α 5 µs. InfiniBand: 8 HDR 200 Gb/s NICs
       per node, one per GPU = 25 GB/s per GPU, α 10 µs. mfu 0.7: cuBLAS bf16 GEMMs reach ~220-250 TFLOP/s, and
-      Megatron reaches ~50-56% MFU end to end (K22).
+      Megatron reaches ~50-56% MFU end to end (K22). Fused attention keeps the matmul rate (``attention_flops``
+      0): FlashAttention-2, what Transformer Engine runs on Ampere, reaches "50-73% of the theoretical maximum" there
+      (FlashAttention-2 paper, Dao 2023, arXiv:2307.08691), which brackets 0.7, and its per-configuration bars were
+      not found in text form.
     - h100-80gb: DGX/HGX H100 80GB SXM5. H100 datasheet: 989 TFLOP/s dense bf16 (1,979 is with sparsity),
       3.35 TB/s HBM3, 80 GB (nvidia-smi 81559 MiB), PCIe Gen5 x16 (~50 GB/s achieved). NVLink 4: 900 GB/s
       bidirectional = 450 GB/s per direction, α 5 µs. InfiniBand: 8 NDR 400 Gb/s NICs per node = 50 GB/s per GPU,
       α 10 µs. mfu 0.65: large bf16 GEMMs reach ~600-700 TFLOP/s; Megatron-Core measures 41-49% MFU end to end
-      (REFERENCE.md).
+      (REFERENCE.md). Fused attention (``attention_flops``) runs slower than those GEMMs: 504 TFLOP/s forward and
+      backward, from cuDNN's flash attention (bf16, head dim 128, sequence 4096), 518 TFLOP/s forward with a causal
+      mask and 499 TFLOP/s backward (FlashAttention-3 paper, Shah et al. 2024, arXiv:2407.08608, its H100 bf16 bar
+      charts "forward, with causal mask, head dim 128" and "backward, head dim 128", which has no causal case),
+      combined by ``fused_attention_rate``. cuDNN's because Megatron-Core r0.8
+      runs attention through Transformer Engine, whose backend selection turns FlashAttention off on Hopper when
+      cuDNN's fused attention (``F16_arbitrary_seqlen``) can run ("give FusedAttention preference on Hopper+ for
+      performance reasons", ``get_attention_backend``). The same paper's FlashAttention-2 bars (causal forward 319,
+      backward 310 TFLOP/s at 4096) give 312; FlashAttention-3 (579 and 542) 552. The papers count FLOPs as
+      ``autopart.cost.compute`` does: 4·s²·d per head forward, halved under a causal mask, 2.5x that backward.
+      At 16K tokens cuDNN reaches 539 and 516 TFLOP/s (522 combined): the 4096 figure is kept for every length, a
+      few percent slow beyond it.
     - h200-141gb: HGX H200: the H100 compute and network with 141 GB HBM3e (nvidia-smi 143771 MiB) at 4.8 TB/s
-      (H200 datasheet).
+      (H200 datasheet); fused attention at the H100's rate (compute-bound: the faster memory does not change it).
 
     GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation. Their
     collectives are NCCL's: all-reduce across nodes takes the lower latency of ring and tree (``Link.tree`` on the

@@ -229,8 +229,16 @@ def backward_flops(target: Any, fwd_flops: int) -> int:
     return fwd_flops
 
 
-def node_bytes(args: Any, out: Any) -> int:
-    """Bytes read plus written: numel·element_size of every tensor in ``args`` and ``out`` (lists, tuples, dicts)."""
+# ops whose kernels write and read back an intermediate as large as their first argument, which neither their
+# arguments nor their output show: cross-entropy is log_softmax then nll_loss, so its (tokens, vocab) log-probabilities
+# are written in forward and read by the backward (priced as twice the forward's bytes: nll_loss_backward writes a
+# dense gradient of them, log_softmax_backward reads it and them and writes the logits' gradient)
+_INTERMEDIATE = frozenset([aten.cross_entropy_loss])
+
+
+def node_bytes(args: Any, out: Any, target: Any = None) -> int:
+    """Bytes read plus written: numel·element_size of every tensor in ``args`` and ``out`` (lists, tuples, dicts),
+    plus, with the op ``target`` given, the intermediate its kernels write (``_INTERMEDIATE``)."""
 
     def size(x: Any) -> int:
         if isinstance(x, torch.Tensor):
@@ -241,7 +249,8 @@ def node_bytes(args: Any, out: Any) -> int:
             return sum(size(y) for y in x.values())
         return 0
 
-    return size(args) + size(out)
+    extra = size(args[0]) if target is not None and _packet(target) in _INTERMEDIATE and args else 0
+    return size(args) + size(out) + extra
 
 
 _TRANSCENDENTAL = frozenset(
@@ -267,11 +276,20 @@ _TRANSCENDENTAL = frozenset(
 )
 
 
+def attention_time(flops: float, device: Device) -> float:
+    """Seconds of ``flops`` of fused attention arithmetic alone (no bytes, no per-op latency), at the rate
+    ``roofline_time`` prices an attention op at: the device's ``attention_flops``, else its matmul rate. For
+    what context parallelism adds around the attention op (a ring step's compute that hides a transfer, the causal
+    imbalance's wait), so that those terms and the op itself use one rate."""
+    return flops / (device.attention_flops or device.achievable_flops)
+
+
 def roofline_time(flops: float, nbytes: float, device: Device, target: Any = None) -> float:
     """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds.
 
-    With the op ``target`` given and the device calibrated (``autopart.calibrate``), fused attention runs at the
-    measured ``attention_flops`` and elementwise ops with transcendental math (gelu, silu, exp, softmax,
+    With the op ``target`` given, fused attention runs at the device's ``attention_flops`` where it has one (measured
+    by ``autopart.calibrate``; a published kernel's on the GPU presets: slower than their GEMMs), and, on a device
+    calibrated (``autopart.calibrate``), elementwise ops with transcendental math (gelu, silu, exp, softmax,
     cross-entropy, ...) move their bytes at the measured ``math_bandwidth``: on a CPU these are compute-bound and
     ran 4-6x slower than the matmul rate or a plain add's bandwidth predict (a 4-layer GPT, one rank). Each op call
     adds the device's ``op_latency`` (framework time per graph op; 0 unless calibrated)."""
