@@ -45,6 +45,7 @@ from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.placement import Replicate, Shard, parse_spec
+from autopart.solver.ilp import SolverTimeout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # collectives inside ops' lowerings and on graph outputs, which the plan records as node time, not as edges:
@@ -737,8 +738,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                     plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
                                          cluster=cl.with_mesh(shape), traced=traced, time_limit_s=time_limit_s,
                                          optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes)
-                except ValueError as e:
-                    err = err or e
+                except (ValueError, SolverTimeout) as e:  # this mesh does not fit, or was not solved in time
+                    err = e if err is None or isinstance(err, SolverTimeout) else err
                     tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})
                     continue
                 step = plan.predicted["step_time_s"]
@@ -751,6 +752,9 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                           plan_s=time.perf_counter() - t0, views=tried, **base)
         tried.append({"mesh": None, "step_time_s": None, "why": f"the other meshes not planned: {e}"})
     if best is None:
+        if isinstance(err, SolverTimeout):
+            return Advice(fits=False, binding=f"not planned: {err}", plan_s=time.perf_counter() - t0, views=tried,
+                          **base)
         return Advice(fits=False, binding=_binding(err, n_params, gpus, cl, state_bytes),
                       plan_s=time.perf_counter() - t0, views=tried, **base)
     base["mesh"] = tuple((best.pipeline or {}).get("world_mesh_shape", best.mesh_shape))

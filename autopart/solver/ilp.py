@@ -290,6 +290,10 @@ class Solution:
         )
 
 
+class SolverTimeout(RuntimeError):
+    """The backend found no feasible assignment within its time limit (the problem may be feasible)."""
+
+
 class InfeasibleError(ValueError):
     """No choice satisfies the memory limit (or the forbidden pairs); says by how much and what dominates memory."""
 
@@ -980,9 +984,10 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
                     math.inf,
                     [],
                 )
-            raise RuntimeError(
+            other = "cp-sat" if backend_used == "highs" else "highs"
+            raise SolverTimeout(
                 f"{backend_used} found no solution within {options.time_limit_s:g} s for {len(sub.groups)} groups "
-                f"({num_vars} variables); raise SolverOptions.time_limit_s or try backend='highs'."
+                f"({num_vars} variables); raise the time limit (time_limit_s) or try backend='{other}'."
             )
         for q, g in enumerate(sub.groups):
             seg = raw.values[mip.x_start[q] : mip.x_start[q] + len(sub.cost[q])]

@@ -316,3 +316,25 @@ def test_diff_table_is_recipe_minus_plan() -> None:
     md = adv.sweep_diff_markdown([row])
     assert md.splitlines()[2] == "| m | 64 | DP (tp=1 pp=1 dp=64) | 1.5 | 1 | +100.0 | +400.0 |"
     assert adv.sweep_diff_markdown([{**row, "comparison": {"detail": "x"}}]) == ""
+
+
+def test_a_mesh_the_solver_does_not_finish_is_skipped(monkeypatch) -> None:
+    """One logical mesh whose ILP times out is recorded as not planned; the others still are, the fastest kept."""
+    from autopart.solver.ilp import SolverTimeout
+
+    real = autopart.plan
+
+    def plan(module, mesh, *args, **kwargs):
+        if tuple(mesh.shape) == (4, 2):
+            raise SolverTimeout("highs found no solution within 1 s for 9 groups (99 variables)")
+        return real(module, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(autopart, "plan", plan)
+    a = adv.advise("gpt", "125m", layers=2, seq=128)  # 8 GPUs: meshes 8, 4x2, 2x4
+    views = {tuple(v["mesh"]): v for v in a.views}
+    assert set(views) == {(8,), (4, 2), (2, 4)}
+    assert views[(4, 2)]["step_time_s"] is None and "no solution within 1 s" in views[(4, 2)]["why"]
+    assert a.fits and a.step_time_s == min(v["step_time_s"] for v in a.views if v["step_time_s"] is not None)
+    monkeypatch.setattr(autopart, "plan", lambda *a, **k: (_ for _ in ()).throw(SolverTimeout("no solution")))
+    b = adv.advise("gpt", "125m", layers=2, seq=128)
+    assert not b.fits and b.binding.startswith("not planned: no solution")
