@@ -44,7 +44,7 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 2  # 2: the runtime's overhead per op and per parameter, core sharing
+VERSION = 3  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
@@ -332,6 +332,12 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
     math_bytes = 3 * 2 * n_math * dtype.itemsize
     gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
+    # its variants of other math (``autopart.cost.compute.math_variant``), the same bytes: GPT-2's tanh gelu
+    variants = {}
+    for key, approximate in (("gelu:tanh", "tanh"),):
+        t = _median_blocks(lambda a=approximate: torch.autograd.grad(
+            torch.nn.functional.gelu(xg, approximate=a), xg, gg), blocks, seconds, sync)
+        variants[key] = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
@@ -343,8 +349,8 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
-    return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu, "elementwise": bw,
-            "host_bandwidth": host}
+    return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu,
+            "transcendental_variants": variants, "elementwise": bw, "host_bandwidth": host}
 
 
 def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float, sync: Callable[[], None],
@@ -475,6 +481,8 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
+                    math_variants=tuple((k, v["bandwidth"]) for k, v in sorted(
+                        dev.get("transcendental_variants", {}).items())),
                     op_latency=dev.get("runtime", {}).get("per_op", 0.0),
                     param_latency=dev.get("runtime", {}).get("per_param", 0.0),
                     zero3_latency=dev.get("runtime", {}).get("per_zero3_param", 0.0),
@@ -533,14 +541,18 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
-    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
-                         dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"]],
-                         dtype=torch.float64)
+    variants = sorted(dev["transcendental_variants"])
+    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["transcendental_variants"][k]["bandwidth"]
+                                                              for k in variants] + [
+                         dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
+                         dev["host_bandwidth"]], dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather_object(everyone, rates)
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
     for g, f in zip(dev["gemm"], med):
         g["flops"] = f
+    for k, f in zip(variants, med[len(dev["gemm"]):]):
+        dev["transcendental_variants"][k]["bandwidth"] = f
     (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
      dev["host_bandwidth"]) = med[-4:]
     alone = [0.0] * world  # rank 0 measured it
@@ -568,7 +580,8 @@ def describe(cluster: Cluster) -> str:
     d = cluster.device
     lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
-             f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
+             f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s"
+             f"{''.join(f' ({k}: {v / 1e9:.3g})' for k, v in d.math_variants)}, "
              f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter "
              f"(ZeRO-3: {d.zero3_latency * 1e6:.3g} more), "
              f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "

@@ -761,7 +761,7 @@ def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float
             val = value_of(n)
             flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
             nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val)
-            clock += roofline_time(flops / world, nbytes / world, device, n.target)
+            clock += roofline_time(flops / world, nbytes / world, device, n.target, n.kwargs)
     if len(_FORWARD_FLOOR) >= 8:
         _FORWARD_FLOOR.pop(next(iter(_FORWARD_FLOOR)))
     if graph is not None:
@@ -1117,8 +1117,8 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
         tbytes = nbytes * (3 if g else 1)
         for a, o in enumerate(opts_r):
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
-            comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target)
-            fwd[a] = roofline_time(flops / f, nbytes / f, device, rep.target)
+            comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target, rep.kwargs)
+            fwd[a] = roofline_time(flops / f, nbytes / f, device, rep.target, rep.kwargs)
             icomm[a] = internal_comm_time(rep, o, cluster)
             if g:
                 mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
