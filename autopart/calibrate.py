@@ -6,9 +6,10 @@ host share its cores and memory as they will in training:
 
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on every mesh axis, all the
   axis's groups at once, at a few message sizes S (the whole array, as ``autopart.cost.comm`` counts it); the time
-  of one call at each size is the median of a few blocks of back-to-back calls, the slowest rank's; a weighted least
-  squares fit ``T(S) = a + b·S`` (weights 1/T: every size counts by its relative error) gives the collective's
-  latency a and cost per byte b, converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
+  of one call at each size is the median of a few blocks of back-to-back calls (on a CPU, each after a burst of
+  compute, less the burst: ``_measure_links``), the slowest rank's; a weighted least squares fit ``T(S) = a + b·S``
+  (weights 1/T: every size counts by its relative error) gives the collective's latency a and cost per byte b,
+  converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
   b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
 * the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
@@ -49,6 +50,9 @@ VERSION = 3  # 2: the runtime's overhead per op and per parameter, core sharing;
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
 GEMMS = ((512, 512, 512), (2048, 256, 1024), (2048, 1024, 256), (1024, 1024, 1024))
+# (m, k, n) of the compute a collective follows where ranks share a CPU host's cores (``_measure_links``): a few
+# milliseconds, as between two of tensor parallelism's collectives in a small model
+_BURST = (512, 512, 512)
 # ring parametrization: T = steps·(n-1)·α + steps·(n-1)/n·S·β (send/recv: T = α + S·β)
 _STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
@@ -254,8 +258,21 @@ def _axis_groups(mesh_shape: tuple[int, ...], rank: int) -> list[tuple[Any, list
 
 def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: int, seconds: float, device: str,
                    dtype: torch.dtype, sync: Callable[[], None]) -> dict[str, Any]:
+    """Seconds per call of every collective on every axis at each of ``sizes``, the slowest rank's.
+
+    On a CPU the ranks share the host's cores, and a collective in a step follows compute: the OS scheduler has
+    left the ranks at different points of their share of the cores, and the collective waits for the last one to
+    arrive. Called back to back, the ranks run in lockstep and never pay that (4 gloo ranks on 2 cores: a 64 KiB
+    all-reduce took 5 ms back to back, 6-14 ms after a 2-30 ms GEMM burst). There each call of a collective of
+    the whole group is timed after a burst of compute, the same GEMM on every rank (``_BURST``), less the burst
+    alone, in paired blocks. Send/recv is not: a pipeline's receiver waits for its sender's compute, which the
+    schedule prices (``solver.pipeline``), so its link is the transfer alone."""
     rank = dist.get_rank()
     groups = _axis_groups(mesh_shape, rank)
+    burst = None
+    if device == "cpu":
+        a, b = (torch.randn(m, n, dtype=dtype) for m, n in (_BURST[:2], _BURST[1:]))
+        burst = lambda: torch.mm(a, b)  # noqa: E731
     raw: dict[str, Any] = {}
     for axis, n in enumerate(mesh_shape):
         if n < 2:
@@ -267,7 +284,11 @@ def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: in
             for nbytes in sizes:
                 fn = _collective(kind, nbytes, group, n, local, ranks, device, dtype)
                 fn()  # warm-up: connection set-up, buffers
-                t = _median_blocks(fn, blocks, seconds, sync)
+                if burst is None or kind == "send_recv":
+                    t = _median_blocks(fn, blocks, seconds, sync)
+                else:
+                    alone, after = _paired_blocks([burst, lambda fn=fn: (burst(), fn())], blocks, seconds, sync)
+                    t = max(1e-7, statistics.median(y - x for x, y in zip(alone, after)))
                 times.append(t / 2 if kind == "send_recv" else t)
             raw[f"{axis}/{kind}"] = times
     keys = sorted(raw)

@@ -89,6 +89,7 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     assert 0 <= d.op_latency < 0.05 and 0 <= d.param_latency < 0.05, (d.op_latency, d.param_latency)
     assert d.op_latency + d.param_latency > 1e-6, (d.op_latency, d.param_latency)
     assert d.host_ranks == 2 and d.alone_speedup >= 1
+    assert [k for k, _ in d.math_variants] == ["gelu:tanh"] and d.math_variants[0][1] > 0  # GPT-2's gelu, measured
     link = cluster.links[0]
     assert {k for k, _, _ in link.per_collective} == set(COLLECTIVES)
     for _, alpha, beta in link.per_collective:
