@@ -240,15 +240,21 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
         cur[st.axis] = st.dst
-    if summed:  # as grad_reduction_time; the latency is the bucket's, each parameter paying its share of it
-        kind = "reduce_scatter" if scatter_grad else "all_reduce"
-        nbytes = max(b for _, b in summed)
-        axes = sorted((a for a, _ in summed), reverse=True)
-        total += hierarchical_time(kind, nbytes, [(mesh[a], Link(0.0, cluster.link(a).beta)) for a in axes])
-        total += min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a))
-                                                                             for a in axes])
-        total += grad_bucket_copy_time(nbytes, scatter_grad, math.prod(mesh[a] for a in axes), cluster.device)
+    if summed:
+        total += grad_reduction_share(max(b for _, b in summed), [a for a, _ in summed], scatter_grad, cluster)
     return total
+
+
+def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
+    """One parameter's share of its gradient bucket's reduction (``grad_reduction_time``): its ``nbytes`` over the
+    links and through the bucket's copies, and the bucket's latency in proportion to its bytes (``BUCKET_BYTES``
+    a bucket; a parameter larger than that pays the latency once)."""
+    mesh = cluster.mesh_shape
+    kind = "reduce_scatter" if zero1 else "all_reduce"
+    axes = sorted(axes, reverse=True)
+    return hierarchical_time(kind, nbytes, [(mesh[a], Link(0.0, cluster.link(a).beta)) for a in axes]) + \
+        min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a)) for a in axes]) + \
+        grad_bucket_copy_time(nbytes, zero1, math.prod(mesh[a] for a in axes), cluster.device)
 
 
 def regather_spec(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape) -> tuple | None:

@@ -312,3 +312,28 @@ def test_gradient_bucket_copies_priced_at_the_memory_bandwidth():
     # halving the bandwidth doubles the copies' time: the reduction grows by 4 x the reduced bytes / 5 GB/s
     assert half.predicted["grad_reduction_s"] - fast.predicted["grad_reduction_s"] == pytest.approx(
         4 * grad_bytes / 5e9, rel=1e-6)
+
+
+def test_pipeline_units_pay_a_share_of_the_gradient_bucket():
+    """A pipeline's stages reduce their gradients in the runtime's buckets: the units' reduction of a model whose
+    gradients fill less than one bucket costs what one bucket's reduction does, not one collective's latency per
+    parameter (which priced pp2xdp2's reduction at 6x its sharding plan's on the calibrated CPU)."""
+    from autopart.pipelining import block_units
+    from autopart.planner import grad_reduction_time
+    from autopart.trace import trace
+
+    dev = {"gemm": [{"flops": 40e9}], "gemm_alone_flops": 0.0, "attention": {"flops": 20e9},
+           "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "device": "cpu"}
+    raw = {f"0/{k}": [1e-3 + s / 1e9 for s in SIZES] for k in COLLECTIVES}  # 1 ms a call: latency-bound
+    c = build_cluster((2,), raw, SIZES, dev, 4 * 2**30, 2**29)
+    model, ids = _tiny_gpt()
+    t = trace(model, (ids,), {"labels": ids})
+    plan = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, traced=t,
+                         roles={"dp": "dp"}, zero=0, pipeline="off")
+    units, _ = block_units(plan, t, (2,), c)
+    grad_bytes = sum(model.get_parameter(fqn).numel() * 4 for fqn in plan.reduced)
+    one_bucket = grad_reduction_time(grad_bytes, (0,), False, c)
+    assert len(plan.reduced) > 20 and one_bucket > 1e-3
+    assert grad_reduction_time(grad_bytes, (0,), False, c.__class__(
+        c.name, c.device, c.mesh_shape, (Link(0.0, c.links[0].beta),), c.reserve_bytes)) < \
+        sum(u.reduce_s for u in units) <= one_bucket * (1 + 1e-9)
