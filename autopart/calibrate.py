@@ -257,16 +257,19 @@ def _axis_groups(mesh_shape: tuple[int, ...], rank: int) -> list[tuple[Any, list
 
 
 def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: int, seconds: float, device: str,
-                   dtype: torch.dtype, sync: Callable[[], None]) -> dict[str, Any]:
-    """Seconds per call of every collective on every axis at each of ``sizes``, the slowest rank's.
+                   dtype: torch.dtype, sync: Callable[[], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Seconds per call of every collective on every axis at each of ``sizes``, the slowest rank's: as a step
+    pays it, and back to back.
 
     On a CPU the ranks share the host's cores, and a collective in a step follows compute: the OS scheduler has
     left the ranks at different points of their share of the cores, and the collective waits for the last one to
     arrive. Called back to back, the ranks run in lockstep and never pay that (4 gloo ranks on 2 cores: a 64 KiB
     all-reduce took 5 ms back to back, 6-14 ms after a 2-30 ms GEMM burst). There each call of a collective of
     the whole group is timed after a burst of compute, the same GEMM on every rank (``_BURST``), less the burst
-    alone, in paired blocks. Send/recv is not: a pipeline's receiver waits for its sender's compute, which the
-    schedule prices (``solver.pipeline``), so its link is the transfer alone."""
+    alone, in paired blocks with the back-to-back calls (what the calibration's tiny models, whose collectives
+    follow no compute, are priced with: ``_runtime_overhead``). Send/recv is timed back to back only: a
+    pipeline's receiver waits for its sender's compute, which the schedule prices (``solver.pipeline``), so its
+    link is the transfer alone. Elsewhere (GPUs) both are the back-to-back time."""
     rank = dist.get_rank()
     groups = _axis_groups(mesh_shape, rank)
     burst = None
@@ -274,25 +277,35 @@ def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: in
         a, b = (torch.randn(m, n, dtype=dtype) for m, n in (_BURST[:2], _BURST[1:]))
         burst = lambda: torch.mm(a, b)  # noqa: E731
     raw: dict[str, Any] = {}
+    lockstep: dict[str, Any] = {}
     for axis, n in enumerate(mesh_shape):
         if n < 2:
             continue
         group, ranks = groups[axis]
         local = ranks.index(rank)
         for kind in COLLECTIVES:
-            times = []
+            times, back_to_back = [], []
             for nbytes in sizes:
                 fn = _collective(kind, nbytes, group, n, local, ranks, device, dtype)
                 fn()  # warm-up: connection set-up, buffers
                 if burst is None or kind == "send_recv":
-                    t = _median_blocks(fn, blocks, seconds, sync)
+                    t = t0 = _median_blocks(fn, blocks, seconds, sync)
                 else:
-                    alone, after = _paired_blocks([burst, lambda fn=fn: (burst(), fn())], blocks, seconds, sync)
+                    alone, after, plain = _paired_blocks([burst, lambda fn=fn: (burst(), fn()), fn], blocks,
+                                                         seconds, sync)
                     t = max(1e-7, statistics.median(y - x for x, y in zip(alone, after)))
+                    t0 = statistics.median(plain)
                 times.append(t / 2 if kind == "send_recv" else t)
+                back_to_back.append(t0 / 2 if kind == "send_recv" else t0)
             raw[f"{axis}/{kind}"] = times
+            lockstep[f"{axis}/{kind}"] = back_to_back
+    return _slowest(raw, len(sizes)), _slowest(lockstep, len(sizes))
+
+
+def _slowest(raw: dict[str, list[float]], n_sizes: int) -> dict[str, list[float]]:
+    """Per key, the slowest rank's seconds at each size (every rank calls it)."""
     keys = sorted(raw)
-    local_t = torch.tensor([raw[k] for k in keys], dtype=torch.float64).reshape(len(keys), len(sizes))
+    local_t = torch.tensor([raw[k] for k in keys], dtype=torch.float64).reshape(len(keys), n_sizes)
     slowest = local_t
     if keys:
         gathered = [torch.zeros_like(local_t) for _ in range(dist.get_world_size())]
@@ -381,7 +394,8 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     wrapped back, the accumulation hook, the bucket's bookkeeping).
 
     Steps ``ParallelModule.forward_backward`` of two reference GPTs too small for their arithmetic to count
-    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these terms),
+    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these terms, its
+    links back to back: these steps' collectives follow no compute),
     every axis data parallel: the same graph ops, one with biases (twice the parameters), one without. Each
     step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the two
     models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0). For
@@ -559,7 +573,8 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sizes = QUICK_SIZES if quick else SIZES
-    links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
+    links_raw, lockstep_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device,
+                                             dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
     variants = sorted(dev["transcendental_variants"])
@@ -584,12 +599,14 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     memory, reserve = _memory_per_rank(device, world)
     fp = fingerprint(backend, world, mesh_shape)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts
-    cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
-    dev["runtime"] = _runtime_overhead(cluster, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
+    # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts,
+    # their collectives priced back to back, as they run there (one after another, no compute between)
+    lockstep = build_cluster(mesh_shape, lockstep_raw, sizes, dev, memory, reserve, name=name)
+    dev["runtime"] = _runtime_overhead(lockstep, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
                                        2 if quick else 4)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
-    measurements = {"sizes": list(sizes), "collective_seconds": links_raw, "device": dev,
+    measurements = {"sizes": list(sizes), "collective_seconds": links_raw,
+                    "collective_seconds_back_to_back": lockstep_raw, "device": dev,
                     "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
     if save and dist.get_rank() == 0:
         save_calibration(cluster, fp, measurements, directory)
