@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -71,7 +72,7 @@ def spearman(x, y) -> float:
 
 
 def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
-    from autopart.calibrate import load_calibration
+    from autopart.calibrate import cache_path, fingerprint, load_calibration
     from autopart.cost import Cluster
     from autopart.cost.comm import COLLECTIVES
 
@@ -95,6 +96,12 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     for _, alpha, beta in link.per_collective:
         assert math.isfinite(alpha) and alpha >= 0 and math.isfinite(beta) and beta > 0
     assert load_calibration((2,), directory=str(tmp_path)) == cluster  # cached by rank 0
+    # the links as a step pays them (after compute) and back to back (the tiny models' overhead steps): both kept
+    with open(cache_path(fingerprint("gloo", 2, (2,)), str(tmp_path))) as f:
+        m = json.load(f)["measurements"]
+    assert set(m["collective_seconds"]) == set(m["collective_seconds_back_to_back"]) == {
+        f"0/{k}" for k in COLLECTIVES}
+    assert all(t > 0 for v in m["collective_seconds_back_to_back"].values() for t in v)
 
     pred = [p for _, p, _ in rows]
     meas = [m for _, _, m in rows]
