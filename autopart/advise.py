@@ -559,6 +559,8 @@ class Advice:
     terms: dict = field(default_factory=dict)
     trace_s: float = 0.0
     plan_s: float = 0.0
+    # the logical meshes planned (``mesh_views``): {"mesh": [...], "step_time_s": s or None, "why": "" or the error}
+    views: list = field(default_factory=list)
     plan: Any = None  # the Plan (not in to_json; save it with plan.save)
 
     def to_json(self) -> dict[str, Any]:
@@ -581,6 +583,10 @@ class Advice:
                      f"{k} {v['bytes'] / 2**30:.2f} GiB {v['time_s'] * 1e3:.1f} ms"
                      for k, v in self.communication.items() if k in KINDS and v["bytes"] > 0),
                  f"planned in {self.plan_s:.1f} s after a {self.trace_s:.1f} s trace"]
+        if len(self.views) > 1:
+            lines.append("meshes planned: " + ", ".join(
+                "x".join(map(str, v["mesh"])) + (f" {v['step_time_s']:.4g} s" if v["step_time_s"] is not None
+                                                 else " does not fit") for v in self.views if v["mesh"]))
         return "\n".join(lines)
 
 
@@ -611,6 +617,22 @@ def _mesh_cluster(cluster: str | Cluster, nodes: int, gpus_per_node: int) -> Clu
         PRESETS.setdefault(name, dataclasses.replace(spec, devices_per_node=gpus_per_node))
         c = name
     return make_preset(c, shape)
+
+
+def mesh_views(nodes: int, gpus_per_node: int) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The logical meshes of ``nodes x gpus_per_node`` devices a plan is searched on (Alpa's logical mesh views of a
+    physical one): the physical ``(nodes, gpus_per_node)`` mesh, and ``(gpus / t, t)`` for every other divisor t of
+    the node (t = 1: one axis over every GPU), ranks numbered node by node. Its inner axis stays inside a node, so
+    tensor parallelism of 2 or 4 (Megatron's 7.1B and 16B runs) is expressible, and data parallelism over every
+    GPU, which the physical mesh splits into two axes, is one axis priced in two levels (``Link.local``)."""
+    gpus, views = nodes * gpus_per_node, []
+    divisors = [t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0]
+    for t in sorted(divisors, key=lambda t: t != gpus_per_node):  # the physical mesh first
+        names = ("node", "gpu") if t == gpus_per_node else ("outer", "inner")
+        kept = [(n, a) for n, a in zip((gpus // t, t), names) if n > 1] or [(1, "all")]
+        shape, names = tuple(n for n, _ in kept), tuple(a for _, a in kept)
+        views.append((shape, ("all",) if len(shape) == 1 else names))
+    return list(dict.fromkeys(views))
 
 
 def state_floor(params: int, gpus: int, state_bytes: float, offload_bytes: float) -> float:
@@ -659,7 +681,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
            cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int = 8, batch: int | None = None,
            seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
-           traced=None, recipes: bool = True, **overrides: int | None) -> Advice:
+           traced=None, recipes: bool = True, views: bool = True, **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
@@ -668,7 +690,10 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param`` optimizer bytes (12:
     Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO). ``max_plan_s`` caps the
     planning time (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
-    returns ``fits=False`` with the reason in ``binding``.
+    returns ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
+    (``mesh_views``: tensor parallelism of any divisor of the node, data parallelism over all GPUs as one axis) and
+    keep the fastest, each listed in ``Advice.views``; False: the ``(nodes, gpus_per_node)`` mesh alone. Views apply to
+    presets (and cluster files); a ``Cluster`` given directly is planned on its own mesh.
 
     >>> print(autopart.advise("llama", "70b", cluster="h100-80gb", nodes=8, seq=4096))
     """
@@ -702,19 +727,34 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     tokens = base["batch"] * base["seq"]
     base["model_flops_per_step"], _, _ = model_flops(module, traced, tokens)
     t0 = time.perf_counter()
+    shapes = (mesh_views(*cl.mesh_shape) if views and len(cl.mesh_shape) == 2 and cl.name in PRESETS
+              else [(tuple(cl.mesh_shape), ("node", "gpu")[:len(cl.mesh_shape)])])
+    best, tried, err = None, [], None
     try:
         with _Cap(max_plan_s):
-            plan = autopart.plan(module, autopart.mesh(cl.mesh_shape, ("node", "gpu")), inputs, kwargs,
-                                 cluster=cl, traced=traced, time_limit_s=time_limit_s,
-                                 optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes)
+            for shape, names in shapes:
+                try:
+                    plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
+                                         cluster=cl.with_mesh(shape), traced=traced, time_limit_s=time_limit_s,
+                                         optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes)
+                except ValueError as e:
+                    err = err or e
+                    tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})
+                    continue
+                step = plan.predicted["step_time_s"]
+                tried.append({"mesh": list(shape), "step_time_s": step, "why": ""})
+                if best is None or step < best.predicted["step_time_s"]:
+                    best = plan
     except PlanTimeout as e:
-        return Advice(fits=False, binding=f"not planned: {e} (raise max_plan_s)", plan_s=time.perf_counter() - t0,
-                      **base)
-    except ValueError as e:
-        return Advice(fits=False, binding=_binding(e, n_params, gpus, cl, state_bytes),
-                      plan_s=time.perf_counter() - t0, **base)
-    plan_s = time.perf_counter() - t0
-    return read_plan(plan, traced, base, plan_s)
+        if best is None:
+            return Advice(fits=False, binding=f"not planned: {e} (raise max_plan_s)",
+                          plan_s=time.perf_counter() - t0, views=tried, **base)
+        tried.append({"mesh": None, "step_time_s": None, "why": f"the other meshes not planned: {e}"})
+    if best is None:
+        return Advice(fits=False, binding=_binding(err, n_params, gpus, cl, state_bytes),
+                      plan_s=time.perf_counter() - t0, views=tried, **base)
+    base["mesh"] = tuple((best.pipeline or {}).get("world_mesh_shape", best.mesh_shape))
+    return dataclasses.replace(read_plan(best, traced, base, time.perf_counter() - t0), views=tried)
 
 
 def read_plan(plan, traced, base: dict, plan_s: float = 0.0) -> Advice:
@@ -828,12 +868,12 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
 def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ...] = SWEEP_GPUS,
           cluster: str | Cluster = "h100-80gb", gpus_per_node: int = 8, seq: int = 4096, batch_per_gpu: int = 1,
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
-          log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+          views: bool = True, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
     GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
     strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
     Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
-    deciding cost term reported."""
+    deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``)."""
     from autopart.trace import trace
 
     rows = []
@@ -863,7 +903,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 traced.export_seconds = time.perf_counter() - t0
                 adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
-                             optimizer_bytes_per_param=optimizer_bytes_per_param)
+                             optimizer_bytes_per_param=optimizer_bytes_per_param, views=views)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
             shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
             rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,

@@ -148,6 +148,10 @@ def _rich_advice(adv, console) -> None:
     t.add_row("TFLOP/s per GPU", f"{adv.tflops_per_gpu:.1f} (model FLOPs {adv.model_flops_per_step:.3g} per step)")
     t.add_row("MFU", f"{adv.mfu:.1%} of {adv.peak_tflops_per_gpu:.0f} TFLOP/s peak")
     t.add_row("planning", f"{adv.plan_s:.1f} s after a {adv.trace_s:.1f} s trace")
+    if len(adv.views) > 1:
+        t.add_row("meshes planned", ", ".join("x".join(map(str, v["mesh"])) + (
+            f": {v['step_time_s']:.4g} s" if v["step_time_s"] is not None else ": does not fit")
+            for v in adv.views if v["mesh"]))
     console.print(t)
     m = Table(title=f"memory per GPU (peak at {adv.memory['binds_at']})")
     m.add_column("kind")
@@ -192,6 +196,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         rows = adv_mod.sweep(sizes, gpus, cluster=cluster, gpus_per_node=args.gpus_per_node, seq=args.seq or 4096,
                              batch_per_gpu=args.batch_per_gpu, time_limit_s=args.time_limit,
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
+                             views=not args.physical_mesh,
                              log=None if args.json else lambda line: console.print(line, highlight=False))
         md = adv_mod.sweep_markdown(rows)
         diff = adv_mod.sweep_diff_markdown(rows)
@@ -219,7 +224,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     a = adv_mod.advise(args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
                        nodes=args.nodes, gpus_per_node=args.gpus_per_node, batch=args.batch, seq=args.seq or 2048,
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
-                       max_plan_s=args.max_plan_s, **overrides)
+                       max_plan_s=args.max_plan_s, views=not args.physical_mesh, **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -281,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                         "with an fp32 master copy)")
     a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
     a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
+    a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "
+                                                                 "also on its logical views (tensor parallel 1, 2, "
+                                                                 "4 inside a node; one axis over all GPUs)")
     a.add_argument("--json", action="store_true", help="print JSON instead of tables")
     a.add_argument("--out", default=None, help="advise: save the plan here; --sweep: a folder for design_guide.md, "
                                                ".json and .png")

@@ -11,11 +11,11 @@ per transformer block (the embedding folded into the first block, the head and l
 * ``act``: bytes saved for backward (proportional to the micro-batch), and what full recompute keeps (the block's
   output);
 * ``states``: parameters, gradients (they accumulate over the micro-batches) and optimizer states;
-* ``reduce``: the data-parallel gradient reduction (once per step; overlapped with the last micro-batch's
-  backward where the device overlaps communication, ``solver.pipeline.reduction_tail``), and ZeRO-1's parameter
-  all-gather after the optimizer step (once per step, in flat buckets, each parameter charged its bandwidth and its
-  share of a bucket's latency; behind the first micro-batch's forward where the device overlaps communication,
-  ``solver.pipeline.gather_exposed``);
+* ``reduce``: the data-parallel gradient reduction (once per step; as the runtime runs it, after the schedule,
+  ``runtime.grads.OVERLAP_IN_PIPELINE``; the critical path over the ranks, ``solver.pipeline.reduction_tail``), and
+  ZeRO-1's parameter all-gather after the optimizer step (once per step, in flat buckets, each parameter charged its
+  bandwidth and its share of a bucket's latency; behind the first micro-batch's forward where the device overlaps
+  communication, ``solver.pipeline.gather_exposed``);
 * the bytes of every value crossing each block boundary (what a stage sends: activations, and inputs such as
   labels or rotary tables that later stages use).
 
@@ -49,6 +49,7 @@ import torch.fx as fx
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes, grad_reduction_share
+from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce after the schedule
 from autopart.solver.pipeline import (
     SCHEDULES,
     CoreSharing,
@@ -137,9 +138,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         us = sorted(set(users_units.get(n.name, [])))
         unit_of[n.name] = us[0] if us and nodes[n.name]["op"] != "input" else 0
         if nodes[n.name]["op"] == "param":
-            # ZeRO-1/2's all-gather after the step: its bandwidth (``gather_s``) and its share of the
-            # buckets' latency (``gather_latency_s``: a whole bucket's for a parameter of a bucket or more, else
-            # bytes / BUCKET_BYTES of one; how small parameters round up to buckets within a stage is not counted)
+            # ZeRO-1/2's all-gather after the step: its bandwidth (``gather_s``) and its share of its bucket's
+            # latency (``gather_latency_s``, ``planner.zero1_latency_shares``: buckets filled over the whole model
+            # in the runtime's order; a stage's first and last may be split by a boundary, not counted)
             gather = nodes[n.name].get("gather_s", 0.0) + nodes[n.name].get("gather_latency_s", 0.0)
             for u in us or [0]:
                 own = nodes[n.name]["layer"] == units[u].name
@@ -433,7 +434,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
                 continue
             tail = reduction_tail(pl, layer_costs, [u.reduce_s for u in units], cluster.device.comm_overlap,
-                                  [u.gather_s for u in units])
+                                  [u.gather_s for u in units], after_schedule=not OVERLAP_IN_PIPELINE)
             step = pl.step_s + tail
             if log:
                 tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,

@@ -54,7 +54,6 @@ import torch.fx as fx
 from autopart.cost import (
     Cluster,
     Device,
-    Link,
     backward_flops,
     collective_time,
     exposed_after,
@@ -252,7 +251,7 @@ def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> 
     mesh = cluster.mesh_shape
     kind = "reduce_scatter" if zero1 else "all_reduce"
     axes = sorted(axes, reverse=True)
-    return hierarchical_time(kind, nbytes, [(mesh[a], Link(0.0, cluster.link(a).beta)) for a in axes]) + \
+    return hierarchical_time(kind, nbytes, [(mesh[a], cluster.link(a).without_latency()) for a in axes]) + \
         min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a)) for a in axes]) + \
         grad_bucket_copy_time(nbytes, zero1, math.prod(mesh[a] for a in axes), cluster.device)
 
@@ -742,8 +741,8 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
     t = roofline_time(0.0, 2 * size * (ways + 1), cluster.device) if axes else 0.0
     for i in reversed(axes):
         size *= mesh[i]
-        link = cluster.link(i).for_collective("all_gather")
-        t += collective_time("all_gather", size, mesh[i], link if latency else Link(0.0, link.beta))
+        link = cluster.link(i)
+        t += collective_time("all_gather", size, mesh[i], link if latency else link.without_latency())
     return t
 
 
@@ -855,6 +854,20 @@ def zero1_gather_latency(entries, cluster: Cluster) -> float:
     """Seconds ZeRO-1/2's bucketed parameter all-gather after the step adds to the bandwidth the ILP prices per
     parameter (``zero1_gather_time(latency=False)``): the latency, once per bucket per axis (``zero1_buckets``)."""
     return sum(zero1_bucket_latency(axes, cluster) for axes, _ in zero1_buckets(entries))
+
+
+def zero1_latency_shares(entries, cluster: Cluster) -> list[float]:
+    """Per entry (``zero1_gather_entry``, in the runtime's order), its share of its bucket's latency
+    (``zero1_buckets``), by gathered bytes: they sum to ``zero1_gather_latency``. What a pipeline stage's units add
+    to each parameter's bandwidth: parameters smaller than a bucket but too large to share one (two 16 MiB blocks
+    of a 25 MiB bucket) pay a whole bucket each, as the runtime gathers them."""
+    out = [0.0] * len(entries)
+    for axes, idx in zero1_buckets(entries):
+        lat = zero1_bucket_latency(axes, cluster)
+        nbytes = sum(entries[i][2] for i in idx)
+        for i in idx:
+            out[i] = lat * entries[i][2] / nbytes if nbytes else lat / len(idx)
+    return out
 
 
 def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) -> tuple[float, float]:
@@ -2042,9 +2055,6 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 rec["gather_s"] = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
                 zero_gathers += [(n.name, entry, rec["gather_s"], rec["time_s"] - rec["compute_s"])] * max(
                     1, round(k / len(prob.groups[gid])))  # a tied group's stand-ins
-                # its share of the buckets' latency, what pipeline units sum: a parameter of a bucket or more is
-                # gathered alone (one bucket), smaller ones share one (bytes / BUCKET_BYTES of it)
-                rec["gather_latency_s"] = zero1_bucket_latency(entry[0], cluster) * min(1.0, entry[2] / BUCKET_BYTES)
         nodes[n.name] = rec
         if info.kind[n.name] == "param":
             fqn = traced.params[n.name]
@@ -2113,6 +2123,12 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     zero_gathers.sort(key=lambda g: min((position[u.name] for u in node_by_name[g[0]].users if u.name in position),
                                         default=len(position)))  # the runtime's bucket order: forward's first use
     gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster)
+    # each parameter's share of its bucket's latency, what pipeline units sum (a stand-in's mean: one instance's)
+    latency_of: dict[str, list[float]] = defaultdict(list)
+    for g, lat in zip(zero_gathers, zero1_latency_shares([g[1] for g in zero_gathers], cluster)):
+        latency_of[g[0]].append(lat)
+    for name, lats in latency_of.items():
+        nodes[name]["gather_latency_s"] = sum(lats) / len(lats)
     gather_total, gather_exposed = param_gather(traced, nodes, [g[:3] for g in zero_gathers], cluster)
     gather_priced = sum(g[3] for g in zero_gathers)
     comm_total += gather_exposed - gather_priced

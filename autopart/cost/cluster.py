@@ -35,8 +35,21 @@ class Link:
     # tree spans nodes, 2 log2(n) latency steps where the ring takes 2(n-1); inside a node its tree is a chain (as
     # many steps as the ring), and gloo's all-reduce is a ring
     tree: bool = False
+    # a mesh axis spanning nodes with ``local`` of its ranks in each node (a data-parallel axis of 48 over 12 nodes
+    # with tensor parallelism of 2 inside them: 4): its collectives run over ``local_link`` inside the node and this
+    # link across, the bytes shrinking outward (``autopart.cost.comm``), as NCCL's rings and trees spread a group's
+    # traffic over the node's NICs. 1: every rank of the axis in its own node (or the axis inside one node)
+    local: int = 1
+    local_link: Link | None = None
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.local, int) and self.local >= 1):
+            raise ValueError(f"Link local must be an integer >= 1 (ranks of the axis per node), got {self.local!r}")
+        if isinstance(self.local_link, dict):
+            object.__setattr__(self, "local_link", Link(**self.local_link))
+        if (self.local > 1) != (self.local_link is not None):
+            raise ValueError(f"Link: local={self.local} needs a local_link (the link inside a node) exactly when "
+                             f"local > 1, got local_link={self.local_link}")
         if not self.alpha >= 0:
             raise ValueError(f"Link alpha must be >= 0 seconds, got {self.alpha}")
         if not self.beta > 0:
@@ -55,13 +68,24 @@ class Link:
                 return Link(alpha=a, beta=b)
         return self
 
+    def across(self) -> Link:
+        """The link between nodes alone (``local`` dropped)."""
+        return replace(self, local=1, local_link=None) if self.local > 1 else self
+
+    def without_latency(self) -> Link:
+        """The same link with every alpha 0 (its measured collectives' and its node-local link's too): what a
+        parameter's share of a bucketed collective pays, the bucket paying the latency once."""
+        return replace(self, alpha=0.0, per_collective=tuple((k, 0.0, b) for k, _, b in self.per_collective),
+                       local_link=self.local_link.without_latency() if self.local_link else None)
+
     @property
     def bandwidth(self) -> float:
         """Bytes per second (1 / beta)."""
         return 1.0 / self.beta
 
     def __str__(self) -> str:
-        return f"{self.alpha * 1e6:.3g}us@{self.bandwidth / 1e9:.3g}GB/s"
+        s = f"{self.alpha * 1e6:.3g}us@{self.bandwidth / 1e9:.3g}GB/s"
+        return s if self.local == 1 else f"{s} ({self.local} per node over {self.local_link})"
 
 
 @dataclass(frozen=True)
@@ -236,13 +260,23 @@ class Preset:
     reserve_bytes: int
 
     def links_for(self, mesh_shape: tuple[int, ...]) -> tuple[Link, ...]:
-        """Innermost-first rule: axis i is intra-node iff prod(mesh_shape[i:]) <= devices_per_node."""
-        if self.devices_per_node is None:
+        """Innermost-first rule: axis i is intra-node iff prod(mesh_shape[i:]) <= devices_per_node. An axis that
+        spans nodes with g > 1 of its ranks in each (the axes to its right fill less than a node, g = devices per
+        node / their product) gets the inter-node link with ``local = g`` over the intra-node link: a 1-D mesh of
+        64 GPUs in 8-GPU nodes, or the data-parallel axis of (48, 2) beside tensor parallelism of 2."""
+        dpn = self.devices_per_node
+        if dpn is None:
             return (self.intra_node,) * len(mesh_shape)
-        return tuple(
-            self.intra_node if math.prod(mesh_shape[i:]) <= self.devices_per_node else self.inter_node
-            for i in range(len(mesh_shape))
-        )
+        links = []
+        for i, n in enumerate(mesh_shape):
+            inner = math.prod(mesh_shape[i + 1:])
+            if inner * n <= dpn:
+                links.append(self.intra_node)
+            elif inner < dpn and dpn % inner == 0 and n % (dpn // inner) == 0:
+                links.append(replace(self.inter_node, local=dpn // inner, local_link=self.intra_node))
+            else:
+                links.append(self.inter_node)
+        return tuple(links)
 
 
 _CPU = Preset(

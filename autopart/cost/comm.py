@@ -23,6 +23,10 @@ all-reduce keeps the ring parametrization it was fitted in.
 nodes and the GPUs in each): as NCCL runs it on one group spanning them and autopart's runtime runs it axis by axis
 (``runtime/grads.py``), the bytes shrink outward, so the slow inter-node link carries 1/(GPUs per node) of them.
 
+A mesh axis that spans nodes with several of its ranks in each (``Link.local``: the data-parallel axis of a 1-D
+mesh over 8-GPU nodes, or of (48, 2) beside tensor parallelism of 2) is priced the same way, as two levels: inside
+the node over ``Link.local_link``, then across nodes with the bytes divided by the ranks per node.
+
 ``exposed_after`` prices collectives that run concurrently with compute (the data-parallel gradient buckets on a
 device whose collectives overlap, ``Device.comm_overlap``): what finishes after the compute window.
 ``exposed_before`` prices the other way round: collectives launched ahead of compute that waits for each of them
@@ -46,8 +50,19 @@ def _check(nbytes: float, n: int) -> None:
         raise ValueError(f"a collective needs at least 1 rank, got n={n}")
 
 
+def _spans_nodes(n: int, link: Link) -> bool:
+    """A group of ``n`` ranks on an axis with ``link.local`` of them in each node (``Link.local``)."""
+    return link.local > 1 and n > link.local and n % link.local == 0
+
+
+def _node_levels(n: int, link: Link) -> list[tuple[int, Link]]:
+    return [(link.local, link.local_link), (n // link.local, link.across())]
+
+
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather of an S-byte result: (n-1) α + (n-1)/n · S β."""
+    """Ring all-gather of an S-byte result: (n-1) α + (n-1)/n · S β; over nodes, hierarchical (``Link.local``)."""
+    if _spans_nodes(n, link):
+        return hierarchical_time("all_gather", nbytes, _node_levels(n, link))
     return _ring(nbytes, n, link.for_collective("all_gather"))
 
 
@@ -59,13 +74,18 @@ def _ring(nbytes: float, n: int, link: Link) -> float:
 
 
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
-    """Ring reduce-scatter of an S-byte input: (n-1) α + (n-1)/n · S β."""
+    """Ring reduce-scatter of an S-byte input: (n-1) α + (n-1)/n · S β; over nodes, hierarchical."""
+    if _spans_nodes(n, link):
+        return hierarchical_time("reduce_scatter", nbytes, _node_levels(n, link))
     return _ring(nbytes, n, link.for_collective("reduce_scatter"))
 
 
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce (reduce-scatter then all-gather): 2(n-1) α + 2(n-1)/n · S β; on a link whose library also
-    has a tree all-reduce (``Link.tree``, NCCL) and no measured all-reduce, 2 min(n-1, ⌈log2 n⌉) α + 2(n-1)/n · S β."""
+    has a tree all-reduce (``Link.tree``, NCCL) and no measured all-reduce, 2 min(n-1, ⌈log2 n⌉) α + 2(n-1)/n · S β;
+    over nodes, hierarchical (``Link.local``)."""
+    if _spans_nodes(n, link):
+        return hierarchical_time("all_reduce", nbytes, _node_levels(n, link))
     measured = link.for_collective("all_reduce")
     if not link.tree or measured is not link:
         return 2 * _ring(nbytes, n, measured)
@@ -76,14 +96,22 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
-    """All-to-all of an S-byte buffer per rank, each rank keeping 1/n: (n-1) α + (n-1)/n · S β."""
+    """All-to-all of an S-byte buffer per rank, each rank keeping 1/n: (n-1) α + (n-1)/n · S β. Over nodes with g
+    ranks in each (``Link.local``): the (g-1)/n of the buffer for the rank's node over the node's link, the (n-g)/n
+    for the others over the rank's own link between nodes."""
+    if _spans_nodes(n, link):
+        g, inner, outer = link.local, link.local_link.for_collective("all_to_all"), link.across()
+        outer = outer.for_collective("all_to_all")
+        return ((g - 1) * inner.alpha + (g - 1) / n * nbytes * inner.beta
+                + (n - g) * outer.alpha + (n - g) / n * nbytes * outer.beta)
     return _ring(nbytes, n, link.for_collective("all_to_all"))
 
 
 def send_recv_time(nbytes: float, link: Link) -> float:
-    """Point-to-point transfer of S bytes: α + S β."""
+    """Point-to-point transfer of S bytes: α + S β (on an axis spanning nodes, the link between them: some pairs
+    of neighbours cross a node boundary and the step waits for them)."""
     _check(nbytes, 1)
-    link = link.for_collective("send_recv")
+    link = link.across().for_collective("send_recv")
     return link.alpha + nbytes * link.beta
 
 

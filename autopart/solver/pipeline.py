@@ -254,21 +254,30 @@ def gather_exposed(pl: PipelinePlan, layers: Sequence[LayerCost], gather_s: Sequ
 
 
 def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequence[float], overlap: bool,
-                   gather_s: Sequence[float] | None = None) -> float:
+                   gather_s: Sequence[float] | None = None, after_schedule: bool = False) -> float:
     """Seconds the data-parallel gradient reduction, and ZeRO-1's parameter all-gather after the optimizer step
-    (``gather_s``, per layer, exposed as ``gather_exposed`` prices it), add to the pipelined step: the slowest
-    rank's reduction after the flush.
+    (``gather_s``, per layer), add to the pipelined step: how late the next step's first micro-batch gets through
+    the stages, each rank having reduced, stepped and gathered on its own clock.
 
-    ``reduce_s[l]`` is layer ``l``'s reduction, run by the rank holding it. Without ``overlap`` a rank reduces after
-    its last backward: the largest per-rank sum (the slack of ranks that finish early is not counted). With overlap
-    (NCCL: ``Device.comm_overlap``) a layer's gradients are final once the *last* micro-batch's backward passed it,
-    and its reduction is launched then, concurrently with the rest of that backward, one collective after the other
-    per rank (``autopart.cost.comm.exposed_after``). The last micro-batch's backward runs the chunks from the last to
-    the first, each layer in reverse (a checkpointed layer's forward recomputed first), a ``p2p_s / 2`` send between
-    chunks; what a rank's reduction leaves after that chain ends (chunk 0 on rank 0) is its tail. A later stage
-    therefore hides its reduction behind the earlier stages' backward of that micro-batch (1F1B's cool-down)."""
-    from autopart.cost.comm import exposed_after
+    ``reduce_s[l]`` is layer ``l``'s reduction, run by the rank holding it. Without ``overlap`` a rank reduces and
+    gathers after its last backward: the largest per-rank sum (the slack of ranks that finish early is not counted).
+    With overlap (NCCL: ``Device.comm_overlap``) the step is priced on the critical path, rank by rank (times from
+    the end of the last micro-batch's backward on chunk 0, which ends the schedule):
 
+    * the reduction. The last micro-batch's backward runs the chunks from the last to the first, each layer in
+      reverse (a checkpointed layer's forward recomputed first), a ``p2p_s / 2`` send between chunks. Launched from
+      backward (``after_schedule`` False), a layer's gradients are final once that backward passed it and its
+      reduction starts then, concurrently with the rest of it, one collective after the other per rank
+      (``autopart.cost.comm.exposed_after``): a later stage's ends in 1F1B's cool-down, while rank 0 still
+      computes, possibly before the schedule ends. Reduced after the schedule (``after_schedule``, the runtime's
+      pipelines: ``runtime.grads.OVERLAP_IN_PIPELINE``; the loss broadcast over the stages first makes every rank
+      wait for rank 0's last backward), every rank reduces all of its share from the end, not overlapped;
+    * then its optimizer step and its after-step gathers, back to back from its reduction's end (``runtime/zero1.py``,
+      as ``gather_exposed`` prices them: a layer waited for as it starts, all of a rank's in flight at once);
+    * the next step's first micro-batch runs the chunks in order; a rank's chunk starts once its own reduction is
+      done and the previous chunk's output arrived, each layer once its gather is. What that chain ends later than
+      without any of this is the tail: rank 0's reduction and gather delay it all, while a later stage's hide in
+      its cool-down and in its fill (it idles until the first micro-batch reaches it)."""
     gather_s = [0.0] * len(layers) if gather_s is None else gather_s
     if not len(reduce_s) == len(gather_s) == len(layers):
         raise ValueError(f"reduction_tail: {len(reduce_s)} reduction and {len(gather_s)} gather times for "
@@ -282,7 +291,6 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
         for lay, r in enumerate(ranks):
             per[r] += reduce_s[lay] + gather_s[lay]
         return max(per)
-    gather = gather_exposed(pl, layers, gather_s, overlap)
     hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
     ready, clock = [0.0] * len(layers), 0.0
     for lay in reversed(range(len(layers))):  # the last micro-batch's backward, last layer first
@@ -291,11 +299,29 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
         x = layers[lay]
         clock += x.bwd_s + (x.fwd_s if pl.checkpointed[lay] else 0.0)
         ready[lay] = clock
-    tail = 0.0
+    done = [0.0] * o.stages  # each rank's reduction end (then its step), from the schedule's end
     for r in range(o.stages):
         mine = sorted((ready[lay], reduce_s[lay]) for lay in range(len(layers)) if ranks[lay] == r)
-        tail = max(tail, exposed_after([t for t, _ in mine], [c for _, c in mine], clock) + gather)
-    return tail
+        if after_schedule:
+            done[r] = sum(c for _, c in mine)
+            continue
+        last = max((t for t, _ in mine), default=clock)  # its last backward ends
+        end = 0.0
+        for t, c in mine:  # launched as its gradients are final, one after the other (exposed_after's chain)
+            end = max(end, t) + c
+        done[r] = max(end, last) - clock
+    start = list(done)
+    fwd = free = 0.0  # the next step's first micro-batch through the chunks, and without any of this
+    for lay, c in enumerate(chunk_of):
+        r = c % o.stages
+        if lay == 0 or c != chunk_of[lay - 1]:
+            hop_in = hop if lay else 0.0
+            fwd, free = max(fwd + hop_in, start[r]), free + hop_in
+        if gather_s[lay]:
+            done[r] += gather_s[lay]
+            fwd = max(fwd, done[r])
+        fwd, free = fwd + layers[lay].fwd_s, free + layers[lay].fwd_s
+    return max(0.0, fwd - free)
 
 
 def _front_add(t: np.ndarray, s: np.ndarray, dt: float, ds: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

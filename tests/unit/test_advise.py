@@ -63,7 +63,11 @@ def test_cli_advise_json_small_model(capsys) -> None:
     rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "256", "--gpus-per-node", "8", "--json"])
     assert rc == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["fits"] and d["gpus"] == 8 and d["mesh"] == [1, 8] and d["batch"] == 8 and d["seq"] == 256
+    assert d["fits"] and d["gpus"] == 8 and d["batch"] == 8 and d["seq"] == 256
+    # planned on every logical mesh of the node (tensor parallel 1, 2, 4, 8), the fastest kept
+    assert [v["mesh"] for v in d["views"]] == [[8], [4, 2], [2, 4]]
+    fastest = min((v for v in d["views"] if v["step_time_s"] is not None), key=lambda v: v["step_time_s"])
+    assert d["mesh"] == fastest["mesh"] and d["step_time_s"] == fastest["step_time_s"]
     assert d["model"].startswith("gpt:125m")
     _check_consistent(d)
     # 6 N T + attention: N counts the tied embedding once (as the head); the position table is a lookup
@@ -137,7 +141,7 @@ def test_factory_path(capsys) -> None:
     assert d["model"] == "tests.unit.test_advise:tiny_factory" and d["cluster"] == "a100-80gb"
     assert d["params"] == sum(p.numel() for p in tiny_factory().parameters())
     _check_consistent(d)
-    a = adv.advise(factory=tiny_factory_with_inputs, cluster="h100-80gb", gpus_per_node=4)
+    a = adv.advise(factory=tiny_factory_with_inputs, cluster="h100-80gb", gpus_per_node=4, views=False)
     assert a.fits and (a.batch, a.seq) == (16, 128)  # the factory's own inputs
     with pytest.raises(ValueError, match="package.module:function"):
         adv.advise(factory="no_colon")
@@ -171,7 +175,8 @@ def test_user_cluster_file_toml_and_json(tmp_path, capsys) -> None:
         assert c.links[1] == h100.links[1]  # intra-node kept from the base
         assert c.links[0].bandwidth == pytest.approx(100e9)
         assert c.device.host_bandwidth == h100.device.host_bandwidth
-        assert c.with_mesh((2, 16)).links[1] == c.links[0]  # a 16-wide axis leaves the node: the file's IB link
+        wide = c.with_mesh((2, 16)).links[1]  # a 16-wide axis leaves the node: the file's IB link, 8 per node
+        assert wide.across() == c.links[0] and wide.local == 8 and wide.local_link == c.links[1]
         js = tmp_path / "box.json"
         js.write_text(json.dumps({"name": "test-box", "devices_per_node": 4, "reserve_bytes": 2**30,
                                   "device": {"peak_flops": 1e14, "mem_bandwidth": 1e12, "memory_bytes": "16GiB",
@@ -179,14 +184,14 @@ def test_user_cluster_file_toml_and_json(tmp_path, capsys) -> None:
                                   "intra_node": {"alpha": 1e-5, "bandwidth": 1e11},
                                   "inter_node": {"alpha": 2e-5, "beta": 1e-10}}))
         rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "128", "--cluster", str(js),
-                   "--gpus-per-node", "4", "--json"])
+                   "--gpus-per-node", "4", "--json", "--physical-mesh"])
         assert rc == 0
         d = json.loads(capsys.readouterr().out)
         assert d["cluster"] == "test-box" and d["peak_tflops_per_gpu"] == pytest.approx(100)
         assert d["memory_budget"] == 15 * 2**30
         _check_consistent(d)
         # the same cell on the slower file cluster is slower than on an H100
-        h = adv.advise("gpt", "125m", layers=2, seq=128, gpus_per_node=4, cluster="h100-80gb")
+        h = adv.advise("gpt", "125m", layers=2, seq=128, gpus_per_node=4, cluster="h100-80gb", views=False)
         assert d["step_time_s"] > h.step_time_s
     finally:
         PRESETS.pop("test-b200", None)
@@ -283,15 +288,16 @@ def test_moe_and_mamba_families_when_present() -> None:
     embed = model.embed.weight.numel()
     assert experts > 0
     assert matmul == total - embed - experts + experts * cfg.top_k // cfg.n_expert
-    a = adv.advise("moe", "tiny", seq=32, gpus_per_node=4)
+    a = adv.advise("moe", "tiny", seq=32, gpus_per_node=4, views=False)
     assert a.fits and 0 < a.mfu < 1
     pytest.importorskip("autopart.models.mamba")
-    m = adv.advise("mamba", "tiny", seq=32, gpus_per_node=2)
+    m = adv.advise("mamba", "tiny", seq=32, gpus_per_node=2, views=False)
     assert m.fits and m.strategy["name"]
 
 
 def test_cli_sweep_writes_table_json_and_chart(tmp_path, capsys) -> None:
-    rc = main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "2", "--seq", "128", "--out", str(tmp_path)])
+    rc = main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "2", "--seq", "128", "--out", str(tmp_path),
+               "--physical-mesh"])
     assert rc == 0
     rows = json.loads((tmp_path / "design_guide.json").read_text())
     assert [(r["model"], r["gpus"]) for r in rows] == [("gpt:125m", 2)]

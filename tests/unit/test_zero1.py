@@ -118,6 +118,25 @@ def test_gather_latency_once_per_bucket():
     assert zero1_gather_latency([], cluster) == 0.0
 
 
+def test_gather_latency_shares_follow_the_buckets():
+    """What a pipeline stage's units charge per parameter (``zero1_latency_shares``): its bucket's latency split by
+    bytes. Two 16 MiB blocks do not share a 25 MiB bucket: each pays a whole bucket (the 70B row's q, k, v and
+    projection weights, priced 0.64 of one each before); small ones split one; the shares sum to the record's."""
+    import autopart
+    from autopart.planner import zero1_bucket_latency, zero1_gather_latency, zero1_latency_shares
+
+    cluster = autopart.preset("h100-80gb", (48, 8))
+    mib = 2**20
+    entries = [((0,), torch.bfloat16, 16 * mib)] * 3 + [((0,), torch.bfloat16, 5 * mib)] * 2 + \
+        [((0,), torch.bfloat16, 64 * mib)]
+    one = zero1_bucket_latency((0,), cluster)
+    assert one == pytest.approx(47 * cluster.link(0).for_collective("all_gather").alpha, rel=1e-12)
+    shares = zero1_latency_shares(entries, cluster)
+    # 16 | 16 | 16 + 5 | 5 | 64: the first 5 MiB joins the third 16 MiB bucket, the second opens a fourth
+    assert shares == pytest.approx([one, one, one * 16 / 21, one * 5 / 21, one, one], rel=1e-12)
+    assert sum(shares) == pytest.approx(zero1_gather_latency(entries, cluster), rel=1e-12)
+
+
 def _zero1_plan():
     """(model, plan, cluster): a tiny GPT planned with ZeRO-1 on 4 data-parallel H100s."""
     import autopart
@@ -206,7 +225,11 @@ def test_pipeline_gather_hides_behind_the_first_micro_batch():
     assert gather_exposed(pl, layers, [0.5, 2.5, 0.0, 0.0], True) == pytest.approx(2.0)
     # rank 1's gathers (3.0) run while rank 0 computes its 2 layers (2.0): 1.0 exposed
     assert gather_exposed(pl, layers, [0.0, 0.0, 3.0, 0.0], True) == pytest.approx(1.0)
-    assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0]) == pytest.approx(1.0)
+    # the step: every rank gathers from the schedule's end (the runtime reduces after it, the loss broadcast joining
+    # the ranks), 1.0 exposed as above; were rank 1 free after its last backward (reductions launched from backward),
+    # its gathers would run in its cool-down (rank 0's last backward, 4 s) and its fill: hidden
+    assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0], after_schedule=True) == pytest.approx(1.0)
+    assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0]) == pytest.approx(0.0)
 
 
 def test_ilp_gather_share():
