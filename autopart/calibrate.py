@@ -6,9 +6,10 @@ host share its cores and memory as they will in training:
 
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) on every mesh axis, all the
   axis's groups at once, at a few message sizes S (the whole array, as ``autopart.cost.comm`` counts it); the time
-  of one call at each size is the median of a few blocks of back-to-back calls, the slowest rank's; a weighted least
-  squares fit ``T(S) = a + b·S`` (weights 1/T: every size counts by its relative error) gives the collective's
-  latency a and cost per byte b, converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
+  of one call at each size is the median of a few blocks of back-to-back calls (on a CPU, each after a burst of
+  compute, less the burst: ``_measure_links``), the slowest rank's; a weighted least squares fit ``T(S) = a + b·S``
+  (weights 1/T: every size counts by its relative error) gives the collective's latency a and cost per byte b,
+  converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
   b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
 * the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
@@ -44,11 +45,14 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 2  # 2: the runtime's overhead per op and per parameter, core sharing
+VERSION = 3  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
 GEMMS = ((512, 512, 512), (2048, 256, 1024), (2048, 1024, 256), (1024, 1024, 1024))
+# (m, k, n) of the compute a collective follows where ranks share a CPU host's cores (``_measure_links``): a few
+# milliseconds, as between two of tensor parallelism's collectives in a small model
+_BURST = (512, 512, 512)
 # ring parametrization: T = steps·(n-1)·α + steps·(n-1)/n·S·β (send/recv: T = α + S·β)
 _STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
 
@@ -253,25 +257,55 @@ def _axis_groups(mesh_shape: tuple[int, ...], rank: int) -> list[tuple[Any, list
 
 
 def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: int, seconds: float, device: str,
-                   dtype: torch.dtype, sync: Callable[[], None]) -> dict[str, Any]:
+                   dtype: torch.dtype, sync: Callable[[], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Seconds per call of every collective on every axis at each of ``sizes``, the slowest rank's: as a step
+    pays it, and back to back.
+
+    On a CPU the ranks share the host's cores, and a collective in a step follows compute: the OS scheduler has
+    left the ranks at different points of their share of the cores, and the collective waits for the last one to
+    arrive. Called back to back, the ranks run in lockstep and never pay that (4 gloo ranks on 2 cores: a 64 KiB
+    all-reduce took 5 ms back to back, 6-14 ms after a 2-30 ms GEMM burst). There each call of a collective of
+    the whole group is timed after a burst of compute, the same GEMM on every rank (``_BURST``), less the burst
+    alone, in paired blocks with the back-to-back calls (what the calibration's tiny models, whose collectives
+    follow no compute, are priced with: ``_runtime_overhead``). Send/recv is timed back to back only: a
+    pipeline's receiver waits for its sender's compute, which the schedule prices (``solver.pipeline``), so its
+    link is the transfer alone. Elsewhere (GPUs) both are the back-to-back time."""
     rank = dist.get_rank()
     groups = _axis_groups(mesh_shape, rank)
+    burst = None
+    if device == "cpu":
+        a, b = (torch.randn(m, n, dtype=dtype) for m, n in (_BURST[:2], _BURST[1:]))
+        burst = lambda: torch.mm(a, b)  # noqa: E731
     raw: dict[str, Any] = {}
+    lockstep: dict[str, Any] = {}
     for axis, n in enumerate(mesh_shape):
         if n < 2:
             continue
         group, ranks = groups[axis]
         local = ranks.index(rank)
         for kind in COLLECTIVES:
-            times = []
+            times, back_to_back = [], []
             for nbytes in sizes:
                 fn = _collective(kind, nbytes, group, n, local, ranks, device, dtype)
                 fn()  # warm-up: connection set-up, buffers
-                t = _median_blocks(fn, blocks, seconds, sync)
+                if burst is None or kind == "send_recv":
+                    t = t0 = _median_blocks(fn, blocks, seconds, sync)
+                else:
+                    alone, after, plain = _paired_blocks([burst, lambda fn=fn: (burst(), fn()), fn], blocks,
+                                                         seconds, sync)
+                    t = max(1e-7, statistics.median(y - x for x, y in zip(alone, after)))
+                    t0 = statistics.median(plain)
                 times.append(t / 2 if kind == "send_recv" else t)
+                back_to_back.append(t0 / 2 if kind == "send_recv" else t0)
             raw[f"{axis}/{kind}"] = times
+            lockstep[f"{axis}/{kind}"] = back_to_back
+    return _slowest(raw, len(sizes)), _slowest(lockstep, len(sizes))
+
+
+def _slowest(raw: dict[str, list[float]], n_sizes: int) -> dict[str, list[float]]:
+    """Per key, the slowest rank's seconds at each size (every rank calls it)."""
     keys = sorted(raw)
-    local_t = torch.tensor([raw[k] for k in keys], dtype=torch.float64).reshape(len(keys), len(sizes))
+    local_t = torch.tensor([raw[k] for k in keys], dtype=torch.float64).reshape(len(keys), n_sizes)
     slowest = local_t
     if keys:
         gathered = [torch.zeros_like(local_t) for _ in range(dist.get_world_size())]
@@ -332,6 +366,12 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
     math_bytes = 3 * 2 * n_math * dtype.itemsize
     gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
+    # its variants of other math (``autopart.cost.compute.math_variant``), the same bytes: GPT-2's tanh gelu
+    variants = {}
+    for key, approximate in (("gelu:tanh", "tanh"),):
+        t = _median_blocks(lambda a=approximate: torch.autograd.grad(
+            torch.nn.functional.gelu(xg, approximate=a), xg, gg), blocks, seconds, sync)
+        variants[key] = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
@@ -343,8 +383,8 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
-    return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu, "elementwise": bw,
-            "host_bandwidth": host}
+    return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu,
+            "transcendental_variants": variants, "elementwise": bw, "host_bandwidth": host}
 
 
 def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float, sync: Callable[[], None],
@@ -354,7 +394,8 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     wrapped back, the accumulation hook, the bucket's bookkeeping).
 
     Steps ``ParallelModule.forward_backward`` of two reference GPTs too small for their arithmetic to count
-    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these terms),
+    (``layers`` blocks, d_model 8, 8 tokens a rank) on the mesh of ``cluster`` (calibrated but for these terms, its
+    links back to back: these steps' collectives follow no compute),
     every axis data parallel: the same graph ops, one with biases (twice the parameters), one without. Each
     step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the two
     models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0). For
@@ -475,6 +516,8 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
+                    math_variants=tuple((k, v["bandwidth"]) for k, v in sorted(
+                        dev.get("transcendental_variants", {}).items())),
                     op_latency=dev.get("runtime", {}).get("per_op", 0.0),
                     param_latency=dev.get("runtime", {}).get("per_param", 0.0),
                     zero3_latency=dev.get("runtime", {}).get("per_zero3_param", 0.0),
@@ -530,17 +573,22 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sizes = QUICK_SIZES if quick else SIZES
-    links_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device, dtype, sync)
+    links_raw, lockstep_raw = _measure_links(mesh_shape, sizes, 3 if quick else 5, 0.02 if quick else 0.05, device,
+                                             dtype, sync)
     dev = _measure_device(device, dtype, sync, quick)
     # per-rank device rates -> the median rank's (ranks on one host may see different shares of it)
-    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["attention"]["flops"],
-                         dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"], dev["host_bandwidth"]],
-                         dtype=torch.float64)
+    variants = sorted(dev["transcendental_variants"])
+    rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["transcendental_variants"][k]["bandwidth"]
+                                                              for k in variants] + [
+                         dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
+                         dev["host_bandwidth"]], dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather_object(everyone, rates)
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
     for g, f in zip(dev["gemm"], med):
         g["flops"] = f
+    for k, f in zip(variants, med[len(dev["gemm"]):]):
+        dev["transcendental_variants"][k]["bandwidth"] = f
     (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
      dev["host_bandwidth"]) = med[-4:]
     alone = [0.0] * world  # rank 0 measured it
@@ -551,12 +599,14 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     memory, reserve = _memory_per_rank(device, world)
     fp = fingerprint(backend, world, mesh_shape)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts
-    cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
-    dev["runtime"] = _runtime_overhead(cluster, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
+    # the runtime's own time per op and per parameter: its steps less what the cluster measured so far predicts,
+    # their collectives priced back to back, as they run there (one after another, no compute between)
+    lockstep = build_cluster(mesh_shape, lockstep_raw, sizes, dev, memory, reserve, name=name)
+    dev["runtime"] = _runtime_overhead(lockstep, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
                                        2 if quick else 4)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
-    measurements = {"sizes": list(sizes), "collective_seconds": links_raw, "device": dev,
+    measurements = {"sizes": list(sizes), "collective_seconds": links_raw,
+                    "collective_seconds_back_to_back": lockstep_raw, "device": dev,
                     "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
     if save and dist.get_rank() == 0:
         save_calibration(cluster, fp, measurements, directory)
@@ -568,7 +618,8 @@ def describe(cluster: Cluster) -> str:
     d = cluster.device
     lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
-             f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
+             f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s"
+             f"{''.join(f' ({k}: {v / 1e9:.3g})' for k, v in d.math_variants)}, "
              f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter "
              f"(ZeRO-3: {d.zero3_latency * 1e6:.3g} more), "
              f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "

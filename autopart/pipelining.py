@@ -48,7 +48,7 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
-from autopart.planner import _local_bytes, grad_reduction_time
+from autopart.planner import _local_bytes, grad_reduction_share
 from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce after the schedule
 from autopart.solver.pipeline import (
     SCHEDULES,
@@ -200,7 +200,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if ph is None or ph not in unit_of:
             continue
         nbytes = nodes[ph].get("grad_bytes", 0.0)
-        t = grad_reduction_time(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
+        # its share of the runtime's bucket (after the schedule: ``runtime.grads`` post_backward), not a collective
+        # of its own: per-parameter latencies priced pp2xdp2's gradient reduction at 6x the sharding plan's
+        t = grad_reduction_share(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
         for u in sorted(set(users_units.get(ph, [])) or {0}):
             units[u].reduce_s += t
             units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)

@@ -104,6 +104,10 @@ class Device:
     # compute-bound on CPUs
     attention_flops: float = 0.0
     math_bandwidth: float = 0.0
+    # bytes/s of variants of those ops whose math runs at another rate, as ((key, rate), ...) with keys from
+    # ``autopart.cost.compute.math_variant`` (``"gelu:tanh"``: GPT-2's gelu, ~2.5x slower than erf's on a CPU),
+    # measured by ``autopart.calibrate``; a variant not listed runs at ``math_bandwidth``
+    math_variants: tuple[tuple[str, float], ...] = ()
     # seconds of framework time per graph op, forward and backward (dispatch, autograd, the runtime's Python;
     # kernel launches on a GPU), measured by ``autopart.calibrate`` on a model too small for its arithmetic to count
     op_latency: float = 0.0
@@ -133,6 +137,9 @@ class Device:
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
+        object.__setattr__(self, "math_variants", tuple((str(k), float(v)) for k, v in self.math_variants))  # JSON
+        if not all(v > 0 for _, v in self.math_variants):
+            raise ValueError(f"Device {self.name!r}: math_variants rates must be > 0, got {self.math_variants}")
         if not (isinstance(self.host_ranks, int) and self.host_ranks >= 1):
             raise ValueError(f"Device {self.name!r}: host_ranks must be an integer >= 1, got {self.host_ranks!r}")
         if not self.alone_speedup >= 1:

@@ -284,19 +284,32 @@ def attention_time(flops: float, device: Device) -> float:
     return flops / (device.attention_flops or device.achievable_flops)
 
 
-def roofline_time(flops: float, nbytes: float, device: Device, target: Any = None) -> float:
+def math_variant(target: Any, kwargs: dict | None) -> str | None:
+    """The key of ``Device.math_variants`` a call of a transcendental op is priced by, None for the op's default
+    math: ``"gelu:tanh"`` for gelu (and its backward) with ``approximate="tanh"``, whose tanh polynomial ran
+    2.1-2.8x slower than erf's gelu per element on this repository's CPU (1 thread, 256K-4M elements)."""
+    if _packet(target) in (aten.gelu, aten.gelu_backward) and (kwargs or {}).get("approximate", "none") != "none":
+        return f"gelu:{kwargs['approximate']}"
+    return None
+
+
+def roofline_time(flops: float, nbytes: float, device: Device, target: Any = None,
+                  kwargs: dict | None = None) -> float:
     """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds.
 
     With the op ``target`` given, fused attention runs at the device's ``attention_flops`` where it has one (measured
     by ``autopart.calibrate``; a published kernel's on the GPU presets: slower than their GEMMs), and, on a device
     calibrated (``autopart.calibrate``), elementwise ops with transcendental math (gelu, silu, exp, softmax,
     cross-entropy, ...) move their bytes at the measured ``math_bandwidth``: on a CPU these are compute-bound and
-    ran 4-6x slower than the matmul rate or a plain add's bandwidth predict (a 4-layer GPT, one rank). Each op call
-    adds the device's ``op_latency`` (framework time per graph op; 0 unless calibrated)."""
+    ran 4-6x slower than the matmul rate or a plain add's bandwidth predict (a 4-layer GPT, one rank); a variant of
+    such an op (``math_variant`` of the call's ``kwargs``) at its own measured rate where the device has one. Each
+    op call adds the device's ``op_latency`` (framework time per graph op; 0 unless calibrated)."""
     packet = _packet(target) if target is not None else None
     rate = device.peak_flops * device.mfu
     if device.attention_flops and (packet in _SDPA_FORWARD or packet in _SDPA_BACKWARD):
         rate = device.attention_flops
     bandwidth = device.math_bandwidth if device.math_bandwidth and packet in _TRANSCENDENTAL else \
         device.mem_bandwidth
+    if device.math_variants and packet in _TRANSCENDENTAL:
+        bandwidth = dict(device.math_variants).get(math_variant(target, kwargs), bandwidth)
     return max(flops / rate, nbytes / bandwidth) + (device.op_latency if target is not None else 0.0)

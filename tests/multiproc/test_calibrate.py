@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -71,7 +72,7 @@ def spearman(x, y) -> float:
 
 
 def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
-    from autopart.calibrate import load_calibration
+    from autopart.calibrate import cache_path, fingerprint, load_calibration
     from autopart.cost import Cluster
     from autopart.cost.comm import COLLECTIVES
 
@@ -89,11 +90,18 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     assert 0 <= d.op_latency < 0.05 and 0 <= d.param_latency < 0.05, (d.op_latency, d.param_latency)
     assert d.op_latency + d.param_latency > 1e-6, (d.op_latency, d.param_latency)
     assert d.host_ranks == 2 and d.alone_speedup >= 1
+    assert [k for k, _ in d.math_variants] == ["gelu:tanh"] and d.math_variants[0][1] > 0  # GPT-2's gelu, measured
     link = cluster.links[0]
     assert {k for k, _, _ in link.per_collective} == set(COLLECTIVES)
     for _, alpha, beta in link.per_collective:
         assert math.isfinite(alpha) and alpha >= 0 and math.isfinite(beta) and beta > 0
     assert load_calibration((2,), directory=str(tmp_path)) == cluster  # cached by rank 0
+    # the links as a step pays them (after compute) and back to back (the tiny models' overhead steps): both kept
+    with open(cache_path(fingerprint("gloo", 2, (2,)), str(tmp_path))) as f:
+        m = json.load(f)["measurements"]
+    assert set(m["collective_seconds"]) == set(m["collective_seconds_back_to_back"]) == {
+        f"0/{k}" for k in COLLECTIVES}
+    assert all(t > 0 for v in m["collective_seconds_back_to_back"].values() for t in v)
 
     pred = [p for _, p, _ in rows]
     meas = [m for _, _, m in rows]

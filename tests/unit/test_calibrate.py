@@ -243,3 +243,97 @@ def replace_sharing(opts, sharing):
     from dataclasses import replace
 
     return replace(opts, sharing=sharing)
+
+
+def test_tanh_gelu_priced_at_its_own_calibrated_rate():
+    """GPT-2's tanh gelu runs its bytes at the rate calibration measured for it, not at erf gelu's (2.1-2.8x
+    faster on a CPU); other transcendental ops and plain gelu keep ``math_bandwidth``."""
+    from dataclasses import replace
+
+    from autopart.cost.compute import math_variant, roofline_time
+
+    aten = torch.ops.aten
+    dev = {"gemm": [{"flops": 40e9}], "gemm_alone_flops": 0.0, "attention": {"flops": 20e9},
+           "transcendental": {"bandwidth": 4e9}, "transcendental_variants": {"gelu:tanh": {"bandwidth": 1e9}},
+           "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "device": "cpu",
+           "runtime": {"per_op": 1e-4, "per_param": 0.0, "per_zero3_param": 0.0}}
+    raw = {f"0/{k}": [100e-6 + s / 1e9 for s in SIZES] for k in COLLECTIVES}
+    c = build_cluster((2,), raw, SIZES, dev, 4 * 2**30, 2**29)
+    d = c.device
+    assert d.math_variants == (("gelu:tanh", 1e9),)
+    assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
+    assert math_variant(aten.gelu.default, {"approximate": "tanh"}) == "gelu:tanh"
+    assert math_variant(aten.gelu.default, {}) is None and math_variant(aten.exp.default, {}) is None
+    nbytes = 8e6
+    assert roofline_time(0, nbytes, d, aten.gelu.default, {"approximate": "tanh"}) == pytest.approx(nbytes / 1e9 + 1e-4)
+    assert roofline_time(0, nbytes, d, aten.gelu.default, {"approximate": "none"}) == pytest.approx(nbytes / 4e9 + 1e-4)
+    assert roofline_time(0, nbytes, d, aten._softmax.default) == pytest.approx(nbytes / 4e9 + 1e-4)
+    # in a plan: every gelu node (the model's MLPs use the tanh form) at 4x its erf price, nothing else moves
+    model, ids = _tiny_gpt()
+    kw = dict(roles={"dp": "dp"}, zero=0, pipeline="off")
+    erf = replace(c, device=replace(d, math_variants=()))
+    plans = [autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=x, **kw).nodes
+             for x in (c, erf)]
+    gelus = [n for n, r in plans[0].items() if "gelu" in r["op"]]
+    assert len(gelus) == 2
+    for n, r in plans[0].items():
+        want = 4 * (plans[1][n]["compute_s"] - 1e-4) + 1e-4 if n in gelus else plans[1][n]["compute_s"]
+        assert r["compute_s"] == pytest.approx(want), (n, r["op"])
+
+
+def test_gradient_bucket_copies_priced_at_the_memory_bandwidth():
+    """The gradient bucket's copies into its flat buffer and back are priced with its collective: 4x the bytes
+    for an all-reduce, 3x plus 2x the rank's slice for a reduce-scatter (ZeRO-1/2), at ``mem_bandwidth``."""
+    from dataclasses import replace
+
+    from autopart.cost import hierarchical_time
+    from autopart.planner import grad_reduction_time
+
+    dev = {"gemm": [{"flops": 40e9}], "gemm_alone_flops": 0.0, "attention": {"flops": 20e9},
+           "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "device": "cpu"}
+    raw = {f"{a}/{k}": [100e-6 + s / 1e9 for s in SIZES] for a in (0, 1) for k in COLLECTIVES}
+    c = build_cluster((2, 4), raw, SIZES, dev, 4 * 2**30, 2**29)
+    nbytes = 2e6
+    for axes, ways in (((1,), 4), ((0, 1), 8)):
+        levels = [(c.mesh_shape[a], c.link(a)) for a in sorted(axes, reverse=True)]
+        assert grad_reduction_time(nbytes, axes, False, c) == pytest.approx(
+            hierarchical_time("all_reduce", nbytes, levels) + 4 * nbytes / 5e9)
+        assert grad_reduction_time(nbytes, axes, True, c) == pytest.approx(
+            hierarchical_time("reduce_scatter", nbytes, levels) + (3 + 2 / ways) * nbytes / 5e9)
+    # in a plan's prediction: the whole model's gradients, copied 4x
+    model, ids = _tiny_gpt()
+    kw = dict(roles={"dp": "dp"}, zero=0, pipeline="off")
+    c1 = build_cluster((2,), {k: v for k, v in raw.items() if k.startswith("0/")}, SIZES, dev, 4 * 2**30, 2**29)
+    slow = replace(c1, device=replace(c1.device, mem_bandwidth=2.5e9))
+    fast, half = (autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=x, **kw)
+                  for x in (c1, slow))
+    grad_bytes = sum(model.get_parameter(fqn).numel() * 4 for fqn in fast.reduced)
+    assert fast.reduced and grad_bytes > 0.9 * sum(p.numel() * 4 for p in model.parameters())
+    # halving the bandwidth doubles the copies' time: the reduction grows by 4 x the reduced bytes / 5 GB/s
+    assert half.predicted["grad_reduction_s"] - fast.predicted["grad_reduction_s"] == pytest.approx(
+        4 * grad_bytes / 5e9, rel=1e-6)
+
+
+def test_pipeline_units_pay_a_share_of_the_gradient_bucket():
+    """A pipeline's stages reduce their gradients in the runtime's buckets: the units' reduction of a model whose
+    gradients fill less than one bucket costs what one bucket's reduction does, not one collective's latency per
+    parameter (which priced pp2xdp2's reduction at 6x its sharding plan's on the calibrated CPU)."""
+    from autopart.pipelining import block_units
+    from autopart.planner import grad_reduction_time
+    from autopart.trace import trace
+
+    dev = {"gemm": [{"flops": 40e9}], "gemm_alone_flops": 0.0, "attention": {"flops": 20e9},
+           "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "device": "cpu"}
+    raw = {f"0/{k}": [1e-3 + s / 1e9 for s in SIZES] for k in COLLECTIVES}  # 1 ms a call: latency-bound
+    c = build_cluster((2,), raw, SIZES, dev, 4 * 2**30, 2**29)
+    model, ids = _tiny_gpt()
+    t = trace(model, (ids,), {"labels": ids})
+    plan = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, traced=t,
+                         roles={"dp": "dp"}, zero=0, pipeline="off")
+    units, _ = block_units(plan, t, (2,), c)
+    grad_bytes = sum(model.get_parameter(fqn).numel() * 4 for fqn in plan.reduced)
+    one_bucket = grad_reduction_time(grad_bytes, (0,), False, c)
+    assert len(plan.reduced) > 20 and one_bucket > 1e-3
+    assert grad_reduction_time(grad_bytes, (0,), False, c.__class__(
+        c.name, c.device, c.mesh_shape, (Link(0.0, c.links[0].beta),), c.reserve_bytes)) < \
+        sum(u.reduce_s for u in units) <= one_bucket * (1 + 1e-9)
