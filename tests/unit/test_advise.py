@@ -296,8 +296,7 @@ def test_moe_and_mamba_families_when_present() -> None:
 
 
 def test_cli_sweep_writes_table_json_and_chart(tmp_path, capsys) -> None:
-    rc = main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "2", "--seq", "128", "--out", str(tmp_path),
-               "--physical-mesh"])
+    rc = main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "2", "--seq", "128", "--out", str(tmp_path)])
     assert rc == 0
     rows = json.loads((tmp_path / "design_guide.json").read_text())
     assert [(r["model"], r["gpus"]) for r in rows] == [("gpt:125m", 2)]
