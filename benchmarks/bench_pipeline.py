@@ -119,7 +119,8 @@ def megatron(args) -> list[dict]:
     for name, h, heads, layers, tp, pp, dp, gpus, batch, published in MEGATRON:
         if wanted and name not in wanted:
             continue
-        cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=layers, n_head=heads, d_model=h, bias=False)
+        cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=layers, n_head=heads, d_model=h, bias=False,
+                        fp32_loss=True)  # Megatron's loss on fp32 logits
         with torch.device("meta"):
             model = GPT(cfg).to(torch.bfloat16)
             ids = torch.randint(0, VOCAB, (batch, SEQ))

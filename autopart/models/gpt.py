@@ -22,6 +22,9 @@ class GPTConfig:
     d_model: int = 64
     dropout: float = 0.0
     bias: bool = True
+    # the loss on fp32 logits, as Megatron computes it (``fp16_lm_cross_entropy`` off, its default: the logits are
+    # cast with ``.float()`` before the vocab-parallel cross-entropy) and Hugging Face's causal LMs upcast them
+    fp32_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -114,4 +117,6 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits
+        if self.cfg.fp32_loss:
+            logits = logits.float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
