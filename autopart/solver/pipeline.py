@@ -229,28 +229,9 @@ def gather_exposed(pl: PipelinePlan, layers: Sequence[LayerCost], gather_s: Sequ
     chain takes waiting for gathers is exposed (the whole schedule starts from it); the first layer's gather always
     is, a later stage's hides behind the stages before it. A layer's gather is waited for as the layer starts (its
     buckets are not split over its forward), and as if all of a rank's were launched at once (the runtime keeps
-    ``GATHER_IN_FLIGHT`` in flight, which keeps the link as busy while forward waits)."""
-    if len(gather_s) != len(layers):
-        raise ValueError(f"gather_exposed: {len(gather_s)} gather times for {len(layers)} layers")
-    o = pl.options
-    ends = list(pl.boundaries[1:]) + [len(layers)]
-    chunk_of = [c for c, (i, j) in enumerate(zip(pl.boundaries, ends)) for _ in range(i, j)]
-    if not overlap:
-        per = [0.0] * o.stages
-        for lay, c in enumerate(chunk_of):
-            per[c % o.stages] += gather_s[lay]
-        return max(per)
-    hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
-    done = [0.0] * o.stages  # each rank's gathers, back to back from the step
-    clock = free = 0.0  # the first micro-batch's forward with the waits, and without
-    for lay, c in enumerate(chunk_of):
-        if lay and c != chunk_of[lay - 1]:
-            clock, free = clock + hop, free + hop
-        if gather_s[lay]:
-            done[c % o.stages] += gather_s[lay]
-            clock = max(clock, done[c % o.stages])
-        clock, free = clock + layers[lay].fwd_s, free + layers[lay].fwd_s
-    return clock - free
+    ``GATHER_IN_FLIGHT`` in flight, which keeps the link as busy while forward waits). It is ``reduction_tail``
+    with nothing to reduce: every rank starts its gathers as the schedule ends."""
+    return reduction_tail(pl, layers, [0.0] * len(layers), overlap, gather_s, after_schedule=True)
 
 
 def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequence[float], overlap: bool,
