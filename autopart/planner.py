@@ -1420,23 +1420,13 @@ def optimizer_temporaries(prob: Problem, opts: PlanOptions, offload: frozenset, 
 
 
 def zero1_gather_bytes(entries, mesh) -> float:
-    """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once, buckets filled as
-    ``zero1_gather_latency`` fills them (from ``zero1_gather_entry`` per parameter) and gathered in that order:
+    """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once, buckets filled as ``zero1_buckets``
+    fills them (from ``zero1_gather_entry`` per parameter) and gathered in that order:
     ``GATHER_IN_FLIGHT`` consecutive buckets, each its gathered buffer ``G``, the packed slices ``G / N`` (N ranks
     over its axes) and, over several axes, the last-but-one gather's output and its re-packed copy, ``G / n`` each
     (n the outermost axis, gathered last: ``runtime/zero1.gather_bucket``). The step launches the first
     ``GATHER_IN_FLIGHT`` and forward launches each next one as it consumes one, so any such window is live."""
-    used: dict[tuple, float] = {}
-    buckets: list[list] = []
-    open_: dict[tuple, list] = {}
-    for axes, dtype, nbytes in entries:
-        key = (axes, dtype)
-        if key not in used or used[key] + nbytes > BUCKET_BYTES:
-            open_[key] = [axes, 0.0]
-            buckets.append(open_[key])
-            used[key] = 0.0
-        used[key] += nbytes
-        open_[key][1] += nbytes
+    buckets = [(axes, sum(entries[i][2] for i in idx)) for axes, idx in zero1_buckets(entries)]
     held = [g + g / math.prod(mesh[i] for i in axes) + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0)
             for axes, g in buckets]
     return max((sum(held[max(0, i + 1 - GATHER_IN_FLIGHT): i + 1]) for i in range(len(held))), default=0.0)
