@@ -585,10 +585,13 @@ class Advice:
                      for k, v in self.communication.items() if k in KINDS and v["bytes"] > 0),
                  f"planned in {self.plan_s:.1f} s after a {self.trace_s:.1f} s trace"]
         if len(self.views) > 1:
-            lines.append("meshes planned: " + ", ".join(
-                "x".join(map(str, v["mesh"])) + (f" {v['step_time_s']:.4g} s" if v["step_time_s"] is not None
-                                                 else " does not fit") for v in self.views if v["mesh"]))
+            lines.append(f"meshes planned: {self.views_text()}")
         return "\n".join(lines)
+
+    def views_text(self) -> str:
+        """The logical meshes planned and each one's predicted step (``views``), on one line."""
+        return ", ".join("x".join(map(str, v["mesh"])) + (f" {v['step_time_s']:.4g} s" if v["step_time_s"] is not None
+                                                          else " not planned") for v in self.views if v["mesh"])
 
 
 def resolve_cluster(cluster: str | Cluster) -> str | Cluster:

@@ -149,9 +149,7 @@ def _rich_advice(adv, console) -> None:
     t.add_row("MFU", f"{adv.mfu:.1%} of {adv.peak_tflops_per_gpu:.0f} TFLOP/s peak")
     t.add_row("planning", f"{adv.plan_s:.1f} s after a {adv.trace_s:.1f} s trace")
     if len(adv.views) > 1:
-        t.add_row("meshes planned", ", ".join("x".join(map(str, v["mesh"])) + (
-            f": {v['step_time_s']:.4g} s" if v["step_time_s"] is not None else ": does not fit")
-            for v in adv.views if v["mesh"]))
+        t.add_row("meshes planned", adv.views_text())
     console.print(t)
     m = Table(title=f"memory per GPU (peak at {adv.memory['binds_at']})")
     m.add_column("kind")
