@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 GiB = 2**30
@@ -300,7 +300,6 @@ _A100 = Preset(
 )
 
 
-
 def fused_attention_rate(forward_flops: float, backward_flops: float) -> float:
     """FLOP/s of one fused attention call, forward and backward, from a kernel's published forward and backward
     rates: ``autopart.cost.compute`` counts the backward as 2.5 x the forward's FLOPs (as the FlashAttention papers'
@@ -420,11 +419,9 @@ def load_preset(path: str) -> str:
     if bad:
         raise ValueError(f"cluster file {path!r}: unknown [device] keys {sorted(bad)}; allowed: "
                          f"{sorted(_DEVICE_KEYS)}")
-    dev = asdict(start.device) if start is not None else {"mfu": 1.0, "attention_flops": 0.0, "math_bandwidth": 0.0,
-                                                              "op_latency": 0.0, "param_latency": 0.0,
-                                                              "zero3_latency": 0.0,
-                                                              "host_ranks": 1, "alone_speedup": 1.0,
-                                                              "comm_overlap": False}
+    # without a base, Device's own defaults for what the file leaves out
+    dev = asdict(start.device) if start is not None else {f.name: f.default for f in fields(Device)
+                                                              if f.default is not MISSING}
     dev["name"] = name
     dev.update(dev_in)
     missing = _DEVICE_KEYS - set(dev)
