@@ -100,8 +100,8 @@ def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
     ranks in each (``Link.local``): the (g-1)/n of the buffer for the rank's node over the node's link, the (n-g)/n
     for the others over the rank's own link between nodes."""
     if _spans_nodes(n, link):
-        g, inner, outer = link.local, link.local_link.for_collective("all_to_all"), link.across()
-        outer = outer.for_collective("all_to_all")
+        g = link.local
+        inner, outer = link.local_link.for_collective("all_to_all"), link.across().for_collective("all_to_all")
         return ((g - 1) * inner.alpha + (g - 1) / n * nbytes * inner.beta
                 + (n - g) * outer.alpha + (n - g) / n * nbytes * outer.beta)
     return _ring(nbytes, n, link.for_collective("all_to_all"))
