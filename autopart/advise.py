@@ -292,7 +292,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
     ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
     alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways)."""
-    from autopart.planner import transition_time
+    from autopart.planner import follows_param_gather, transition_time
     from autopart.strategy.registry import tensor_inputs
 
     nodes = {n.name: n for n in traced.graph.nodes}
@@ -310,6 +310,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
         dst = parse_spec(plan.nodes[user.name]["inputs"][tensor_inputs(user).index(value)])
         is_param = plan.nodes[u.name]["op"] == "param"
         regather = is_param and plan.zero.get(traced.params.get(u.name, ""), 0) == 3
+        chained = regather and follows_param_gather(user, tensor_inputs(user).index(value), traced.params)
         val = value.meta["val"]
         cur = list(src)
         rec_t = 0.0
@@ -317,7 +318,8 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
             nxt = list(cur)
             nxt[axis] = dst[axis]
             split = tuple(i == axis and bwd in ("all_reduce", "reduce_scatter") for i in range(len(mesh)))
-            dt = transition_time(val, tuple(cur), tuple(nxt), split, bwd != "none", cluster, regather=regather)
+            dt = transition_time(val, tuple(cur), tuple(nxt), split, bwd != "none", cluster, regather=regather,
+                                 chained=chained)
             kinds = [k for k in (fwd, bwd) if k in KINDS] + (["all_gather"] if regather and fwd == "all_gather" else [])
             full = list(cur)
             full[axis] = Replicate()

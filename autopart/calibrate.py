@@ -27,6 +27,7 @@ per fingerprint: device model, device count, torch version, backend, world size 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -45,7 +46,7 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 3  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate
+VERSION = 4  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
@@ -605,6 +606,9 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     dev["runtime"] = _runtime_overhead(lockstep, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
                                        2 if quick else 4)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
+    if device == "cpu":  # collectives issued back to back (ZeRO-3's chained gathers) pay those (``Link.in_chain``)
+        cluster = dataclasses.replace(cluster, links=tuple(
+            dataclasses.replace(x, chained=y.per_collective) for x, y in zip(cluster.links, lockstep.links)))
     measurements = {"sizes": list(sizes), "collective_seconds": links_raw,
                     "collective_seconds_back_to_back": lockstep_raw, "device": dev,
                     "dtype": str(dtype).removeprefix("torch."), "seconds": time.perf_counter() - t0}
@@ -628,7 +632,8 @@ def describe(cluster: Cluster) -> str:
         if n < 2:
             continue
         per = ", ".join(f"{k} {a * 1e6:.3g}us {1 / b / 1e9:.3g}GB/s" for k, a, b in link.per_collective)
-        lines.append(f"axis {axis} ({n} ranks): {per or link}")
+        chained = ", ".join(f"{k} {a * 1e6:.3g}us {1 / b / 1e9:.3g}GB/s" for k, a, b in link.chained)
+        lines.append(f"axis {axis} ({n} ranks): {per or link}" + (f"; back to back: {chained}" if chained else ""))
     return "\n".join(lines)
 
 

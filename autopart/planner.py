@@ -205,14 +205,16 @@ _COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_sc
 
 def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
                     param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
-                    scatter_grad: bool = False) -> float:
+                    scatter_grad: bool = False, chained: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
     parameter whose gradient all-reduce shares a bucket with the others (priced by bandwidth and its share of one
     bucket's latency, its bytes over ``BUCKET_BYTES``, and in full: what backward hides of it, where the device
     overlaps communication, is not linear in the choices; ``gradient_reduction`` prices it in the plan's step,
     which recipes and pipeline candidates are compared by).
     ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
-    gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring)."""
+    gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring).
+    ``chained``: its collectives run right after another parameter's (``follows_param_gather``), at the links'
+    ``Link.in_chain`` prices."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -228,20 +230,28 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
             summed.append((st.axis, nbytes))
             cur[st.axis] = st.dst
             continue
+        link = cluster.link(st.axis).in_chain() if chained else cluster.link(st.axis)
         for kind in (st.fwd, st.bwd):
             if kind in _COMM_KIND:
-                link = cluster.link(st.axis)
                 # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
                 sent = nbytes / mesh[st.axis] if kind == "all_to_all" else nbytes
                 if scatter_grad and kind == "all_reduce" and st.fwd == "none":
                     kind = "reduce_scatter"
                 total += collective_time(_COMM_KIND[kind], sent, mesh[st.axis], link)
         if regather and st.fwd == "all_gather":
-            total += collective_time("all_gather", nbytes, mesh[st.axis], cluster.link(st.axis))
+            total += collective_time("all_gather", nbytes, mesh[st.axis], link)
         cur[st.axis] = st.dst
     if summed:
         total += grad_reduction_share(max(b for _, b in summed), [a for a, _ in summed], scatter_grad, cluster)
     return total
+
+
+def follows_param_gather(node: fx.Node, j: int, params) -> bool:
+    """Whether a ZeRO-3 parameter at input ``j`` of ``node`` is gathered right after another parameter of the same
+    op (``params``: the graph's parameter node names). The runtime gathers an op's parameters just before it, in
+    input order (``passes.collectives``), and autograd runs their reduce-scatters and the backward's gathers
+    together after the op's backward: the first follows compute, the others follow it at once."""
+    return any(_producer(b)[0].name in params for b in tensor_inputs(node)[:j])
 
 
 def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -1172,13 +1182,14 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
 
 def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption], vopts: list[OpOption], g: bool,
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
-                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict):
+                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, chained: bool = False):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
-    None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session."""
+    None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
+    ``chained``: a parameter gathered right after another one of the consumer (``follows_param_gather``)."""
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
-    vkey = (tuple(val.shape), val.dtype, g, bucketed)
+    vkey = (tuple(val.shape), val.dtype, g, bucketed, chained)
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
     srcs = [output_spec(ao, idx) for ao in uopts]
     src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
@@ -1211,7 +1222,8 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
             t = known.get(sk)
             if t is None:
                 t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
-                                                regather=regathers[ai], scatter_grad=scatters[ai])
+                                                regather=regathers[ai], scatter_grad=scatters[ai],
+                                                chained=chained and regathers[ai])
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)
@@ -1361,7 +1373,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids))
+                    cluster, cache, spec_ids, bucketed and follows_param_gather(v, j, traced.params)))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -2093,8 +2105,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 continue
             seen_conversions[key] = {}
             steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
-            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
-                                regather=chosen[u.name].tag == "zero3")
+            zero3 = chosen[u.name].tag == "zero3"
+            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr, regather=zero3,
+                                chained=zero3 and follows_param_gather(n, j, traced.params))
             comm_total += t
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],

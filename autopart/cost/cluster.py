@@ -41,6 +41,12 @@ class Link:
     # traffic over the node's NICs. 1: every rank of the axis in its own node (or the axis inside one node)
     local: int = 1
     local_link: Link | None = None
+    # measured (kind, alpha, beta) of the same collectives called one right after another (``autopart.calibrate``
+    # on CPUs, where ranks share cores: ``per_collective`` is timed after a burst of compute, as most of a step's
+    # collectives run, and the ranks arrive out of step; called back to back they run in lockstep, ~2x faster at
+    # 64 KiB on 4 ranks over 2 cores). A ZeRO-3 parameter gathered right after another one pays these
+    # (``in_chain``). Empty: no difference (GPUs, presets)
+    chained: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.local, int) and self.local >= 1):
@@ -54,12 +60,12 @@ class Link:
             raise ValueError(f"Link alpha must be >= 0 seconds, got {self.alpha}")
         if not self.beta > 0:
             raise ValueError(f"Link beta must be > 0 seconds per byte, got {self.beta}")
-        object.__setattr__(self, "per_collective", tuple((str(k), float(a), float(b)) for k, a, b in
-                                                         self.per_collective))
-        for kind, a, b in self.per_collective:
-            if kind not in _COLLECTIVE_KINDS or not a >= 0 or not b > 0:
-                raise ValueError(f"Link per_collective entry ({kind!r}, {a}, {b}): need a collective of "
-                                 f"{_COLLECTIVE_KINDS}, alpha >= 0 and beta > 0")
+        for name in ("per_collective", "chained"):
+            object.__setattr__(self, name, tuple((str(k), float(a), float(b)) for k, a, b in getattr(self, name)))
+            for kind, a, b in getattr(self, name):
+                if kind not in _COLLECTIVE_KINDS or not a >= 0 or not b > 0:
+                    raise ValueError(f"Link {name} entry ({kind!r}, {a}, {b}): need a collective of "
+                                     f"{_COLLECTIVE_KINDS}, alpha >= 0 and beta > 0")
 
     def for_collective(self, kind: str) -> Link:
         """The link as collective ``kind`` sees it: its measured alpha and beta if calibrated, else this one."""
@@ -67,6 +73,11 @@ class Link:
             if k == kind:
                 return Link(alpha=a, beta=b)
         return self
+
+    def in_chain(self) -> Link:
+        """The link as a collective issued right after another one sees it: its ``chained`` measurements where
+        calibrated (they replace ``per_collective``), else this one."""
+        return replace(self, per_collective=self.chained, chained=()) if self.chained else self
 
     def across(self) -> Link:
         """The link between nodes alone (``local`` dropped)."""
@@ -76,6 +87,7 @@ class Link:
         """The same link with every alpha 0 (its measured collectives' and its node-local link's too): what a
         parameter's share of a bucketed collective pays, the bucket paying the latency once."""
         return replace(self, alpha=0.0, per_collective=tuple((k, 0.0, b) for k, _, b in self.per_collective),
+                       chained=tuple((k, 0.0, b) for k, _, b in self.chained),
                        local_link=self.local_link.without_latency() if self.local_link else None)
 
     @property

@@ -102,6 +102,7 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     assert set(m["collective_seconds"]) == set(m["collective_seconds_back_to_back"]) == {
         f"0/{k}" for k in COLLECTIVES}
     assert all(t > 0 for v in m["collective_seconds_back_to_back"].values() for t in v)
+    assert {k for k, _, _ in link.chained} == set(COLLECTIVES)  # the back-to-back set, for chained ZeRO-3 gathers
 
     pred = [p for _, p, _ in rows]
     meas = [m for _, _, m in rows]

@@ -219,6 +219,56 @@ def test_runtime_overhead_priced_per_op_and_parameter():
         pytest.approx(ops * 1e-4 + params * (3e-4 + 2e-3))
 
 
+def test_zero3_gathers_after_another_priced_back_to_back():
+    """A ZeRO-3 parameter gathered right after another one of the same op (a linear's bias after its weight) is
+    priced at the links measured back to back (``Link.chained``): its gather, regather and reduce-scatter; the
+    op's first parameter, which follows compute, at the after-compute links. Without a chained set, no change."""
+    from dataclasses import replace
+
+    from autopart.planner import follows_param_gather
+    from autopart.strategy import tensor_inputs
+    from autopart.trace import trace
+
+    dev = {"gemm": [{"flops": 40e9}], "attention": {"flops": 20e9}, "elementwise": {"bandwidth": 5e9},
+           "host_bandwidth": 5e9, "device": "cpu"}
+    after = build_cluster((2,), {f"0/{k}": [3e-3 + s / 1e9 for s in SIZES] for k in COLLECTIVES}, SIZES, dev,
+                          4 * 2**30, 2**29)
+    lockstep = build_cluster((2,), {f"0/{k}": [1e-3 + s / 2e9 for s in SIZES] for k in COLLECTIVES}, SIZES, dev,
+                             4 * 2**30, 2**29)
+    link, fast = after.links[0], lockstep.links[0]
+    chained = replace(after, links=(replace(link, chained=fast.per_collective),))
+    assert Cluster.from_json(json.loads(json.dumps(chained.to_json()))) == chained
+    assert chained.links[0].in_chain().for_collective("all_gather") == fast.for_collective("all_gather")
+    model, ids = _tiny_gpt()
+    t = trace(model, (ids,), {"labels": ids})
+    kw = dict(traced=t, roles={"dp": "dp"}, zero=3, pipeline="off")
+    plans = [autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
+             for c in (after, chained)]
+    assert plans[0].zero == plans[1].zero and set(plans[0].zero.values()) == {3}
+    nodes = {n.name: n for n in t.graph.nodes}
+    times = [{(r["value"], r["user"]): r["time_s"] for r in p.collectives} for p in plans]
+    assert times[0].keys() == times[1].keys()
+    first = later = 0
+    for (value, user), t0 in times[0].items():
+        if value not in t.params:
+            assert times[1][(value, user)] == t0
+            continue
+        n = nodes[user]
+        j = [a.name for a in tensor_inputs(n)].index(value)
+        nbytes = nodes[value].meta["val"].numel() * 4  # fp32, gathered whole
+        if not follows_param_gather(n, j, t.params):
+            first += 1
+            assert times[1][(value, user)] == t0
+            continue
+        later += 1  # gathered forward and again for backward, its gradient reduce-scattered
+        expect = 2 * (collective_time("all_gather", nbytes, 2, link) - collective_time("all_gather", nbytes, 2,
+                                                                                         fast)) + \
+            collective_time("reduce_scatter", nbytes, 2, link) - collective_time("reduce_scatter", nbytes, 2, fast)
+        assert t0 - times[1][(value, user)] == pytest.approx(expect, rel=1e-6)
+    assert first >= 8 and later >= 8  # every layer norm's and linear's bias follows its weight
+    assert plans[1].predicted["step_time_s"] < plans[0].predicted["step_time_s"]
+
+
 def test_pipeline_slots_priced_by_the_ranks_busy_on_a_shared_host():
     """4 ranks sharing cores, a rank 2x faster alone: GPipe p=2, m=4 on stages of 2 ranks runs its 10 unit slots
     (5 forward, 5 backward) with both stages busy in 8 and one stage (half the host, the rate of a rank alone) in
