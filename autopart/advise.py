@@ -292,7 +292,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
     ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
     alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways)."""
-    from autopart.planner import follows_param_gather, transition_time
+    from autopart.planner import follows_param_gather, saves_input, transition_time
     from autopart.strategy.registry import tensor_inputs
 
     nodes = {n.name: n for n in traced.graph.nodes}
@@ -309,8 +309,10 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
         src = parse_spec(out[idx] if isinstance(out, list) else out)
         dst = parse_spec(plan.nodes[user.name]["inputs"][tensor_inputs(user).index(value)])
         is_param = plan.nodes[u.name]["op"] == "param"
-        regather = is_param and plan.zero.get(traced.params.get(u.name, ""), 0) == 3
-        chained = regather and follows_param_gather(user, tensor_inputs(user).index(value), traced.params)
+        zero3 = is_param and plan.zero.get(traced.params.get(u.name, ""), 0) == 3
+        j = tensor_inputs(user).index(value)
+        regather = zero3 and saves_input(user, j)
+        chained = zero3 and follows_param_gather(user, j, traced.params)
         val = value.meta["val"]
         cur = list(src)
         rec_t = 0.0

@@ -211,8 +211,9 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     bucket's latency, its bytes over ``BUCKET_BYTES``, and in full: what backward hides of it, where the device
     overlaps communication, is not linear in the choices; ``gradient_reduction`` prices it in the plan's step,
     which recipes and pipeline candidates are compared by).
-    ``regather``: a ZeRO-3 parameter, gathered again for backward. ``scatter_grad``: a ZeRO-1/2 parameter, whose
-    gradient is reduce-scattered into each rank's slice instead of all-reduced (half the bytes on a ring).
+    ``regather``: a ZeRO-3 parameter its consumer keeps for backward (``saves_input``), gathered again there.
+    ``scatter_grad``: a ZeRO-1/2 parameter, whose gradient is reduce-scattered into each rank's slice instead of
+    all-reduced (half the bytes on a ring).
     ``chained``: its collectives run right after another parameter's (``follows_param_gather``), at the links'
     ``Link.in_chain`` prices."""
     mesh = cluster.mesh_shape
@@ -460,12 +461,22 @@ _SAVES_NOTHING = _VIEW_OPS | {aten.add.Tensor, aten.sub.Tensor, aten.neg.default
                               aten.cumsum.default, aten.pad.default, aten.constant_pad_nd.default}
 
 
+# the input an op of ``_SAVES_INPUTS`` does not keep: a bias (the gradient of a sum needs neither addend)
+_UNSAVED_INPUT = {aten.linear.default: 2, aten.addmm.default: 0}
+
+
 def _saves(node: fx.Node) -> tuple[bool, bool]:
     """(saves its floating inputs, saves its output) for backward; unknown ops: conservatively the inputs."""
     t = node.target
     if t in _SAVES_NOTHING:
         return False, False
     return (t in _SAVES_INPUTS or t not in _SAVES_OUTPUT), t in _SAVES_OUTPUT
+
+
+def saves_input(node: fx.Node, j: int) -> bool:
+    """Whether ``node`` keeps its tensor input ``j`` for backward (``_saves``, less a bias): a ZeRO-3 parameter
+    it keeps is gathered again in backward, one it does not (a bias, an embedding table) is not."""
+    return _saves(node)[0] and _UNSAVED_INPUT.get(node.target) != j
 
 
 def regathered_input(node: fx.Node, j: int, info: Graphinfo) -> bool:
@@ -1182,14 +1193,16 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
 
 def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption], vopts: list[OpOption], g: bool,
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
-                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, chained: bool = False):
+                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, chained: bool = False,
+                 saved: bool = True):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
     None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
-    ``chained``: a parameter gathered right after another one of the consumer (``follows_param_gather``)."""
+    ``chained``: a parameter gathered right after another one of the consumer (``follows_param_gather``);
+    ``saved``: the consumer keeps it for backward (``saves_input``: under ZeRO-3, gathered again there)."""
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
-    vkey = (tuple(val.shape), val.dtype, g, bucketed, chained)
+    vkey = (tuple(val.shape), val.dtype, g, bucketed, chained, saved)
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
     srcs = [output_spec(ao, idx) for ao in uopts]
     src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
@@ -1222,7 +1235,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
             t = known.get(sk)
             if t is None:
                 t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
-                                                regather=regathers[ai], scatter_grad=scatters[ai],
+                                                regather=regathers[ai] and saved, scatter_grad=scatters[ai],
                                                 chained=chained and regathers[ai])
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
@@ -1373,7 +1386,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids, bucketed and follows_param_gather(v, j, traced.params)))
+                    cluster, cache, spec_ids, bucketed and follows_param_gather(v, j, traced.params),
+                    saves_input(v, j)))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -2106,7 +2120,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             seen_conversions[key] = {}
             steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
             zero3 = chosen[u.name].tag == "zero3"
-            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr, regather=zero3,
+            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
+                                regather=zero3 and saves_input(n, j),
                                 chained=zero3 and follows_param_gather(n, j, traced.params))
             comm_total += t
             if steps:

@@ -221,11 +221,12 @@ def test_runtime_overhead_priced_per_op_and_parameter():
 
 def test_zero3_gathers_after_another_priced_back_to_back():
     """A ZeRO-3 parameter gathered right after another one of the same op (a linear's bias after its weight) is
-    priced at the links measured back to back (``Link.chained``): its gather, regather and reduce-scatter; the
-    op's first parameter, which follows compute, at the after-compute links. Without a chained set, no change."""
+    priced at the links measured back to back (``Link.chained``): its gather, regather (if the op keeps it for
+    backward: not a bias) and reduce-scatter; the op's first parameter, which follows compute, at the after-compute
+    links."""
     from dataclasses import replace
 
-    from autopart.planner import follows_param_gather
+    from autopart.planner import follows_param_gather, saves_input
     from autopart.strategy import tensor_inputs
     from autopart.trace import trace
 
@@ -248,7 +249,7 @@ def test_zero3_gathers_after_another_priced_back_to_back():
     nodes = {n.name: n for n in t.graph.nodes}
     times = [{(r["value"], r["user"]): r["time_s"] for r in p.collectives} for p in plans]
     assert times[0].keys() == times[1].keys()
-    first = later = 0
+    first = later = biases = 0
     for (value, user), t0 in times[0].items():
         if value not in t.params:
             assert times[1][(value, user)] == t0
@@ -260,12 +261,17 @@ def test_zero3_gathers_after_another_priced_back_to_back():
             first += 1
             assert times[1][(value, user)] == t0
             continue
-        later += 1  # gathered forward and again for backward, its gradient reduce-scattered
-        expect = 2 * (collective_time("all_gather", nbytes, 2, link) - collective_time("all_gather", nbytes, 2,
-                                                                                         fast)) + \
+        later += 1  # gathered in forward (and again for backward if the op keeps it), gradient reduce-scattered
+        gathers = 2 if saves_input(n, j) else 1
+        biases += gathers == 1
+        expect = gathers * (collective_time("all_gather", nbytes, 2, link) - collective_time("all_gather", nbytes, 2,
+                                                                                               fast)) + \
             collective_time("reduce_scatter", nbytes, 2, link) - collective_time("reduce_scatter", nbytes, 2, fast)
         assert t0 - times[1][(value, user)] == pytest.approx(expect, rel=1e-6)
+        assert times[1][(value, user)] == pytest.approx(gathers * collective_time("all_gather", nbytes, 2, fast) +
+                                                        collective_time("reduce_scatter", nbytes, 2, fast), rel=1e-6)
     assert first >= 8 and later >= 8  # every layer norm's and linear's bias follows its weight
+    assert biases >= 4  # a linear's bias is not kept for backward: gathered once
     assert plans[1].predicted["step_time_s"] < plans[0].predicted["step_time_s"]
 
 
