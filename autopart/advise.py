@@ -292,7 +292,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
     ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
     alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways)."""
-    from autopart.planner import follows_param_gather, saves_input, transition_time
+    from autopart.planner import saves_input, transition_time
     from autopart.strategy.registry import tensor_inputs
 
     nodes = {n.name: n for n in traced.graph.nodes}
@@ -312,7 +312,6 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
         zero3 = is_param and plan.zero.get(traced.params.get(u.name, ""), 0) == 3
         j = tensor_inputs(user).index(value)
         regather = zero3 and saves_input(user, j)
-        chained = zero3 and follows_param_gather(user, j, traced.params)
         val = value.meta["val"]
         cur = list(src)
         rec_t = 0.0
@@ -321,7 +320,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
             nxt[axis] = dst[axis]
             split = tuple(i == axis and bwd in ("all_reduce", "reduce_scatter") for i in range(len(mesh)))
             dt = transition_time(val, tuple(cur), tuple(nxt), split, bwd != "none", cluster, regather=regather,
-                                 chained=chained)
+                                 chained=zero3)
             kinds = [k for k in (fwd, bwd) if k in KINDS] + (["all_gather"] if regather and fwd == "all_gather" else [])
             full = list(cur)
             full[axis] = Replicate()

@@ -606,7 +606,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     dev["runtime"] = _runtime_overhead(lockstep, device, 3 if quick else 5, 0.1 if quick else 0.25, sync,
                                        2 if quick else 4)
     cluster = build_cluster(mesh_shape, links_raw, sizes, dev, memory, reserve, name=name)
-    if device == "cpu":  # collectives issued back to back (ZeRO-3's chained gathers) pay those (``Link.in_chain``)
+    if device == "cpu":  # collectives issued back to back (ZeRO-3's, an op apart) pay those (``Link.in_chain``)
         cluster = dataclasses.replace(cluster, links=tuple(
             dataclasses.replace(x, chained=y.per_collective) for x, y in zip(cluster.links, lockstep.links)))
     measurements = {"sizes": list(sizes), "collective_seconds": links_raw,

@@ -214,8 +214,12 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     ``regather``: a ZeRO-3 parameter its consumer keeps for backward (``saves_input``), gathered again there.
     ``scatter_grad``: a ZeRO-1/2 parameter, whose gradient is reduce-scattered into each rank's slice instead of
     all-reduced (half the bytes on a ring).
-    ``chained``: its collectives run right after another parameter's (``follows_param_gather``), at the links'
-    ``Link.in_chain`` prices."""
+    ``chained``: a ZeRO-3 parameter's collectives, priced at the links' ``Link.in_chain`` (back-to-back) prices:
+    the runtime gathers a parameter just before each op that uses it, so they come one per parameterized op, a
+    single op's compute apart (in a Transformer block mostly a norm's or an elementwise op's), where the
+    calibration's after-compute links follow a burst of compute (``calibrate._measure_links``) and the wait for
+    out-of-step ranks grows with the compute before (4 ranks on 2 cores: a 64 KiB all-reduce 4.9-5.4 ms back to
+    back, 5.9-7.0 ms after a 2 ms GEMM, 11-15 ms after 7.5 ms)."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -245,14 +249,6 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     if summed:
         total += grad_reduction_share(max(b for _, b in summed), [a for a, _ in summed], scatter_grad, cluster)
     return total
-
-
-def follows_param_gather(node: fx.Node, j: int, params) -> bool:
-    """Whether a ZeRO-3 parameter at input ``j`` of ``node`` is gathered right after another parameter of the same
-    op (``params``: the graph's parameter node names). The runtime gathers an op's parameters just before it, in
-    input order (``passes.collectives``), and autograd runs their reduce-scatters and the backward's gathers
-    together after the op's backward: the first follows compute, the others follow it at once."""
-    return any(_producer(b)[0].name in params for b in tensor_inputs(node)[:j])
 
 
 def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -1193,16 +1189,14 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
 
 def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption], vopts: list[OpOption], g: bool,
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
-                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, chained: bool = False,
-                 saved: bool = True):
+                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
     None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
-    ``chained``: a parameter gathered right after another one of the consumer (``follows_param_gather``);
     ``saved``: the consumer keeps it for backward (``saves_input``: under ZeRO-3, gathered again there)."""
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
-    vkey = (tuple(val.shape), val.dtype, g, bucketed, chained, saved)
+    vkey = (tuple(val.shape), val.dtype, g, bucketed, saved)
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
     srcs = [output_spec(ao, idx) for ao in uopts]
     src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
@@ -1236,7 +1230,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
             if t is None:
                 t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                 regather=regathers[ai] and saved, scatter_grad=scatters[ai],
-                                                chained=chained and regathers[ai])
+                                                chained=regathers[ai])
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)
@@ -1386,8 +1380,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids, bucketed and follows_param_gather(v, j, traced.params),
-                    saves_input(v, j)))
+                    cluster, cache, spec_ids, saves_input(v, j)))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -2122,7 +2115,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             zero3 = chosen[u.name].tag == "zero3"
             t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
                                 regather=zero3 and saves_input(n, j),
-                                chained=zero3 and follows_param_gather(n, j, traced.params))
+                                chained=zero3)
             comm_total += t
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],

@@ -42,10 +42,10 @@ class Link:
     local: int = 1
     local_link: Link | None = None
     # measured (kind, alpha, beta) of the same collectives called one right after another (``autopart.calibrate``
-    # on CPUs, where ranks share cores: ``per_collective`` is timed after a burst of compute, as most of a step's
-    # collectives run, and the ranks arrive out of step; called back to back they run in lockstep, ~2x faster at
-    # 64 KiB on 4 ranks over 2 cores). A ZeRO-3 parameter gathered right after another one pays these
-    # (``in_chain``). Empty: no difference (GPUs, presets)
+    # on CPUs, where ranks share cores: ``per_collective`` is timed after a burst of compute, and the ranks arrive
+    # out of step; called back to back they run in lockstep, ~2x faster at 64 KiB on 4 ranks over 2 cores).
+    # ZeRO-3's collectives, a single op's compute apart, pay these (``in_chain``; ``planner.transition_time``).
+    # Empty: no difference (GPUs, presets)
     chained: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
