@@ -399,9 +399,10 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     links back to back: these steps' collectives follow no compute),
     every axis data parallel: the same graph ops, one with biases (twice the parameters), one without. Each
     step's time less what ``cluster`` predicts for its plan is ``ops * per_op + params * per_param``: the two
-    models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0). For
-    work this small the planner keeps the batch whole (no communication: what is subtracted is the roofline's
-    microseconds). A third step, the model with biases under ZeRO-3, less the first and less the difference of
+    models' paired difference gives ``per_param``, the one without biases then ``per_op`` (clipped at 0). The
+    batch is split over the ranks, as in a data-parallel step: what is subtracted is the roofline's microseconds
+    and the step's collectives (the loss's all-reduce, the gradient reduction) on those links. A third step, the
+    model with biases under ZeRO-3, less the first and less the difference of
     their predictions (its gathers and reduce-scatters on the calibrated links), gives ``per_zero3_param`` per
     ZeRO-3 parameter. The slowest rank's time counts, as in a step."""
     import autopart
