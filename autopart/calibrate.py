@@ -523,7 +523,8 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     op_latency=dev.get("runtime", {}).get("per_op", 0.0),
                     param_latency=dev.get("runtime", {}).get("per_param", 0.0),
                     zero3_latency=dev.get("runtime", {}).get("per_zero3_param", 0.0),
-                    host_ranks=int(dev.get("host_ranks", 1)), alone_speedup=_alone_speedup(dev))
+                    host_ranks=int(dev.get("host_ranks", 1)), alone_speedup=_alone_speedup(dev),
+                    comm_overlap=dev.get("device") == "cuda")  # NCCL runs beside the compute stream; gloo on the cores
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
 
 

@@ -191,6 +191,9 @@ def test_runtime_overhead_priced_per_op_and_parameter():
         (1e-4, 3e-4, 2e-3, 4, 2.0)  # 80 / 40
     assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
     assert build_cluster((2,), raw, SIZES, dev | {"device": "cuda"}, 2**30, 0).device.alone_speedup == 1.0
+    # a GPU's collectives run beside its compute (NCCL's own stream), gloo's on the cores the ranks compute on
+    assert build_cluster((2,), raw, SIZES, dev | {"device": "cuda"}, 2**30, 0).device.comm_overlap
+    assert not c.device.comm_overlap
     model, ids = _tiny_gpt()
     t = trace(model, (ids,), {"labels": ids})
     kw = dict(traced=t, roles={"dp": "dp"}, zero=0, pipeline="off")
