@@ -11,8 +11,10 @@ per transformer block (the embedding folded into the first block, the head and l
 * ``act``: bytes saved for backward (proportional to the micro-batch), and what full recompute keeps (the block's
   output);
 * ``states``: parameters, gradients (they accumulate over the micro-batches) and optimizer states;
-* ``reduce``: the data-parallel gradient reduction (once per step; as the runtime runs it, after the schedule,
-  ``runtime.grads.OVERLAP_IN_PIPELINE``; the critical path over the ranks, ``solver.pipeline.reduction_tail``), and
+* ``reduce``: the data-parallel gradient reduction (once per step; as the runtime runs it, launched from the last
+  micro-batch's backward, ``runtime.grads.OVERLAP_IN_PIPELINE``, except for a parameter several blocks use, which
+  the stages holding it sum first, after the schedule; the critical path over the ranks,
+  ``solver.pipeline.reduction_tail``), and
   ZeRO-1's parameter all-gather after the optimizer step (once per step, in flat buckets, each parameter charged its
   bandwidth and its share of a bucket's latency; behind the first micro-batch's forward where the device overlaps
   communication, ``solver.pipeline.gather_exposed``);
@@ -49,7 +51,7 @@ import torch.fx as fx
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes, grad_reduction_share
-from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce after the schedule
+from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce from the last micro-batch's backward
 from autopart.solver.pipeline import (
     SCHEDULES,
     CoreSharing,
@@ -76,6 +78,7 @@ class Unit:
     grad_bytes: float = 0.0
     transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
+    late_s: float = 0.0  # the same, of parameters other blocks use too: after the schedule and the stages' sum
     gather_s: float = 0.0  # ZeRO-1/2 parameter all-gather after the optimizer step (bucketed), once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
@@ -89,6 +92,7 @@ class Unit:
     block_grad_bytes: float = 0.0
     block_transient_bytes: float = 0.0
     block_reduce_s: float = 0.0
+    block_late_s: float = 0.0
     block_gather_s: float = 0.0
 
     def cost(self, m: int) -> LayerCost:
@@ -200,12 +204,20 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if ph is None or ph not in unit_of:
             continue
         nbytes = nodes[ph].get("grad_bytes", 0.0)
-        # its share of the runtime's bucket (after the schedule: ``runtime.grads`` post_backward), not a collective
-        # of its own: per-parameter latencies priced pp2xdp2's gradient reduction at 6x the sharding plan's
+        # its share of the runtime's bucket, not a collective of its own: per-parameter latencies priced pp2xdp2's
+        # gradient reduction at 6x the sharding plan's. One several blocks use (a tied embedding and head, on the
+        # first and the last stage) is reduced after the schedule, once those stages summed it
+        # (``runtime.pipeline.PipelinedModule.reduce_gradients``)
         t = grad_reduction_share(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
-        for u in sorted(set(users_units.get(ph, [])) or {0}):
-            units[u].reduce_s += t
-            units[u].block_reduce_s += t * (nodes[ph]["layer"] == units[u].name)
+        us = sorted(set(users_units.get(ph, [])) or {0})
+        for u in us:
+            own = nodes[ph]["layer"] == units[u].name
+            if len(us) > 1:
+                units[u].late_s += t
+                units[u].block_late_s += t * own
+            else:
+                units[u].reduce_s += t
+                units[u].block_reduce_s += t * own
     # bytes crossing each boundary: a value made in unit u and last used in unit w crosses boundaries u..w-1
     node_of = {n.name: n for n in order}
     for name, us in users_units.items():
@@ -308,7 +320,7 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
                                 state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,
                                 transient_bytes=second.block_transient_bytes, reduce_s=second.block_reduce_s,
-                                gather_s=second.block_gather_s)
+                                late_s=second.block_late_s, gather_s=second.block_gather_s)
     out = [first]
     for i in range(1, n_blocks - 1):
         out.append(dataclasses.replace(inner, name=f"{first.name.rsplit('.', 1)[0]}.{i}"))
@@ -434,7 +446,8 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
                 continue
             tail = reduction_tail(pl, layer_costs, [u.reduce_s for u in units], cluster.device.comm_overlap,
-                                  [u.gather_s for u in units], after_schedule=not OVERLAP_IN_PIPELINE)
+                                  [u.gather_s for u in units], after_schedule=not OVERLAP_IN_PIPELINE,
+                                  late_s=[u.late_s for u in units])
             step = pl.step_s + tail
             if log:
                 tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,

@@ -16,8 +16,14 @@ after reduction); ZeRO-2 frees ``.grad`` as soon as it is copied into its bucket
 optimizer's slice leaf, so only gradient slices (plus the buckets in flight) remain at the end of backward. With
 any other optimizer those parameters' gradients are all-reduced whole, which every optimizer can step.
 
-Pipelined modules reduce after their schedule (``post_backward`` below, the mesh's own groups, not overlapped): a
-schedule runs several micro-batches' backward per step and their collectives are its own.
+Pipelined modules (``runtime/pipeline.py``) launch the same buckets from the schedule's backward, as Megatron-LM's
+--overlap-grad-reduce does: a schedule runs every micro-batch's backward through each of the rank's chunks, so a
+parameter's gradient is final only at its last accumulation of the step (``begin_schedule`` counts them); the
+bucket launches then, in bucket order as above, and runs while the schedule computes the backward left (the rank's
+earlier layers and chunks, and the cool-down), on groups created over every stage (``stage_axes_groups``). The end
+of the step waits for them (``end_schedule``). A parameter held by several stages (a tied embedding and head) sums
+its stages' gradients first: its buckets are reduced after the schedule (``post_backward(deferred=True)``), on the
+mesh's groups, not overlapped.
 """
 
 from __future__ import annotations
@@ -35,16 +41,18 @@ BUCKET_BYTES = 25 * 2**20  # at most this many gradient bytes per flat reduction
 
 # What the runtime overlaps, for the cost model: outside pipelines, bucket k (buckets in backward order, at most
 # BUCKET_BYTES each) starts when its last gradient is produced and runs concurrently with the rest of backward; the
-# step waits for all of them at the end of backward. Pipelined modules reduce after the schedule, not overlapped.
+# step waits for all of them at the end of backward. Pipelined modules launch bucket k when its last gradient of the
+# step is produced (the last micro-batch's backward through its chunk) and wait for all of them after the schedule.
 OVERLAP_WITH_BACKWARD = True
-OVERLAP_IN_PIPELINE = False
+OVERLAP_IN_PIPELINE = True
 # Buckets whose flat buffer may be alive at once in backward: launching one finishes (waits for, copies back and
 # frees) the oldest beyond this many, so the end of backward holds at most this many flats beside the gradients
 # (the planner's end-of-backward memory row prices them). Two let a bucket's collective run while the next one fills;
 # under NCCL a wait only orders the compute stream after the oldest, which has long finished.
 REDUCE_IN_FLIGHT = 2
 
-# reductions launched from gradient hooks while backward was still running / at the end of backward or after it
+# reductions launched from gradient hooks while backward (a pipeline: the schedule) was still running / at the end of
+# backward (of the schedule) or after it
 STATS = {"launched_in_backward": 0, "launched_at_end": 0}
 
 
@@ -65,6 +73,7 @@ class _Bucket:
     entries: list[_Entry]
     axes: tuple[int, ...]
     scatter: bool
+    deferred: bool = False  # reduced after the schedule (a parameter several pipeline stages hold)
     ready: set[str] = field(default_factory=set)
     launched: bool = False
     work: object = None
@@ -83,19 +92,31 @@ def axes_groups(dm, axes_sets) -> dict[tuple[int, ...], object]:
     """A new process group per set of mesh axes (this rank's), over the ranks that differ only on those axes,
     ordered as the mixed-radix index over them (outer axis first). Every rank calls ``new_group`` for every group
     of every set, in the same order, as torch requires."""
-    mesh = dm.mesh
+    return _groups_over([dm.mesh], axes_sets)
+
+
+def stage_axes_groups(layout: torch.Tensor, axes_sets) -> dict[tuple[int, ...], object]:
+    """``axes_groups`` for a pipelined module: ``layout`` holds the global ranks as (pp, *stage mesh). Every rank
+    creates every stage's groups, stage by stage (``new_group`` is collective over the world), for every set in
+    ``axes_sets`` (the same on every rank: a stage whose parameters reduce over fewer axes still creates the
+    others' groups); it keeps its own stage's."""
+    return _groups_over(list(layout), axes_sets)
+
+
+def _groups_over(meshes: list[torch.Tensor], axes_sets) -> dict[tuple[int, ...], object]:
     me = dist.get_rank()
     out = {}
-    for axes in sorted(set(axes_sets)):
-        rest = [i for i in range(mesh.dim()) if i not in axes]
-        cells = mesh.permute(*rest, *axes).reshape(-1, math.prod(mesh.shape[i] for i in axes))
-        for row in cells.tolist():
-            g = dist.new_group(row)
-            if me in row:
-                if dist.get_group_rank(g, me) != row.index(me):  # torch orders a group's ranks by global rank
-                    raise RuntimeError(f"gradient group {row} does not rank its members in mesh order; the device "
-                                       f"mesh must list ranks row-major (init_device_mesh does)")
-                out[axes] = g
+    for mesh in meshes:
+        for axes in sorted(set(axes_sets)):
+            rest = [i for i in range(mesh.dim()) if i not in axes]
+            cells = mesh.permute(*rest, *axes).reshape(-1, math.prod(mesh.shape[i] for i in axes))
+            for row in cells.tolist():
+                g = dist.new_group(row)
+                if me in row:
+                    if dist.get_group_rank(g, me) != row.index(me):  # torch orders a group's ranks by global rank
+                        raise RuntimeError(f"gradient group {row} does not rank its members in mesh order; the "
+                                           f"device mesh must list ranks row-major (init_device_mesh does)")
+                    out[axes] = g
     return out
 
 
@@ -119,6 +140,12 @@ class GradReducer:
         self._own = axes_groups(dm, [e.axes for e in self._entries.values() if e.axes]) if self.overlap else {}
         self._in_backward = False
         self._held: dict[str, torch.Tensor] = {}
+        # pipelines (``in_schedule``): accumulations per step that make a gradient final, and those seen so far;
+        # keys reduced after the schedule; the chunk whose backward finalises each (a bucket holds one chunk's)
+        self._uses: dict[str, int] | None = None
+        self._seen: dict[str, int] = {}
+        self._deferred: set[str] = set()
+        self._chunk_of: dict[str, int] = {}
         for k, e in self._entries.items():
             e.param.register_post_accumulate_grad_hook(lambda p, k=k: self._on_grad(k))
 
@@ -147,6 +174,43 @@ class GradReducer:
         e = self._entries.get(key)
         return e is not None and e.slice is not None
 
+    # ---- pipelines -----------------------------------------------------------------------------------------
+    def in_schedule(self, layout: torch.Tensor, axes_sets, deferred: set[str], chunk_of: dict[str, int]) -> None:
+        """Launch from a pipeline schedule's backward from now on (the module docstring). ``layout``: the global
+        ranks as (pp, *stage mesh); ``axes_sets``: every set of mesh axes any stage reduces over (the same on every
+        rank, every rank creates every stage's groups); ``deferred``: keys reduced after the schedule
+        (``post_backward(deferred=True)``); ``chunk_of``: the chunk whose backward finalises each key (buckets do
+        not mix chunks: a bucket of the rank's later chunk launches before its earlier chunk's backward)."""
+        self._own = stage_axes_groups(layout, [a for a in axes_sets if a])
+        self._deferred, self._chunk_of = set(deferred), dict(chunk_of)
+        self._uses = {}
+        self._buckets = None
+
+    def begin_schedule(self, uses: dict[str, int]) -> None:
+        """Before a pipelined step: ``uses[key]`` is how many times the schedule accumulates ``key``'s gradient
+        (micro-batches x this rank's chunks using it); the last makes it final and ready to reduce."""
+        for b in self.buckets():
+            b.reset()
+        self._uses, self._seen, self._held = dict(uses), {}, {}
+        self._in_backward = True
+
+    def end_schedule(self) -> None:
+        """After a pipelined step: launch the buckets whose gradients never became final in it (in bucket order),
+        then wait for all but the deferred ones."""
+        if not self._in_backward:
+            return
+        try:
+            for b in self._buckets:
+                if not b.launched and not b.deferred:
+                    self._launch(b, async_op=True)
+                    STATS["launched_at_end"] += 1
+                    self._drain()
+            for b in self._buckets:
+                if not b.deferred:
+                    self._finish(b)
+        finally:
+            self._in_backward = False
+
     # ---- buckets -------------------------------------------------------------------------------------------
     def _build(self) -> list[_Bucket]:
         """Buckets in the order their last gradient arrives; each entry joins the open bucket of its kind (axes,
@@ -155,14 +219,15 @@ class GradReducer:
         done: list[tuple[int, _Bucket]] = []
         size: dict[tuple, int] = {}
         for e in sorted(self._entries.values(), key=lambda e: e.order):
-            kind = (e.axes, tuple(e.slice.axes) if e.slice is not None else None)
+            kind = (e.axes, tuple(e.slice.axes) if e.slice is not None else None, e.key in self._deferred,
+                    self._chunk_of.get(e.key))
             nbytes = _local(e.param).nbytes
             b = open_.get(kind)
             if b is not None and size[kind] + nbytes > BUCKET_BYTES:
                 done.append((b.entries[-1].order, b))
                 b = None
             if b is None:
-                b = open_[kind] = _Bucket([], e.axes, e.slice is not None)
+                b = open_[kind] = _Bucket([], e.axes, e.slice is not None, e.key in self._deferred)
                 size[kind] = 0
             b.entries.append(e)
             size[kind] += nbytes
@@ -206,10 +271,14 @@ class GradReducer:
     def _on_grad(self, key: str) -> None:
         if not self._in_backward:
             return
+        if self._uses is not None:  # a pipeline: final at the step's last accumulation
+            self._seen[key] = self._seen.get(key, 0) + 1
+            if self._seen[key] < self._uses.get(key, 1):
+                return
         b = self._bucket_of[key]
         b.ready.add(key)
         for nb in self._buckets:  # launch in bucket order on every rank: the collectives must match
-            if nb.launched:
+            if nb.launched or nb.deferred:
                 continue
             if len(nb.ready) < len(nb.entries):
                 break
@@ -239,9 +308,12 @@ class GradReducer:
             self._held = {}
             self._in_backward = False
 
-    def post_backward(self) -> None:
-        """Reduce the gradients there now (pipelines: after the schedule), on the mesh's groups, axis by axis."""
+    def post_backward(self, deferred: bool = False) -> None:
+        """Reduce the gradients there now, on the mesh's groups, axis by axis: all of them, or (``deferred``, after
+        a pipeline's schedule) those of the parameters several stages hold."""
         for b in self.buckets():
+            if deferred and not b.deferred:
+                continue
             b.reset()
             self._launch(b, async_op=False)
             self._finish(b)

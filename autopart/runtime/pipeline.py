@@ -6,7 +6,10 @@ inputs such as labels or rotary tables used later, passed along stage by stage) 
 boundary ``k+1``; the last returns the graph's outputs. ``PipelinedModule`` holds only its stages' parameters (as
 DTensors on the stage mesh), runs them on ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B`` /
 ``ScheduleInterleaved1F1B`` over the micro-batches of the global batch, and sums the gradient of a parameter held
-by several stages (a tied embedding and head) over the ranks that hold it.
+by several stages (a tied embedding and head) over the ranks that hold it. The data-parallel gradient reduction is
+launched from the schedule's backward, each bucket once the last micro-batch's backward has finalised its
+gradients, and waited for after the schedule (``runtime/grads.py``); a parameter held by several stages is
+reduced after its stages' sum.
 
 Loss: each micro-batch's loss is divided by the number of micro-batches before backward, so the gradients are those
 of the mean of the micro-batch losses -- the global batch's loss when each micro-batch averages over the same
@@ -131,7 +134,7 @@ class _Stage(nn.Module):
 class PipelinedModule(ParallelModule):
     """A ``ParallelModule`` whose program runs as pipeline stages (see the module docstring)."""
 
-    overlap_grads = False  # the schedule runs several micro-batches' backward: reduce after it (runtime/grads.py)
+    overlap_grads = False  # not from one backward: the schedule's last accumulation launches (``setup_sharing``)
 
     def __init__(self, *args, pipeline: dict, pp_group, p2p_group, pp_rank: int, stage_of_layer: dict[str, int],
                  world_mesh, **kwargs) -> None:
@@ -145,6 +148,8 @@ class PipelinedModule(ParallelModule):
         self.world_mesh = world_mesh
         self._stage_of_layer = stage_of_layer
         super().__init__(*args, **kwargs)
+        # every set of mesh axes a gradient is summed over, on any stage (the micro-batch plan holds all parameters)
+        self._reduce_axes = {tuple(axes) for axes in self.plan.reduced.values()}
 
     # ---- construction of the schedule per program ----------------------------------------------------------
     def _my_chunks(self) -> list[int]:
@@ -235,7 +240,7 @@ class PipelinedModule(ParallelModule):
         """Forward and backward of the global batch through the pipeline schedule; returns the loss (on every
         rank), gradients in ``.grad`` of this rank's stage parameters (accumulated onto what is there)."""
         prog, n, flat = self._micro(args, kwargs)
-        schedule, _, _ = self._runner(prog, n, train=True)
+        schedule, _, mods = self._runner(prog, n, train=True)
         held = {}
         for key, p in self._params.items():
             if p.grad is not None:
@@ -243,6 +248,11 @@ class PipelinedModule(ParallelModule):
         losses: list = []
         is_first, is_last = self.pp_rank == 0, self.pp_rank == (self.chunks - 1) % self.pp_size
         target = torch.zeros(len(flat[0]), device=self._device) if is_last else None
+        uses: dict[str, int] = {}  # a gradient is final after n accumulations per chunk of this rank using it
+        for mod in mods:
+            for key in {self._key(prog.params[name]) for kind, name in mod.sg.feeds if kind == "param"}:
+                uses[key] = uses.get(key, 0) + n
+        self._grads.begin_schedule(uses)
         if is_first:
             schedule.step(*flat, target=target, losses=losses, return_outputs=False)
         else:
@@ -281,13 +291,15 @@ class PipelinedModule(ParallelModule):
 
     # ---- gradients and state ---------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """A parameter held by several stages first sums its stages' gradients, then the data-parallel reduction
-        (which may keep only this rank's ZeRO slice of it) runs after the schedule, not overlapped."""
+        """Wait for the data-parallel reduction the schedule launched (which may keep only this rank's ZeRO slice
+        of a gradient). A parameter held by several stages first sums its stages' gradients, then its data-parallel
+        reduction runs here, after the schedule, not overlapped."""
+        self._grads.end_schedule()
         for fqn, group in self._shared_groups:
             p = self._params[self._key_of[fqn]]
             if p.grad is not None:
                 dist.all_reduce(p.grad._local_tensor, group=group)
-        super().reduce_gradients()
+        self._grads.post_backward(deferred=True)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global gradient norm over every stage (a parameter held by several stages counted once);
@@ -351,6 +363,12 @@ class PipelinedModule(ParallelModule):
                     mine = g
             if mine is not None and fqn in self._key_of:
                 self._shared_groups.append((fqn, mine))
+        # the data-parallel reduction from the schedule's backward; a bucket holds one chunk's parameters, the
+        # chunk whose backward finalises them (the rank's first using them: backward runs the chunks in reverse)
+        mine_of = {self._key_of[f]: min(c for c in cs if c % self.pp_size == self.pp_rank)
+                   for f, cs in users.items() if f in self._key_of}
+        self._grads.in_schedule(world_ranks, self._reduce_axes, {self._key_of[f] for f, _ in self._shared_groups},
+                                mine_of)
 
 
 def first_micro_batch(args: tuple, kwargs: dict, batch: int, b: int) -> tuple[tuple, dict]:

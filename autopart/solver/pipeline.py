@@ -235,7 +235,8 @@ def gather_exposed(pl: PipelinePlan, layers: Sequence[LayerCost], gather_s: Sequ
 
 
 def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequence[float], overlap: bool,
-                   gather_s: Sequence[float] | None = None, after_schedule: bool = False) -> float:
+                   gather_s: Sequence[float] | None = None, after_schedule: bool = False,
+                   late_s: Sequence[float] | None = None) -> float:
     """Seconds the data-parallel gradient reduction, and ZeRO-1's parameter all-gather after the optimizer step
     (``gather_s``, per layer), add to the pipelined step: how late the next step's first micro-batch gets through
     the stages, each rank having reduced, stepped and gathered on its own clock.
@@ -247,12 +248,14 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
 
     * the reduction. The last micro-batch's backward runs the chunks from the last to the first, each layer in
       reverse (a checkpointed layer's forward recomputed first), a ``p2p_s / 2`` send between chunks. Launched from
-      backward (``after_schedule`` False), a layer's gradients are final once that backward passed it and its
-      reduction starts then, concurrently with the rest of it, one collective after the other per rank
-      (``autopart.cost.comm.exposed_after``): a later stage's ends in 1F1B's cool-down, while rank 0 still
-      computes, possibly before the schedule ends. Reduced after the schedule (``after_schedule``, the runtime's
-      pipelines: ``runtime.grads.OVERLAP_IN_PIPELINE``; the loss broadcast over the stages first makes every rank
-      wait for rank 0's last backward), every rank reduces all of its share from the end, not overlapped;
+      backward (``after_schedule`` False: the runtime's pipelines, ``runtime.grads.OVERLAP_IN_PIPELINE``), a
+      layer's gradients are final once that backward passed it and its reduction starts then, concurrently with
+      the rest of it, one collective after the other per rank (``autopart.cost.comm.exposed_after``): a later
+      stage's runs in 1F1B's cool-down, while rank 0 still computes. A rank steps once its reduction is done and
+      the schedule has ended (the loss broadcast over the stages after the schedule makes every rank wait for rank
+      0's last backward): what runs past that end is exposed. Reduced after the schedule (``after_schedule``),
+      every rank reduces all of its share from the end, not overlapped. ``late_s[l]`` (a parameter several stages
+      hold, which they sum first) is reduced after the rest of the rank's reduction, from the schedule's end;
     * then its optimizer step and its after-step gathers, back to back from its reduction's end (``runtime/zero1.py``,
       as ``gather_exposed`` prices them: a layer waited for as it starts, all of a rank's in flight at once);
     * the next step's first micro-batch runs the chunks in order; a rank's chunk starts once its own reduction is
@@ -260,9 +263,10 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
       without any of this is the tail: rank 0's reduction and gather delay it all, while a later stage's hide in
       its cool-down and in its fill (it idles until the first micro-batch reaches it)."""
     gather_s = [0.0] * len(layers) if gather_s is None else gather_s
-    if not len(reduce_s) == len(gather_s) == len(layers):
-        raise ValueError(f"reduction_tail: {len(reduce_s)} reduction and {len(gather_s)} gather times for "
-                         f"{len(layers)} layers")
+    late_s = [0.0] * len(layers) if late_s is None else late_s
+    if not len(reduce_s) == len(gather_s) == len(late_s) == len(layers):
+        raise ValueError(f"reduction_tail: {len(reduce_s)} reduction, {len(late_s)} late reduction and "
+                         f"{len(gather_s)} gather times for {len(layers)} layers")
     o = pl.options
     ends = list(pl.boundaries[1:]) + [len(layers)]
     chunk_of = [c for c, (i, j) in enumerate(zip(pl.boundaries, ends)) for _ in range(i, j)]
@@ -270,7 +274,7 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
     if not overlap:
         per = [0.0] * o.stages
         for lay, r in enumerate(ranks):
-            per[r] += reduce_s[lay] + gather_s[lay]
+            per[r] += reduce_s[lay] + late_s[lay] + gather_s[lay]
         return max(per)
     hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
     ready, clock = [0.0] * len(layers), 0.0
@@ -283,14 +287,14 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
     done = [0.0] * o.stages  # each rank's reduction end (then its step), from the schedule's end
     for r in range(o.stages):
         mine = sorted((ready[lay], reduce_s[lay]) for lay in range(len(layers)) if ranks[lay] == r)
+        late = sum(late_s[lay] for lay in range(len(layers)) if ranks[lay] == r)
         if after_schedule:
-            done[r] = sum(c for _, c in mine)
+            done[r] = sum(c for _, c in mine) + late
             continue
-        last = max((t for t, _ in mine), default=clock)  # its last backward ends
         end = 0.0
         for t, c in mine:  # launched as its gradients are final, one after the other (exposed_after's chain)
             end = max(end, t) + c
-        done[r] = max(end, last) - clock
+        done[r] = max(end, clock) - clock + late
     start = list(done)
     fwd = free = 0.0  # the next step's first micro-batch through the chunks, and without any of this
     for lay, c in enumerate(chunk_of):

@@ -10,7 +10,7 @@ import pytest
 
 from autopart.plan import Plan
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import check, distributed, reference
+from tests.multiproc.parity import batches, check, distributed, reference
 
 pytestmark = pytest.mark.multiproc
 
@@ -136,3 +136,42 @@ def test_pipeline_distributed_checkpoint_roundtrip(tmp_path) -> None:
         assert any((trained[k] - before[k]).abs().max() > 0 for k in trained)
         for k in trained:
             torch.testing.assert_close(loaded[k], trained[k], rtol=0, atol=0)
+
+
+def _dp_overlap_run(pipe: dict, zero: int):
+    import torch
+
+    import autopart
+    from autopart.runtime import grads
+    from tests.multiproc.parity import OPT, batches, make_model, train
+
+    grads.BUCKET_BYTES = 16 * 2**10  # several buckets per chunk on the tiny model
+    mesh = autopart.mesh((2, 2), ("pp", "dp"))
+    ids0 = batches()[0]
+    pm = autopart.parallelize(make_model("gpt", LAYERS), mesh, (ids0,), {"labels": ids0},
+                              roles={"pp": "pp", "dp": "dp"}, zero=zero, pipeline=pipe)
+    grads.STATS.update(launched_in_backward=0, launched_at_end=0)
+    losses, full = train(pm, pm.optimizer(torch.optim.AdamW, **OPT))
+    buckets = [(b.deferred, b.scatter, sorted({pm._grads._chunk_of[e.key] for e in b.entries}))
+               for b in pm._grads.buckets()]
+    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), dict(grads.STATS), buckets
+
+
+def test_pipeline_reduction_launched_in_schedule() -> None:
+    """pp2 x dp2, interleaved (2 chunks per rank), ZeRO-2, 16 KiB buckets: every bucket of a parameter one stage
+    holds was reduce-scattered from a gradient hook during the schedule (once the last micro-batch's backward
+    through its chunk had accumulated it), none after it; a bucket holds one chunk's parameters; the tied
+    embedding/head (held by the first and the last stage) is reduced after its stages' sum. Losses, parameters and
+    forward-only logits match one process after 3 AdamW steps."""
+    pipe, zero = {"schedule": "interleaved", "virtual": 2, "micro_batches": 2}, 2
+    results = run_ranks(4, _dp_overlap_run, pipe, zero)
+    check("gpt", [r[:5] for r in results], reference("gpt", LAYERS))
+    plan = Plan.from_json(results[0][3])
+    assert plan.pipeline["schedule"] == pipe["schedule"] and plan.reduced
+    assert max(plan.zero.values(), default=0) == zero, plan.zero
+    for *_, stats, buckets in results:
+        launched = [b for b in buckets if not b[0]]
+        assert len(launched) >= 2 and all(len(chunks) == 1 for _, _, chunks in launched), buckets
+        assert sum(deferred for deferred, _, _ in buckets) >= 1, buckets  # the tied embedding/head
+        assert all(scatter for _, scatter, _ in launched), buckets
+        assert stats == {"launched_in_backward": len(batches()) * len(launched), "launched_at_end": 0}, stats

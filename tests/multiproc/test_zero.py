@@ -215,23 +215,29 @@ def test_zero1_parameters_read_between_steps():
 
 def _pipeline_zero1_run():
     import autopart
+    from autopart.runtime import grads
 
     model = make_model("gpt", 4)
     mesh = autopart.mesh((2, 2), ("pp", "dp"))
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"pp": "pp", "dp": "dp"}, zero=1,
                               pipeline={"schedule": "1f1b", "micro_batches": 2})
+    grads.STATS.update(launched_in_backward=0, launched_at_end=0)
     losses, full = train(pm, pm.optimizer(torch.optim.AdamW, **OPT))
-    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach()
+    launched = sum(not b.deferred for b in pm._grads.buckets())
+    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), dict(grads.STATS), launched
 
 
 def test_pipeline_zero1_parity():
     """pp2 x dp2 with ZeRO-1, 1F1B over 2 micro-batches: each stage's forward waits for the gathers of its own
-    parameters (the stage graphs are marked like the whole program); losses, parameters and forward-only logits
-    match one process."""
+    parameters (the stage graphs are marked like the whole program); the gradients were reduce-scattered from the
+    schedule's backward (the tied embedding/head after it); losses, parameters and forward-only logits match one
+    process."""
     from autopart.plan import Plan
 
     results = run_ranks(4, _pipeline_zero1_run)
-    check("gpt", results, reference("gpt", 4))
+    check("gpt", [r[:5] for r in results], reference("gpt", 4))
     plan = Plan.from_json(results[0][3])
     assert plan.pipeline["degree"] == 2 and set(plan.zero.values()) == {1}, (plan.pipeline, plan.zero)
+    for *_, stats, launched in results:
+        assert launched >= 1 and stats == {"launched_in_backward": len(batches()) * launched, "launched_at_end": 0}

@@ -388,4 +388,11 @@ def test_pipeline_units_pay_a_share_of_the_gradient_bucket():
     assert len(plan.reduced) > 20 and one_bucket > 1e-3
     assert grad_reduction_time(grad_bytes, (0,), False, c.__class__(
         c.name, c.device, c.mesh_shape, (Link(0.0, c.links[0].beta),), c.reserve_bytes)) < \
-        sum(u.reduce_s for u in units) <= one_bucket * (1 + 1e-9)
+        sum(u.reduce_s + u.late_s for u in units) <= one_bucket * (1 + 1e-9)
+    # the tied embedding/head, held by the first and the last stage, is reduced by each after the schedule, once
+    # they summed it (``late_s``); every other parameter from the last micro-batch's backward
+    from autopart.planner import grad_reduction_share
+
+    tied = grad_reduction_share(model.wte.weight.numel() * 4, (0,), False, c)
+    assert units[0].late_s == pytest.approx(tied) and units[-1].late_s == pytest.approx(tied)
+    assert all(u.reduce_s > 0 for u in units)

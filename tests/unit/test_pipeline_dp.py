@@ -231,14 +231,38 @@ def test_reduction_tail_overlaps_the_last_backward():
     assert reduction_tail(pl, layers, red, False, [0.5, 0.5, 0.0, 0.0]) == pytest.approx(4.0)
 
 
-def test_reduction_tail_after_the_schedule():
-    """The runtime's pipelines reduce after the schedule (``runtime.grads.OVERLAP_IN_PIPELINE`` off), once the loss
-    broadcast has joined every rank to rank 0's last backward: the reduction hides nowhere; the gathers follow each
-    rank's own reduction, and a later stage's hide behind rank 0's reduction and first forward."""
+def test_reduction_tail_in_the_schedule():
+    """The runtime's pipelines launch each bucket from the last micro-batch's backward
+    (``runtime.grads.OVERLAP_IN_PIPELINE``): a rank's reduction hides behind the backward left after its gradients
+    are final (its earlier layers, the stages before it), and what runs past the schedule's end is exposed, since
+    every rank steps after the loss broadcast that follows the schedule. A parameter several stages hold (a tied
+    embedding and head, ``late_s``) is reduced after the rest, once the stages summed it."""
     from autopart.runtime.grads import OVERLAP_IN_PIPELINE
     from autopart.solver.pipeline import PipelinePlan, reduction_tail
 
-    assert not OVERLAP_IN_PIPELINE  # pipelining.py prices what the runtime does: a change there must change both
+    assert OVERLAP_IN_PIPELINE  # pipelining.py prices what the runtime does: a change there must change both
+    layers = [LayerCost(fwd_s=1.0, bwd_s=2.0, act_bytes=0.0, state_bytes=0.0)] * 4
+    opts = PipelineOptions(2, 4, "1f1b", p2p_s=0.2)
+    pl = PipelinePlan((0, 2), (False,) * 4, 0.0, 0.0, (0.0, 0.0), (0.0, 0.0), opts)
+    red = [1.5, 1.5, 1.0, 1.0]
+    # the last backward ends at 8.1 (layer 1 final at 6.1, layer 0 at 8.1): rank 0's 1.5 s run past it, rank 1's
+    # (done at 5) hide in its cool-down: 1.5 s; after the schedule, rank 0's 3 s
+    assert reduction_tail(pl, layers, red, True) == pytest.approx(1.5)
+    assert reduction_tail(pl, layers, red, True, after_schedule=True) == pytest.approx(3.0)
+    # the tied embedding/head's 0.5 s on ranks 0 and 1 after their launched buckets: rank 0 done at 2.0, rank 1 at
+    # 0.5, long before the next step's first micro-batch reaches it (4.1): 2.0
+    late = [0.5, 0.0, 0.0, 0.5]
+    assert reduction_tail(pl, layers, red, True, late_s=late) == pytest.approx(2.0)
+    assert reduction_tail(pl, layers, red, True, after_schedule=True, late_s=late) == pytest.approx(3.5)
+    assert reduction_tail(pl, layers, red, False, late_s=late) == pytest.approx(3.5)
+
+
+def test_reduction_tail_after_the_schedule():
+    """Reduced after the schedule (``after_schedule``: how ``gather_exposed`` starts the gathers), once the loss
+    broadcast has joined every rank to rank 0's last backward: the reduction hides nowhere; the gathers follow each
+    rank's own reduction, and a later stage's hide behind rank 0's reduction and first forward."""
+    from autopart.solver.pipeline import PipelinePlan, reduction_tail
+
     layers = [LayerCost(fwd_s=1.0, bwd_s=2.0, act_bytes=0.0, state_bytes=0.0)] * 4
     opts = PipelineOptions(2, 4, "1f1b", p2p_s=0.2)
     pl = PipelinePlan((0, 2), (False,) * 4, 0.0, 0.0, (0.0, 0.0), (0.0, 0.0), opts)

@@ -141,5 +141,5 @@ def test_two_block_reduction_prices_the_whole_model():
     assert [u.name for u in got] == [u.name for u in want]
     for a, b in zip(want, got):
         for f in ("time_s", "fixed_s", "fwd_s", "act_bytes", "ckpt_act_bytes", "state_bytes", "grad_bytes",
-                  "reduce_s", "out_bytes"):
+                  "reduce_s", "late_s", "out_bytes"):
             assert getattr(b, f) == pytest.approx(getattr(a, f), rel=1e-9, abs=1e-15), (a.name, f)

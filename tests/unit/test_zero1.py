@@ -225,11 +225,11 @@ def test_pipeline_gather_hides_behind_the_first_micro_batch():
     assert gather_exposed(pl, layers, [0.5, 2.5, 0.0, 0.0], True) == pytest.approx(2.0)
     # rank 1's gathers (3.0) run while rank 0 computes its 2 layers (2.0): 1.0 exposed
     assert gather_exposed(pl, layers, [0.0, 0.0, 3.0, 0.0], True) == pytest.approx(1.0)
-    # the step: every rank gathers from the schedule's end (the runtime reduces after it, the loss broadcast joining
-    # the ranks), 1.0 exposed as above; were rank 1 free after its last backward (reductions launched from backward),
-    # its gathers would run in its cool-down (rank 0's last backward, 4 s) and its fill: hidden
+    # the step: every rank gathers from the schedule's end, 1.0 exposed as above, whether it reduced after the
+    # schedule or from backward: rank 1 is done with its backward 4 s before rank 0, but steps (and gathers) only
+    # once the loss broadcast after the schedule has joined it to rank 0's end
     assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0], after_schedule=True) == pytest.approx(1.0)
-    assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0]) == pytest.approx(0.0)
+    assert reduction_tail(pl, layers, [0.0] * 4, True, [0.0, 0.0, 3.0, 0.0]) == pytest.approx(1.0)
 
 
 def test_ilp_gather_share():
