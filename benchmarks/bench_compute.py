@@ -48,7 +48,7 @@ def breakdown(row: str, cluster: str) -> list[dict]:
         fwd = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
         flops = fwd + backward_flops(n.target, fwd)
         nbytes = 3 * node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val, n.target)
-        s = roofline_time(flops, nbytes, device, n.target)
+        s = roofline_time(flops, nbytes, device, n.target, with_backward=True)
         k = kinds[str(n.target).removeprefix("aten.")]
         k["calls"] += 1
         k["flops"] += flops

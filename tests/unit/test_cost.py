@@ -268,10 +268,23 @@ def test_h100_fused_attention_at_cudnn_published_rate():
         t = roofline_time(total, 3 * node_bytes((q, q, q), q), dev, sdpa)
         assert t == pytest.approx(published_s, rel=1e-9)
         assert total / t < 0.8 * dev.achievable_flops  # slower than the GEMMs (643 TFLOP/s)
-        # the matmul family keeps the GEMM rate
-        assert roofline_time(total, 0.0, dev, aten.mm.default) == pytest.approx(total / dev.achievable_flops)
+        # the matmul family keeps the GEMM rate (and the latency of its one kernel)
+        assert roofline_time(total, 0.0, dev, aten.mm.default) == pytest.approx(
+            total / dev.achievable_flops + dev.gemm_latency)
     a100 = PRESETS["a100-80gb"].device  # no per-configuration FlashAttention-2 figure: the matmul rate
     assert roofline_time(total, 0.0, a100, sdpa) == pytest.approx(total / a100.achievable_flops)
+
+
+def test_cpu_and_a100_gemms_at_one_rate():
+    # no measured size curve for them: every GEMM at peak_flops x mfu (a calibrated device measures its own rate)
+    for name in ("cpu", "a100-80gb"):
+        dev = PRESETS[name].device
+        assert dev.gemm_latency == 0.0
+        for flops in (1e9, 1e12):
+            t = roofline_time(flops, 0.0, dev, aten.mm.default, with_backward=True)
+            assert t == pytest.approx(flops / dev.achievable_flops)
+    with pytest.raises(ValueError, match="gemm_latency"):
+        Device("d", 1e12, 1e12, 2**30, 1e9, gemm_latency=-1e-6)
 
 
 # memory and FLOP closed forms
@@ -450,10 +463,10 @@ def test_cluster_file_overlap_and_tree(tmp_path):
 
     path = tmp_path / "gloo-h100.toml"
     path.write_text('name = "test-gloo-h100"\nbase = "h100-80gb"\n[device]\ncomm_overlap = false\n'
-                    '[inter_node]\ntree = false\n')
+                    'gemm_latency = 0.0\n[inter_node]\ntree = false\n')
     try:
         c = preset(load_preset(str(path)), (4, 8))
-        assert not c.device.comm_overlap and not c.link(0).tree  # overridden
+        assert not c.device.comm_overlap and not c.link(0).tree and c.device.gemm_latency == 0.0  # overridden
         assert c.link(0).bandwidth == pytest.approx(50e9)  # the rest from the base
         assert preset("h100-80gb", (4, 8)).link(0).tree
         path.write_text('name = "test-bad-overlap"\nbase = "h100-80gb"\n[device]\ncomm_overlap = "yes"\n')
