@@ -101,7 +101,8 @@ class Device:
     # seconds each GEMM kernel takes beyond its FLOPs at ``peak_flops * mfu`` (its launch, prologue and epilogue, the
     # last partial wave of tiles), which a small GEMM cannot amortise: a GEMM of F FLOPs then runs at
     # F / (F / achievable_flops + gemm_latency) (``autopart.cost.compute.roofline_time``). 0: every GEMM at
-    # ``achievable_flops`` whatever its size
+    # ``achievable_flops`` whatever its size (every preset; benchmarks/clusters/h100-xla-gemms.toml fits both terms
+    # to XLA's measured H100 GEMMs)
     gemm_latency: float = 0.0
     # measured by ``autopart.calibrate`` (0: not measured, use the two rates above): FLOP/s of fused attention,
     # forward and backward counted as ``autopart.cost.compute`` counts them (the GPU presets: a published kernel's,
