@@ -1153,7 +1153,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
         tbytes = nbytes * (3 if g else 1)
         for a, o in enumerate(opts_r):
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
-            comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target, rep.kwargs)
+            comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target, rep.kwargs, with_backward=g)
             fwd[a] = roofline_time(flops / f, nbytes / f, device, rep.target, rep.kwargs)
             icomm[a] = internal_comm_time(rep, o, cluster)
             if g:

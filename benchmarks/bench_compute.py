@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from autopart.cost.cluster import PRESETS
+from autopart.cost.cluster import PRESETS, preset
 from autopart.cost.compute import backward_flops, node_bytes, node_flops, roofline_time
 from autopart.models.gpt import GPT, GPTConfig
 from autopart.planner import _fx_vals
@@ -39,7 +39,7 @@ def breakdown(row: str, cluster: str) -> list[dict]:
     with torch.device("meta"):
         model = GPT(cfg).to(torch.bfloat16)
         ids = torch.randint(0, VOCAB, (b, SEQ))
-    device = PRESETS[cluster].device
+    device = preset(cluster, (1,)).device  # a preset name or a cluster file
     kinds: dict[str, dict] = defaultdict(lambda: {"calls": 0, "flops": 0.0, "bytes": 0.0, "s": 0.0, "bound_s": 0.0})
     for n in trace(model, (ids,), {"labels": ids}).graph.nodes:
         if n.op != "call_function" or not isinstance(n.meta.get("val"), torch.Tensor):  # as the planner's "op" kind
@@ -48,7 +48,7 @@ def breakdown(row: str, cluster: str) -> list[dict]:
         fwd = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
         flops = fwd + backward_flops(n.target, fwd)
         nbytes = 3 * node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val, n.target)
-        s = roofline_time(flops, nbytes, device, n.target)
+        s = roofline_time(flops, nbytes, device, n.target, with_backward=True)
         k = kinds[str(n.target).removeprefix("aten.")]
         k["calls"] += 1
         k["flops"] += flops
@@ -71,7 +71,7 @@ def breakdown(row: str, cluster: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--row", default="1.7B", help="a row of the Megatron table (bench_pipeline.MEGATRON)")
-    ap.add_argument("--cluster", default="h100-80gb", help=f"a preset: {sorted(PRESETS)}")
+    ap.add_argument("--cluster", default="h100-80gb", help=f"a preset {sorted(PRESETS)} or a cluster file")
     args = ap.parse_args()
     breakdown(args.row, args.cluster)
 

@@ -128,7 +128,7 @@ def megatron(args) -> list[dict]:
         t = trace(model, (ids,), {"labels": ids})
         export_s = time.perf_counter() - t0
         flops = megatron_flops(batch, layers, h)
-        common = dict(cluster="h100-80gb", traced=t, optimizer_bytes_per_param=12.0)
+        common = dict(cluster=args.cluster, traced=t, optimizer_bytes_per_param=12.0)
         rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
                "published_tflops": published, "export_s": export_s}
         for zero in (1, 0):
@@ -148,7 +148,7 @@ def megatron(args) -> list[dict]:
         # autopart's own choice: planned on every logical mesh of the nodes (advise's mesh views: tensor parallel
         # 1, 2, 4 or 8 inside a node), the fastest kept
         t0 = time.perf_counter()
-        adv = advise_mod.advise(built=(name, model, (ids,), {"labels": ids}, cfg), traced=t, cluster="h100-80gb",
+        adv = advise_mod.advise(built=(name, model, (ids,), {"labels": ids}, cfg), traced=t, cluster=args.cluster,
                                 nodes=gpus // 8, gpus_per_node=8, batch=batch, seq=SEQ, optimizer_bytes_per_param=12.0)
         if adv.fits:
             rec["own_step_s"] = adv.step_time_s
@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("what", choices=["planning", "megatron"])
     ap.add_argument("--batch", type=int, default=128, help="planning: global batch of 2048-token sequences")
     ap.add_argument("--rows", default="", help="megatron: comma-separated model names (default: all)")
+    ap.add_argument("--cluster", default="h100-80gb", help="megatron: the preset (or cluster file) the rows are "
+                    "priced on, e.g. benchmarks/clusters/h100-xla-gemms.toml")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = planning(args) if args.what == "planning" else megatron(args)

@@ -110,6 +110,12 @@ class Device:
     memory_bytes: int
     host_bandwidth: float  # bytes/s device<->host
     mfu: float = 1.0
+    # seconds each GEMM kernel takes beyond its FLOPs at ``peak_flops * mfu`` (its launch, prologue and epilogue, the
+    # last partial wave of tiles), which a small GEMM cannot amortise: a GEMM of F FLOPs then runs at
+    # F / (F / achievable_flops + gemm_latency) (``autopart.cost.compute.roofline_time``). 0: every GEMM at
+    # ``achievable_flops`` whatever its size (every preset; benchmarks/clusters/h100-xla-gemms.toml fits both terms
+    # to XLA's measured H100 GEMMs)
+    gemm_latency: float = 0.0
     # measured by ``autopart.calibrate`` (0: not measured, use the two rates above): FLOP/s of fused attention,
     # forward and backward counted as ``autopart.cost.compute`` counts them (the GPU presets: a published kernel's,
     # see ``preset``), and bytes/s of elementwise ops with transcendental math (gelu, exp, softmax, ...), which are
@@ -145,7 +151,8 @@ class Device:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        for field in ("attention_flops", "math_bandwidth", "op_latency", "param_latency", "zero3_latency"):
+        for field in ("gemm_latency", "attention_flops", "math_bandwidth", "op_latency", "param_latency",
+                      "zero3_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -346,7 +353,8 @@ _BUILTIN = frozenset(PRESETS)
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
-_DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "attention_flops",
+_DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "gemm_latency",
+                "attention_flops",
                 "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
                 "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
@@ -378,7 +386,8 @@ def load_preset(path: str) -> str:
         [device]                       # peak_flops (dense FLOP/s of the training dtype), mem_bandwidth,
         peak_flops = 989e12            # memory_bytes, host_bandwidth (device<->host), mfu (fraction of
         memory_bytes = "80GiB"         # peak large matmuls reach), name, comm_overlap (collectives run
-        comm_overlap = true            # concurrently with compute: NCCL on GPUs; false for gloo on CPUs)
+        comm_overlap = true            # concurrently with compute: NCCL on GPUs; false for gloo on CPUs),
+        gemm_latency = 6.4e-6          # gemm_latency (seconds per GEMM kernel beyond its FLOPs at that rate)
         [intra_node]                   # the link inside a node: alpha (s per message) and
         alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
         bandwidth = 450e9              # library also has a tree all-reduce (NCCL)

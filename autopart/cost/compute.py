@@ -293,9 +293,22 @@ def math_variant(target: Any, kwargs: dict | None) -> str | None:
     return None
 
 
+def gemm_kernels(target: Any, with_backward: bool) -> int:
+    """GEMM kernels one call of ``target`` launches: 1 for the matmul family (3 with its backward: grad input and
+    grad weight are one product each, as ``backward_flops`` counts them), 0 for every other op."""
+    if _packet(target) not in _MATMUL_FAMILY:
+        return 0
+    return 3 if with_backward else 1
+
+
 def roofline_time(flops: float, nbytes: float, device: Device, target: Any = None,
-                  kwargs: dict | None = None) -> float:
+                  kwargs: dict | None = None, with_backward: bool = False) -> float:
     """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds.
+
+    With the op ``target`` given, a matmul adds the device's ``gemm_latency`` per GEMM kernel (``gemm_kernels``;
+    ``with_backward``: ``flops`` and ``nbytes`` include the call's backward), the time a kernel takes beyond its
+    FLOPs at the large-matmul rate, which a small GEMM cannot amortise. The latency is per kernel, so a GEMM sharded
+    over more devices runs at a lower rate.
 
     With the op ``target`` given, fused attention runs at the device's ``attention_flops`` where it has one (measured
     by ``autopart.calibrate``; a published kernel's on the GPU presets: slower than their GEMMs), and, on a device
@@ -312,4 +325,5 @@ def roofline_time(flops: float, nbytes: float, device: Device, target: Any = Non
         device.mem_bandwidth
     if device.math_variants and packet in _TRANSCENDENTAL:
         bandwidth = dict(device.math_variants).get(math_variant(target, kwargs), bandwidth)
-    return max(flops / rate, nbytes / bandwidth) + (device.op_latency if target is not None else 0.0)
+    gemm = gemm_kernels(target, with_backward) * device.gemm_latency if target is not None else 0.0
+    return max(flops / rate, nbytes / bandwidth) + gemm + (device.op_latency if target is not None else 0.0)
