@@ -339,23 +339,21 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, ax: Ax) -> list:
                                    dist.P2POp(dist.irecv, recv, prv, ax.group)])
 
 
-def _ring_gather_map(x: torch.Tensor, ax: Ax, fn) -> list:
-    """``fn`` of every piece of the all-gather of ``x`` over the axis, by the coordinate that holds it: at step t
-    this rank applies ``fn`` to the piece of coordinate ``coord - t`` while it passes that piece on to the next
-    coordinate and receives the one of ``coord - t - 1``. Each piece's result is what ``fn`` of it gives, as the
-    gathered tensor would: nothing is summed across pieces."""
-    out: list = [None] * ax.n
+def _ring_gather_map(x: torch.Tensor, ax: Ax, fn) -> None:
+    """``fn(c, piece)`` for every piece of the all-gather of ``x`` over the axis, ``c`` the coordinate holding it:
+    at step t this rank applies ``fn`` to the piece of coordinate ``coord - t`` while it passes that piece on to the
+    next coordinate and receives the one of ``coord - t - 1``. ``fn`` of a piece is what it would be of that piece
+    of the gathered tensor: nothing is summed across pieces."""
     cur = x.contiguous()
     for t in range(ax.n):
         nxt = works = None
         if t < ax.n - 1:
             nxt = torch.empty_like(cur)
             works = _exchange(cur, nxt, ax)
-        out[(ax.coord - t) % ax.n] = fn(cur)
+        fn((ax.coord - t) % ax.n, cur)
         for w in works or ():
             w.wait()
         cur = nxt
-    return out
 
 
 def _ring_reduce_scatter(ax: Ax, part) -> torch.Tensor:
@@ -397,11 +395,20 @@ class _AllGatherLinear(torch.autograd.Function):
     def forward(ctx, x, axis, dim, bwd, k, *wb):
         ctx.ax, ctx.dim, ctx.bwd, ctx.k = Ax(axis), dim, bwd, k
         ws, bs = wb[:k], wb[k:]
-        pieces = _ring_gather_map(x, ctx.ax, lambda c: [torch.nn.functional.linear(c, w, b) for w, b in zip(ws, bs)])
+        step = x.shape[dim]
+        shape = list(x.shape)
+        shape[dim] *= ctx.ax.n
+        outs = tuple(x.new_empty((*shape[:-1], w.shape[0])) for w in ws)
+
+        def run(c: int, piece: torch.Tensor) -> None:  # each piece's products written in place: no full-size copy
+            for out, w, b in zip(outs, ws, bs):
+                out.narrow(dim, c * step, step).copy_(torch.nn.functional.linear(piece, w, b))
+
+        _ring_gather_map(x, ctx.ax, run)
         ctx.save_for_backward(x, *ws)
         if torch.is_grad_enabled():
             REGATHER_STATS["activations"] += k  # each linear's saved input is held as the shard
-        return tuple(torch.cat([p[i] for p in pieces], dim) for i in range(k))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -457,9 +464,15 @@ class _LinearReduceScatter(torch.autograd.Function):
         ax, dim = ctx.ax, ctx.dim
         gx = None
         if ctx.needs_input_grad[0]:
-            pieces = _ring_gather_map(g, ax, lambda c: (c, c @ w))
-            full = torch.cat([p[0] for p in pieces], dim)
-            gx = torch.cat([p[1] for p in pieces], dim)
+            step = g.shape[dim]
+            full = g.new_empty(x.shape[:-1] + g.shape[-1:])
+            gx = torch.empty_like(x)
+
+            def run(c: int, piece: torch.Tensor) -> None:
+                full.narrow(dim, c * step, step).copy_(piece)
+                gx.narrow(dim, c * step, step).copy_(piece @ w)
+
+            _ring_gather_map(g, ax, run)
         else:
             full = _gather(g, ax, dim)
         gw, gb = _weight_grads(full, x, ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.has_bias)
