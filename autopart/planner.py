@@ -120,6 +120,9 @@ class PlanOptions:
         for axis, role in self.roles.items():
             if role not in ("dp", "tp", "pp"):
                 raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp', 'pp'")
+        if self.tp_comm_overlap not in (None, True, False):
+            raise ValueError(f"tp_comm_overlap={self.tp_comm_overlap!r}: use True, False or None (on where the "
+                             "cluster's device overlaps communication with compute)")
         if isinstance(self.pipeline, str) and self.pipeline != "off":
             raise ValueError(f"pipeline={self.pipeline!r}: use None (the solver decides), 'off', or a dict such as "
                              "{'stages': 2, 'schedule': '1f1b', 'micro_batches': 4}")

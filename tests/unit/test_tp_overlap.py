@@ -8,7 +8,7 @@ import torch
 
 import autopart
 from autopart.passes import run_passes
-from autopart.planner import needs_grad_map, overlap_hidden
+from autopart.planner import PlanOptions, needs_grad_map, overlap_hidden
 from autopart.runtime import collectives as C
 from autopart.trace import trace
 from tests.multiproc.parity import batches, make_model
@@ -92,3 +92,8 @@ def test_gpu_preset_prices_overlap(sp_gpt):
         expect = 2 * overlap_hidden(whole / 2, lin_fwd, 2)
         assert c["tp_overlap_hidden_s"] == pytest.approx(expect, rel=1e-9), (c, linears)
         assert c["time_s"] == pytest.approx(whole - expect, rel=1e-9)
+
+
+def test_option_checked():
+    with pytest.raises(ValueError, match="tp_comm_overlap='yes'"):
+        PlanOptions(tp_comm_overlap="yes")
