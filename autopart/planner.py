@@ -2179,11 +2179,12 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
             t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
                                 regather=chosen[u.name].tag == "zero3")
-            hid = 0.0
+            hid, fused_step = 0.0, 0  # seconds a collective matmul hides, of which of ``steps``
             if overlap and j == 0 and linear_input_fused(a):  # one gather for the users converting it alike
                 lin_fwd = sum(fwd_of(w.name) for w in a.users if chosen[w.name].inputs[0] == o.inputs[j] and
                               tuple(is_split(chosen[w.name], i) for i in range(len(mesh))) == split)
                 hid = tp_overlap_hidden(value_of(a), src, o.inputs[j], split, g, cluster, lin_fwd, True)
+                fused_step = max((i for i, st in enumerate(steps or ()) if st.fwd != "none"), default=0)
             elif overlap and a is u and linear_output_fused(u):
                 hid = tp_overlap_hidden(value_of(a), src, o.inputs[j], split, g, cluster, fwd_of(u.name), False)
             t -= hid
@@ -2193,7 +2194,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
                                     "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t})
                 if hid:  # run as a collective matmul: time_s is what it leaves exposed
-                    collectives[-1]["tp_overlap_hidden_s"] = hid
+                    collectives[-1] |= {"tp_overlap_hidden_s": hid, "tp_overlap_step": fused_step}
                 seen_conversions[key] = collectives[-1]
                 if kept is not None:  # how many users keep the shard and gather it again in backward, and the time
                     collectives[-1] |= {"regather": 1, "regather_s": rg_t}
