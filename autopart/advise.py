@@ -291,7 +291,8 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     time). Returns ({"activations": ({kind: s}, {kind: bus bytes}), "parameters": (...)}, seconds per record):
     conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
     ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
-    alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways)."""
+    alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways), less what a
+    collective matmul hides of it (``rec["tp_overlap_hidden_s"]``, of step ``rec["tp_overlap_step"]``)."""
     from autopart.planner import saves_input, transition_time
     from autopart.strategy.registry import tensor_inputs
 
@@ -315,12 +316,14 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
         val = value.meta["val"]
         cur = list(src)
         rec_t = 0.0
-        for axis, fwd, bwd in rec["steps"]:
+        for step, (axis, fwd, bwd) in enumerate(rec["steps"]):
             nxt = list(cur)
             nxt[axis] = dst[axis]
             split = tuple(i == axis and bwd in ("all_reduce", "reduce_scatter") for i in range(len(mesh)))
             dt = transition_time(val, tuple(cur), tuple(nxt), split, bwd != "none", cluster, regather=regather,
                                  chained=zero3)
+            if step == rec.get("tp_overlap_step"):
+                dt -= rec["tp_overlap_hidden_s"]
             kinds = [k for k in (fwd, bwd) if k in KINDS] + (["all_gather"] if regather and fwd == "all_gather" else [])
             full = list(cur)
             full[axis] = Replicate()

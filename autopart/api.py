@@ -78,7 +78,7 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
          zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
          optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None, kv_cache_tokens: int = 0,
-         recipes: bool = True) -> Plan:
+         recipes: bool = True, tp_comm_overlap: bool | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
@@ -89,6 +89,9 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     master copy of bf16 weights, as Megatron-LM's mixed precision). Inference: a model whose parameters do not
     require gradients (``model.requires_grad_(False)``) is planned forward-only, without gradients or optimizer
     states; ``kv_cache_tokens`` adds the K/V cache of that many positions at every attention (decoding).
+    ``tp_comm_overlap``: run (and price) the sequence-parallel all-gather into a linear and the reduce-scatter out
+    of one as collective matmuls (``autopart.passes.tp_overlap``); None: on devices that overlap communication
+    with compute (GPUs), not on the cpu preset.
     ``memory_budget`` (bytes or "12GiB"; default
     the cluster device's capacity less its reserve) is planned against less ``MEMORY_MODEL_MARGIN`` (10%), the
     memory model's measured accuracy."""
@@ -97,7 +100,7 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     t = traced or trace(model, example_inputs, example_kwargs)
     opts = _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint, zero, offload,
                     pipeline, optimizer_bytes_per_param, kv_cache_tokens)
-    p = make_plan(t, c, m.names, dataclasses.replace(opts, recipes=recipes))
+    p = make_plan(t, c, m.names, dataclasses.replace(opts, recipes=recipes, tp_comm_overlap=tp_comm_overlap))
     p.solver["export_s"] = t.export_seconds
     return p
 
@@ -160,8 +163,9 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                 memory_budget: str | float | None = None, time_limit_s: float = 30.0, seed: int = 0,
                 local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
                 zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
-                kv_cache_tokens: int = 0):
-    """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program.
+                kv_cache_tokens: int = 0, tp_comm_overlap: bool | None = None):
+    """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program
+    (``plan`` documents the planning arguments).
 
     Call under ``torchrun`` with ``mesh = autopart.mesh(shape, names)``. Every rank must build the same model;
     parameters are broadcast from rank 0 before sharding.
@@ -190,7 +194,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         example_kwargs = {k: _repeat_batch(v, factor) for k, v in (example_kwargs or {}).items()}
     plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
                    local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero, offload=offload,
-                   kv_cache_tokens=kv_cache_tokens)
+                   kv_cache_tokens=kv_cache_tokens, tp_comm_overlap=tp_comm_overlap)
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
         plan = _shared_plan(model, m, t, pins=pins, pipeline=pipeline, **plan_kw)

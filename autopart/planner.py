@@ -111,11 +111,18 @@ class PlanOptions:
     # internal: a Plan of the same graph (or its 2-block reduction) and mesh whose choices seed the ILP
     # (a recipe's plan for the search, the 2-block solution for the whole-graph re-solve)
     warm_start: Any = None
+    # collective matmul (``passes.tp_overlap``): the all-gather into a linear and the reduce-scatter out of one run
+    # as ring steps behind the linear's matmuls, and are priced so (``tp_overlap_hidden``); None: where the
+    # cluster's device overlaps communication with compute (``Device.comm_overlap``: GPUs, not the cpu preset)
+    tp_comm_overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
             if role not in ("dp", "tp", "pp"):
                 raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp', 'pp'")
+        if self.tp_comm_overlap not in (None, True, False):
+            raise ValueError(f"tp_comm_overlap={self.tp_comm_overlap!r}: use True, False or None (on where the "
+                             "cluster's device overlaps communication with compute)")
         if isinstance(self.pipeline, str) and self.pipeline != "off":
             raise ValueError(f"pipeline={self.pipeline!r}: use None (the solver decides), 'off', or a dict such as "
                              "{'stages': 2, 'schedule': '1f1b', 'micro_batches': 4}")
@@ -249,6 +256,64 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     if summed:
         total += grad_reduction_share(max(b for _, b in summed), [a for a, _ in summed], scatter_grad, cluster)
     return total
+
+
+def tp_overlap_on(opts: PlanOptions, cluster: Cluster) -> bool:
+    """Whether plans for ``cluster`` run and price collective matmuls (``PlanOptions.tp_comm_overlap``)."""
+    return cluster.device.comm_overlap if opts.tp_comm_overlap is None else opts.tp_comm_overlap
+
+
+def linear_input_fused(value: fx.Node) -> bool:
+    """Every user of ``value`` is an ``aten.linear`` taking it as its input: an all-gather of it that ends its
+    conversion is fused with them (``passes.tp_overlap``)."""
+    return bool(value.users) and all(
+        u.op == "call_function" and u.target == aten.linear.default and not u.kwargs and u.args[0] is value and
+        value not in u.args[1:] for u in value.users)
+
+
+def linear_output_fused(node: fx.Node) -> bool:
+    """``node`` is an ``aten.linear`` with one user: a reduce-scatter that begins its output's conversion to that
+    user is fused with it (``passes.tp_overlap``)."""
+    return node.op == "call_function" and node.target == aten.linear.default and not node.kwargs and \
+        len(node.users) == 1
+
+
+def overlap_hidden(comm: float, compute: float, n: int) -> float:
+    """Seconds of a collective of ``comm`` seconds on ``n`` ranks that a collective matmul of ``compute`` seconds
+    hides: n ring steps of compute/n each, the n - 1 exchanges of comm/(n - 1) each behind one step's compute, take
+    (n - 1) max(comm/(n - 1), compute/n) + compute/n instead of comm + compute."""
+    return 0.0 if n <= 1 else (n - 1) * min(comm / (n - 1), compute / n)
+
+
+def tp_overlap_hidden(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
+                      compute: float, into: bool) -> float:
+    """Seconds of the conversion ``src -> dst`` of ``val`` that the runtime's collective matmul hides behind a linear
+    of ``compute`` forward seconds on this rank. ``into``: the value feeds the linear, and a conversion whose last
+    data-moving step is an all-gather on a dimension other than the last is fused with it; else the value is the
+    linear's output, and a conversion whose first step is a reduce-scatter on such a dimension is. Forward and
+    backward: the backward's collective (the all-gather's reduce-scatter, the reduce-scatter's all-gather) runs
+    behind the input gradient's matmuls, which have the forward's flops; 0.0 where nothing is fused."""
+    mesh = cluster.mesh_shape
+    steps = conversion_steps(src, dst, split, needs_grad, mesh) or []
+    if into:
+        moving = [st for st in steps if st.fwd != "none"]
+        st = moving[-1] if moving else None
+        kind = "all_gather"
+    else:
+        st = steps[0] if steps else None
+        kind = "reduce_scatter"
+    if st is None or st.fwd != kind:
+        return 0.0
+    dim = (st.src if into else st.dst).dim
+    if val.dim() < 2 or dim % val.dim() == val.dim() - 1:
+        return 0.0
+    full = list(regather_spec(src, dst, split, needs_grad, mesh) if into else src)
+    full[st.axis] = Replicate()
+    nbytes, n, link = _local_bytes(val, full, mesh), mesh[st.axis], cluster.link(st.axis)
+    hidden = overlap_hidden(collective_time(kind, nbytes, n, link), compute, n)
+    if st.bwd in ("all_gather", "reduce_scatter"):
+        hidden += overlap_hidden(collective_time(st.bwd, nbytes, n, link), compute, n)
+    return hidden
 
 
 def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -1189,11 +1254,14 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
 
 def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption], vopts: list[OpOption], g: bool,
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
-                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True):
+                 saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True,
+                 fused: tuple[bool, np.ndarray] | None = None):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
     None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
-    ``saved``: the consumer keeps it for backward (``saves_input``: under ZeRO-3, gathered again there)."""
+    ``saved``: the consumer keeps it for backward (``saves_input``: under ZeRO-3, gathered again there).
+    ``fused``: (into, forward seconds of the linear per option) where the edge's collective runs as a collective
+    matmul with the consumer (into) or producer linear (``tp_overlap_hidden``)."""
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
     vkey = (tuple(val.shape), val.dtype, g, bucketed, saved)
@@ -1231,6 +1299,9 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                 t = known[sk] = transition_time(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                 regather=regathers[ai] and saved, scatter_grad=scatters[ai],
                                                 chained=regathers[ai])
+            if fused is not None:
+                into, lin_fwd = fused
+                t -= tp_overlap_hidden(val, srcs[ai], dst, split, g, cluster, lin_fwd[bi if into else ai], into)
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)
@@ -1281,6 +1352,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     gather_share = zero1_gather_shares(info, cluster)  # ZeRO-1/2's after-step gather: what forward does not hide
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
+    fwd_once = []  # forward seconds per option of one member of each group (what a collective matmul hides behind)
     keep_full, keep_selective = [], []
     saving_users = _saving_users(info)
     last_of_layer: set[str] = set()
@@ -1333,6 +1405,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         compute_cost.append(comp * k)
         node_memory.append(mem * k)
         fwd_compute.append(fwd * k)
+        fwd_once.append(fwd)
         grad_memory.append(grad * k)
         bucket_memory.append(bucket * k)
         keep_full.append(kfull * k)
@@ -1372,15 +1445,18 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             bucketed = info.kind[u.name] == "param"
             data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed else []
             kept_sharded = regathered_input(v, j, info)
+            overlap = tp_overlap_on(opts, cluster)
+            fused = (True, fwd_once[gv]) if overlap and j == 0 and linear_input_fused(a) else \
+                (False, fwd_once[gu]) if overlap and a is u and linear_output_fused(u) else None
             # an edge's prices depend on the graph, the edge, the options at its ends (the same objects in every
             # problem of a session on this mesh) and the role axes: shared by problems that differ elsewhere
             ekey = ("edge", id(traced.gm), v.name, j, tuple(map(id, uopts)), tuple(map(id, vopts)),
-                    tuple(fixed_axes), tuple(data_axes))
+                    tuple(fixed_axes), tuple(data_axes), fused is not None)
             hit = cache.get(ekey)
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids, saves_input(v, j)))
+                    cluster, cache, spec_ids, saves_input(v, j), fused))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -2037,6 +2113,14 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     zero_gathers: list = []  # ZeRO-1/2 parameters' (node, zero1_gather_entry, bandwidth, ILP price), graph order
     users = _saving_users(info)
     offloaded = "activations" in offload and cluster.device.name != "cpu"
+    overlap = tp_overlap_on(opts, cluster)
+    tp_hidden = 0.0  # conversion seconds collective matmuls hide (``tp_overlap_hidden``), out of comm_total
+
+    def fwd_of(name: str) -> float:
+        gid = prob.group_of[name]
+        return float(prob.fwd_compute[gid][sol.choice[gid]]) / (prob.scale[gid] if prob.scale else
+                                                                len(prob.groups[gid]))
+
     for n in info.nodes:
         o = chosen[n.name]
         gid = prob.group_of[n.name]
@@ -2116,10 +2200,22 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
                                 regather=zero3 and saves_input(n, j),
                                 chained=zero3)
+            hid, fused_step = 0.0, 0  # seconds a collective matmul hides, of which of ``steps``
+            if overlap and j == 0 and linear_input_fused(a):  # one gather for the users converting it alike
+                lin_fwd = sum(fwd_of(w.name) for w in a.users if chosen[w.name].inputs[0] == o.inputs[j] and
+                              tuple(is_split(chosen[w.name], i) for i in range(len(mesh))) == split)
+                hid = tp_overlap_hidden(value_of(a), src, o.inputs[j], split, g, cluster, lin_fwd, True)
+                fused_step = max((i for i, st in enumerate(steps or ()) if st.fwd != "none"), default=0)
+            elif overlap and a is u and linear_output_fused(u):
+                hid = tp_overlap_hidden(value_of(a), src, o.inputs[j], split, g, cluster, fwd_of(u.name), False)
+            t -= hid
+            tp_hidden += hid
             comm_total += t
             if steps:
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
                                     "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t})
+                if hid:  # run as a collective matmul: time_s is what it leaves exposed
+                    collectives[-1] |= {"tp_overlap_hidden_s": hid, "tp_overlap_step": fused_step}
                 seen_conversions[key] = collectives[-1]
                 if kept is not None:  # how many users keep the shard and gather it again in backward, and the time
                     collectives[-1] |= {"regather": 1, "regather_s": rg_t}
@@ -2196,7 +2292,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         axis_names=tuple(axis_names),
         cluster=cluster.to_json(),
         options={"roles": dict(opts.roles), "pins": dict(opts.pins), "local_batch": opts.local_batch,
-                 "memory_limit": limit},
+                 "memory_limit": limit, "tp_comm_overlap": overlap},
         nodes=nodes,
         params=params,
         inputs=inputs,
@@ -2210,6 +2306,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                    "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
                    "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
                    "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,
+                   "tp_overlap_hidden_s": tp_hidden,
                    "memory_bytes": dict(memory)},
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},

@@ -13,6 +13,7 @@ from autopart.passes.checkpoint import checkpoint_regions
 from autopart.passes.collectives import insert_collectives
 from autopart.passes.context import context_parallel
 from autopart.passes.lower import lower
+from autopart.passes.tp_overlap import tp_overlap
 from autopart.passes.verify import verify
 
 
@@ -37,6 +38,7 @@ def run_passes(traced, plan, needs_grad: dict[str, bool]) -> fx.GraphModule:
         ("insert_collectives", lambda g: insert_collectives(g, mesh, needs_grad)),
         ("lower", lambda g: lower(g, mesh)),
         ("context", lambda g: context_parallel(g, plan)),
+        ("tp_overlap", lambda g: tp_overlap(g, plan)),
         ("verify", lambda g: verify(g, mesh)),
         ("checkpoint", lambda g: checkpoint_regions(g, plan)),
     ]

@@ -325,6 +325,167 @@ def count_all_reduce(x: torch.Tensor, axis: int) -> torch.Tensor:
     return _all_reduce(x.detach(), Ax(axis))
 
 
+# ---- collective matmul (Wang et al., ASPLOS'23; Megatron's --tp-comm-overlap): the sequence-parallel all-gather
+# before a column-parallel linear and the reduce-scatter after a row-parallel one, decomposed into ring steps whose
+# exchange with the axis' neighbours runs while the step before's chunk is multiplied (``passes.tp_overlap``)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, ax: Ax) -> list:
+    """Start sending ``send`` to the next coordinate of the axis' ring and receiving ``recv`` from the previous one.
+    One batch: NCCL would deadlock on a ring of separately posted blocking-order sends."""
+    nxt = dist.get_global_rank(ax.group, (ax.coord + 1) % ax.n)
+    prv = dist.get_global_rank(ax.group, (ax.coord - 1) % ax.n)
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, ax.group),
+                                   dist.P2POp(dist.irecv, recv, prv, ax.group)])
+
+
+def _ring_gather_map(x: torch.Tensor, ax: Ax, fn) -> None:
+    """``fn(c, piece)`` for every piece of the all-gather of ``x`` over the axis, ``c`` the coordinate holding it:
+    at step t this rank applies ``fn`` to the piece of coordinate ``coord - t`` while it passes that piece on to the
+    next coordinate and receives the one of ``coord - t - 1``. ``fn`` of a piece is what it would be of that piece
+    of the gathered tensor: nothing is summed across pieces."""
+    cur = x.contiguous()
+    for t in range(ax.n):
+        nxt = works = None
+        if t < ax.n - 1:
+            nxt = torch.empty_like(cur)
+            works = _exchange(cur, nxt, ax)
+        fn((ax.coord - t) % ax.n, cur)
+        for w in works or ():
+            w.wait()
+        cur = nxt
+
+
+def _ring_reduce_scatter(ax: Ax, part) -> torch.Tensor:
+    """This rank's piece of the sum over the axis of every rank's ``part(c)`` (its contribution to piece ``c``): at
+    step t this rank computes its contribution to piece ``coord - t - 1``, adds the running sum received from the
+    previous coordinate and passes it on while it computes the next step's contribution; the last step's piece is
+    its own."""
+    recv = works = None
+    for t in range(ax.n):
+        acc = part((ax.coord - t - 1) % ax.n)
+        if works is not None:
+            for w in works:
+                w.wait()
+            acc = acc + recv
+        if t == ax.n - 1:
+            return acc
+        acc = acc.contiguous()
+        recv = torch.empty_like(acc)
+        works = _exchange(acc, recv, ax)
+    raise AssertionError("unreachable")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _weight_grads(g: torch.Tensor, x: torch.Tensor, w_needs: bool, b_needs: bool):
+    """Gradients of ``linear(x, W, b)``'s weight and bias from its output gradient ``g``."""
+    return (_rows(g).t() @ _rows(x) if w_needs else None), (_rows(g).sum(0) if b_needs else None)
+
+
+class _AllGatherLinear(torch.autograd.Function):
+    """``[linear(all_gather(x), W_i, b_i) for i]``, the gather decomposed into ring steps behind the matmuls of the
+    pieces already here. Saves the shard ``x``, not the gathered input (as ``all_gather_activation`` does), and
+    gathers it again in backward for the weight gradients; the input gradient's reduce-scatter is decomposed the
+    same way behind the matmuls ``grad_i @ W_i`` of each piece."""
+
+    @staticmethod
+    def forward(ctx, x, axis, dim, bwd, k, *wb):
+        ctx.ax, ctx.dim, ctx.bwd, ctx.k = Ax(axis), dim, bwd, k
+        ws, bs = wb[:k], wb[k:]
+        step = x.shape[dim]
+        shape = list(x.shape)
+        shape[dim] *= ctx.ax.n
+        outs = tuple(x.new_empty((*shape[:-1], w.shape[0])) for w in ws)
+
+        def run(c: int, piece: torch.Tensor) -> None:  # each piece's products written in place: no full-size copy
+            for out, w, b in zip(outs, ws, bs):
+                out.narrow(dim, c * step, step).copy_(torch.nn.functional.linear(piece, w, b))
+
+        _ring_gather_map(x, ctx.ax, run)
+        ctx.save_for_backward(x, *ws)
+        if torch.is_grad_enabled():
+            REGATHER_STATS["activations"] += k  # each linear's saved input is held as the shard
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *ws = ctx.saved_tensors
+        ax, dim, k = ctx.ax, ctx.dim, ctx.k
+        live = [(g, w) for g, w in zip(grads, ws) if g is not None]
+        gx = None
+        if ctx.needs_input_grad[0] and live:
+            def part(c: int) -> torch.Tensor:
+                out = None
+                for g, w in live:
+                    y = g.narrow(dim, c * x.shape[dim], x.shape[dim]) @ w
+                    out = y if out is None else out + y
+                return out
+
+            # "shard": every rank holds the gathered value's whole gradient, its own piece is its shard's
+            gx = _ring_reduce_scatter(ax, part) if ctx.bwd == "reduce_scatter" else part(ax.coord)
+        wgrads, bgrads = [None] * k, [None] * k
+        if any(ctx.needs_input_grad[5:]):
+            REGATHER_STATS["activation_gathers"] += 1
+            full = _gather(x, ax, dim)
+            for i, g in enumerate(grads):
+                if g is not None:
+                    wgrads[i], bgrads[i] = _weight_grads(g, full, ctx.needs_input_grad[5 + i],
+                                                         ctx.needs_input_grad[5 + k + i])
+        return (gx, None, None, None, None, *wgrads, *bgrads)
+
+
+def all_gather_linear(x: torch.Tensor, axis: int, dim: int, bwd: str, weights: tuple, biases: tuple) -> tuple:
+    """``tuple(linear(all_gather(x, axis, dim, bwd), w, b) for w, b in zip(weights, biases))`` as a collective
+    matmul (``_AllGatherLinear``); ``dim`` is not the last (the contracted) one."""
+    return _AllGatherLinear.apply(x, axis, dim, bwd, len(weights), *weights, *biases)
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """``reduce_scatter(linear(x, W, b), axis, dim)``, each rank's contribution to every piece multiplied while the
+    running sum of the piece before travels the ring. Backward: the output gradient's all-gather decomposed the
+    same way behind the input gradient's matmuls ``grad @ W`` of the pieces already here; the weight gradient from
+    the gathered output gradient and the saved input, as the linear's own backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, axis, dim):
+        ctx.ax, ctx.dim, ctx.has_bias = Ax(axis), dim, b is not None
+        step = x.shape[dim] // ctx.ax.n
+        out = _ring_reduce_scatter(
+            ctx.ax, lambda c: torch.nn.functional.linear(x.narrow(dim, c * step, step), w, b))
+        ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        ax, dim = ctx.ax, ctx.dim
+        gx = None
+        if ctx.needs_input_grad[0]:
+            step = g.shape[dim]
+            full = g.new_empty(x.shape[:-1] + g.shape[-1:])
+            gx = torch.empty_like(x)
+
+            def run(c: int, piece: torch.Tensor) -> None:
+                full.narrow(dim, c * step, step).copy_(piece)
+                gx.narrow(dim, c * step, step).copy_(piece @ w)
+
+            _ring_gather_map(g, ax, run)
+        else:
+            full = _gather(g, ax, dim)
+        gw, gb = _weight_grads(full, x, ctx.needs_input_grad[1], ctx.needs_input_grad[2] and ctx.has_bias)
+        return gx, gw, gb, None, None
+
+
+def linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, axis: int, dim: int
+                          ) -> torch.Tensor:
+    """``reduce_scatter(linear(x, w, b), axis, dim)`` as a collective matmul (``_LinearReduceScatter``); ``dim``
+    is not the last one."""
+    return _LinearReduceScatter.apply(x, w, b, axis, dim)
+
+
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: int, *extra) -> torch.Tensor:
     """Embedding with rows sharded over ``axis``: ids outside this rank's rows give zeros (a Partial sum)."""
