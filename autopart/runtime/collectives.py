@@ -36,9 +36,10 @@ def axis_groups(groups: list, coords: list[int], sizes: list[int]):
         _STATE.groups, _STATE.coords, _STATE.sizes = old
 
 
-# torch 2.13 renames the single-tensor collectives; older releases only have the *_into_tensor / *_tensor names
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renames the single-tensor collectives (the old names warn); older releases only have the
+# *_into_tensor / *_tensor names. Every runtime module calls them through these two
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Ax:
@@ -54,7 +55,7 @@ def _gather_buffer(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
     """The gathered pieces stacked along dim 0 of a fresh contiguous buffer (``_gather`` moves the dim back)."""
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] * ax.n, *xt.shape[1:]))
-    _all_gather_single(out, xt, group=ax.group)
+    all_gather_single(out, xt, group=ax.group)
     return out
 
 
@@ -66,7 +67,7 @@ def _gather(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
     xt = x.movedim(dim, 0).contiguous()
     out = xt.new_empty((xt.shape[0] // ax.n, *xt.shape[1:]))
-    _reduce_scatter_single(out, xt, group=ax.group)
+    reduce_scatter_single(out, xt, group=ax.group)
     return out.movedim(0, dim)
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopart import _torch_private as P
+from autopart.runtime.collectives import all_gather_single, reduce_scatter_single
 
 BUCKET_BYTES = 25 * 2**20  # at most this many gradient bytes per flat reduction, as DDP's default
 
@@ -364,7 +365,7 @@ class GradReducer:
             return
         if async_op:
             b.out = torch.empty(per, dtype=flat.dtype, device=flat.device)
-            b.work = dist.reduce_scatter_tensor(b.out, flat, group=self._own[b.axes], async_op=True)
+            b.work = reduce_scatter_single(b.out, flat, group=self._own[b.axes], async_op=True)
             return
         # axis by axis, innermost first (the outer, slower links carry the smallest share: hierarchical_time):
         # the blocks reordered so that the innermost axis' coordinate leads
@@ -372,7 +373,7 @@ class GradReducer:
         cur = flat.view(*[self._sizes[a] for a in red], per).permute(*range(k - 1, -1, -1), k).reshape(-1)
         for a in reversed(red):
             out = torch.empty(cur.numel() // self._sizes[a], dtype=cur.dtype, device=cur.device)
-            dist.reduce_scatter_tensor(out, cur, group=self._groups[a])
+            reduce_scatter_single(out, cur, group=self._groups[a])
             cur = out
         b.out = cur
 
@@ -412,12 +413,12 @@ def hierarchical_all_reduce(flat: torch.Tensor, axes: list[int], groups: list, s
     cur = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     for a in inner:
         out = cur.new_empty(cur.numel() // sizes[a])
-        dist.reduce_scatter_tensor(out, cur, group=groups[a])
+        reduce_scatter_single(out, cur, group=groups[a])
         cur = out
     dist.all_reduce(cur, group=groups[axes[0]])
     for a in reversed(inner):
         out = cur.new_empty(cur.numel() * sizes[a])
-        dist.all_gather_into_tensor(out, cur, group=groups[a])
+        all_gather_single(out, cur, group=groups[a])
         cur = out
     flat.copy_(cur[: flat.numel()])
 

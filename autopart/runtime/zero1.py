@@ -56,12 +56,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopart.runtime import grads as _grads
+from autopart.runtime.collectives import all_gather_single
 
 # collectives issued by the after-step gather (all_gather_into_tensor calls), and buckets gathered
 STATS = {"all_gathers": 0, "buckets": 0}
@@ -183,7 +183,7 @@ class ParamGather:
 
     def _all_gather(self, cur: torch.Tensor, axis: int, async_op: bool):
         out = torch.empty(cur.numel() * self._sizes[axis], dtype=cur.dtype, device=cur.device)
-        work = dist.all_gather_into_tensor(out, cur, group=self._groups[axis], async_op=async_op)
+        work = all_gather_single(out, cur, group=self._groups[axis], async_op=async_op)
         STATS["all_gathers"] += 1
         return out, work
 
