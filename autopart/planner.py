@@ -1771,15 +1771,8 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
     rows += recipes.score(traced, cluster, axis_names, opts, _make_plan, reduced, pipelined=True)
     rows.sort(key=lambda r: recipes.RECIPES.index(r["recipe"]))
     step = plan.predicted["step_time_s"] if plan is not None else math.inf
-    # a recipe scored on the 2-block graph that might win: solve it on the whole graph. Its 2-block score is the
-    # solver's objective, which prices the data-parallel gradient reduction whole where the step hides it behind
-    # backward (``gradient_reduction``): a data-parallel recipe scores far above its step (Llama-8B on 8 H100s:
-    # ZeRO-1 0.575 s scored, 0.391 s stepped, against the search's 0.396), so the best data-parallel recipe that
-    # fits is solved whole too
-    dp_family = [r for r in rows if r.get("fits") and "options" in r and r["recipe"] in ("ddp", "zero1", "fsdp")]
-    best_dp = min(dp_family, key=lambda r: r["step_time_s"], default=None)
-    for r in rows:
-        if r.get("fits") and "options" in r and (r["step_time_s"] < step * 1.05 or r is best_dp):
+    for r in rows:  # a recipe scored on the 2-block graph that might win: solve it on the whole graph
+        if r.get("fits") and "options" in r and r["step_time_s"] < step * 1.05:
             try:
                 r["plan"] = _make_plan(traced, cluster, axis_names,
                                        dataclasses.replace(r["options"], warm_start=r["warm_plan"]))
