@@ -371,14 +371,22 @@ def _batch_of(traced: Traced) -> int:
 
 def _batch_shards(plan, traced: Traced, mesh) -> int:
     """How many ways a stage splits the batch: the product of the mesh axes on which the inputs or any activation
-    is sharded on dim 0 (batch-first models: the batch, or batch x sequence flattened). A micro-batch must still
-    split that many ways (conservative for a flattened batch x sequence, which could split further)."""
+    is sharded on its batch dimension (dim 0 of the batch's size, batch-first models). A micro-batch must still
+    split that many ways. A batch x sequence flattened into dim 0 (the tokens of a linear under sequence
+    parallelism, reduce-scattered there by a collective matmul) splits with the sequence, whatever the
+    micro-batch: it does not count."""
+    batch = _batch_of(traced)
+    vals = {n.name: n.meta.get("val") for n in traced.graph.nodes}
     axes: set[int] = set()
-    for rec in plan.nodes.values():
+    for name, rec in plan.nodes.items():
         if rec["op"] in ("param", "buffer", "constant"):
             continue
         outs = rec["output"] if isinstance(rec["output"], list) else [rec["output"]]
-        for out in outs:
+        val = vals.get(name)
+        vs = list(val) if isinstance(val, (list, tuple)) else [val] * len(outs)
+        for out, v in zip(outs, vs):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] != batch:
+                continue
             for i, p in enumerate(parse_spec(out)):
                 if isinstance(p, Shard) and p.dim == 0:
                     axes.add(i)

@@ -143,3 +143,27 @@ def test_two_block_reduction_prices_the_whole_model():
         for f in ("time_s", "fixed_s", "fwd_s", "act_bytes", "ckpt_act_bytes", "state_bytes", "grad_bytes",
                   "reduce_s", "late_s", "out_bytes"):
             assert getattr(b, f) == pytest.approx(getattr(a, f), rel=1e-9, abs=1e-15), (a.name, f)
+
+
+def test_sequence_split_tables_do_not_bind_micro_batches():
+    """Under tensor-parallel overlap (GPU presets) a stage may split a tensor whose dim 0 is not the batch on the tp
+    axis (the RoPE tables by sequence, [seq, head_dim]): that is no batch split, so Megatron's 70B layout (tp 8,
+    pp 2, dp 4 on 64 H100s, 8 micro-batches of 8 sequences) still pipelines; counting it asked micro-batches whose
+    size divides over 32 ranks, and no pipeline fitted."""
+    import importlib
+
+    from autopart.placement import Shard, parse_spec
+
+    _, model, inputs, kwargs, _ = importlib.import_module("autopart.advise").build(
+        model="llama:70b", layers=4, batch=64, seq=4096)
+    t = trace(model, inputs, kwargs)
+    p = autopart.evaluate(model, 64, inputs, kwargs, cluster="h100-80gb", tp=8, pp=2, micro_batches=8, traced=t,
+                          zero=None, offload=None, optimizer_bytes_per_param=12.0)
+    assert p.pipeline["degree"] == 2 and p.pipeline["micro_batches"] == 8
+    vals = {n.name: n.meta.get("val") for n in t.graph.nodes}
+    tp = p.axis_names.index("tp")
+    other = [name for name, rec in p.nodes.items() if rec["op"] not in ("param", "buffer", "constant")
+             and not isinstance(rec["output"], list) and isinstance(vals.get(name), torch.Tensor)
+             and vals[name].dim() > 0 and vals[name].shape[0] != 64
+             and isinstance(parse_spec(rec["output"])[tp], Shard) and parse_spec(rec["output"])[tp].dim == 0]
+    assert other  # a non-batch dim 0 split on tp: the case the micro-batch check must not count
