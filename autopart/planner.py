@@ -1424,6 +1424,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 if u.name in info.options:
                     instances[(group_of[u.name], group_of[v.name], j, idx)].append(v.name)
     priced: set[tuple] = set()
+    overlap = tp_overlap_on(opts, cluster)
     for v in info.nodes:
         if info.kind[v.name] != "op":
             continue
@@ -1445,7 +1446,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             bucketed = info.kind[u.name] == "param"
             data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed else []
             kept_sharded = regathered_input(v, j, info)
-            overlap = tp_overlap_on(opts, cluster)
             fused = (True, fwd_once[gv]) if overlap and j == 0 and linear_input_fused(a) else \
                 (False, fwd_once[gu]) if overlap and a is u and linear_output_fused(u) else None
             # an edge's prices depend on the graph, the edge, the options at its ends (the same objects in every

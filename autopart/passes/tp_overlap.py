@@ -24,16 +24,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopart.planner import linear_input_fused, linear_output_fused
 from autopart.runtime import collectives as C
 
-aten = torch.ops.aten
 _GATHERS = (C.all_gather, C.all_gather_activation)
-
-
-def _is_input_of_linear(user: fx.Node, value: fx.Node) -> bool:
-    """``user`` is ``aten.linear(value, W[, b])`` with ``value`` nowhere else among its arguments."""
-    return user.op == "call_function" and user.target == aten.linear.default and not user.kwargs and \
-        user.args[0] is value and value not in user.args[1:]
 
 
 def _not_last(dim: int, node: fx.Node) -> bool:
@@ -54,7 +48,7 @@ def _hoist(node, before: fx.Node, pos: dict[fx.Node, int]) -> None:
 def _fuse_gather(graph: fx.Graph, gather: fx.Node, pos: dict[fx.Node, int]) -> bool:
     x, axis, dim, bwd = gather.args
     users = sorted(gather.users, key=pos.__getitem__)
-    if not users or not all(_is_input_of_linear(u, gather) for u in users) or not _not_last(dim, gather):
+    if not linear_input_fused(gather) or not _not_last(dim, gather):
         return False
     first = users[0]
     weights = tuple(u.args[1] for u in users)
@@ -77,8 +71,7 @@ def _fuse_gather(graph: fx.Graph, gather: fx.Node, pos: dict[fx.Node, int]) -> b
 
 def _fuse_scatter(graph: fx.Graph, scatter: fx.Node) -> bool:
     lin, axis, dim = scatter.args
-    if lin.op != "call_function" or lin.target != aten.linear.default or lin.kwargs or len(lin.users) != 1 or \
-            not _not_last(dim, lin):
+    if not linear_output_fused(lin) or not _not_last(dim, lin):
         return False
     x, w = lin.args[0], lin.args[1]
     b = lin.args[2] if len(lin.args) > 2 else None
