@@ -285,14 +285,15 @@ def overlap_hidden(comm: float, compute: float, n: int) -> float:
     return 0.0 if n <= 1 else (n - 1) * min(comm / (n - 1), compute / n)
 
 
-def tp_overlap_hidden(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
-                      compute: float, into: bool) -> float:
-    """Seconds of the conversion ``src -> dst`` of ``val`` that the runtime's collective matmul hides behind a linear
-    of ``compute`` forward seconds on this rank. ``into``: the value feeds the linear, and a conversion whose last
+def tp_overlap_comms(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
+                     into: bool) -> tuple[tuple[float, int], ...]:
+    """The collectives of the conversion ``src -> dst`` of ``val`` that the runtime runs as collective matmuls with
+    a linear, as (seconds, ranks) pairs: ``into``: the value feeds the linear, and a conversion whose last
     data-moving step is an all-gather on a dimension other than the last is fused with it; else the value is the
     linear's output, and a conversion whose first step is a reduce-scatter on such a dimension is. Forward and
     backward: the backward's collective (the all-gather's reduce-scatter, the reduce-scatter's all-gather) runs
-    behind the input gradient's matmuls, which have the forward's flops; 0.0 where nothing is fused."""
+    behind the input gradient's matmuls. Empty where nothing is fused. Independent of the linear's compute, so
+    ``_edge_prices`` caches it per (value, source, target) and ``overlap_hidden`` applies each option's compute."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh) or []
     if into:
@@ -303,17 +304,26 @@ def tp_overlap_hidden(val: torch.Tensor, src, dst, split: tuple[bool, ...], need
         st = steps[0] if steps else None
         kind = "reduce_scatter"
     if st is None or st.fwd != kind:
-        return 0.0
+        return ()
     dim = (st.src if into else st.dst).dim
     if val.dim() < 2 or dim % val.dim() == val.dim() - 1:
-        return 0.0
+        return ()
     full = list(regather_spec(src, dst, split, needs_grad, mesh) if into else src)
     full[st.axis] = Replicate()
     nbytes, n, link = _local_bytes(val, full, mesh), mesh[st.axis], cluster.link(st.axis)
-    hidden = overlap_hidden(collective_time(kind, nbytes, n, link), compute, n)
+    comms = [(collective_time(kind, nbytes, n, link), n)]
     if st.bwd in ("all_gather", "reduce_scatter"):
-        hidden += overlap_hidden(collective_time(st.bwd, nbytes, n, link), compute, n)
-    return hidden
+        comms.append((collective_time(st.bwd, nbytes, n, link), n))
+    return tuple(comms)
+
+
+def tp_overlap_hidden(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
+                      compute: float, into: bool) -> float:
+    """Seconds of the conversion ``src -> dst`` of ``val`` that the runtime's collective matmul hides behind a linear
+    of ``compute`` forward seconds on this rank (``tp_overlap_comms``; the backward's collective hides behind the
+    input gradient's matmuls, which have the forward's flops); 0.0 where nothing is fused."""
+    return sum(overlap_hidden(c, compute, n) for c, n in tp_overlap_comms(val, src, dst, split, needs_grad, cluster,
+                                                                          into))
 
 
 def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -1301,7 +1311,12 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                                                 chained=regathers[ai])
             if fused is not None:
                 into, lin_fwd = fused
-                t -= tp_overlap_hidden(val, srcs[ai], dst, split, g, cluster, lin_fwd[bi if into else ai], into)
+                ok = (vkey, src_ids[ai], dst_id, split, "overlap", into)
+                comms = cache.get(ok)
+                if comms is None:
+                    comms = cache[ok] = tp_overlap_comms(val, srcs[ai], dst, split, g, cluster, into)
+                compute = lin_fwd[bi if into else ai]
+                t -= sum(overlap_hidden(c, compute, n) for c, n in comms)
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)
