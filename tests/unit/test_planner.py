@@ -320,3 +320,37 @@ def test_shared_work_gives_the_same_plan(plan_3layer_spied, traced_3layer, monke
         if a["fits"]:
             assert a["step_time_s"] == pytest.approx(b["step_time_s"], rel=1e-9)
             assert a["memory_bytes"] == pytest.approx(b["memory_bytes"], rel=1e-9)
+
+
+def test_ilp_grad_reduction_share():
+    """On a device that overlaps communication, the ILP prices a parameter's gradient reduction at the share the
+    step's backward does not hide (``grad_reduction_shares``): with backward long against the reduction, only the
+    embedding/head and the position table (ready when backward ends) are priced, the blocks' reductions hide; with
+    a few tokens the chain never waits for backward and every parameter after the first is priced. A DDP plan's
+    objective then agrees with its record's step (it priced the whole reduction above the step before); on the
+    cpu preset (no overlap) everything is priced."""
+    from autopart.planner import _analyzed, grad_reduction_shares
+    from autopart.trace import trace
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=4096, max_seq_len=1024, n_layer=2, n_head=8, d_model=512, bias=False))
+        long_ids = torch.randint(0, 4096, (32, 1024))
+        short_ids = torch.randint(0, 4096, (4, 16))
+    cluster = autopart.preset("h100-80gb", (4,))
+    for ids, hidden in ((long_ids, True), (short_ids, False)):
+        traced = trace(model, (ids,), {"labels": ids})
+        shares = {traced.params[n]: v for (n, axes), v in grad_reduction_shares(_analyzed(traced, (4,)),
+                                                                                 cluster).items()}
+        assert set(shares.values()) <= {0.0, 1.0}
+        assert shares["lm_head.weight"] == shares["wpe.weight"] == 1.0, shares
+        blocks = [v for k, v in shares.items() if k.startswith("blocks.")]
+        assert blocks and all(v == (0.0 if hidden else 1.0) for v in blocks), shares
+        p = autopart.plan(model, autopart.Mesh((4,), ("dp",)), (ids,), {"labels": ids}, cluster=cluster,
+                          traced=traced, roles={"dp": "dp"}, zero=0)
+        pr = p.predicted
+        assert pr["grad_reduction_s"] > 0
+        assert p.solver["objective"] == pytest.approx(pr["step_time_s"], rel=0.1)
+        if hidden:  # the objective no longer carries what the step hides
+            assert pr["hidden_comm_s"] > 0
+            assert p.solver["objective"] < pr["step_time_s"] + 0.5 * pr["hidden_comm_s"]
+        assert grad_reduction_shares(_analyzed(traced, (4,)), autopart.preset("cpu", (4,))) == {}
