@@ -116,6 +116,10 @@ class PlanOptions:
     # as ring steps behind the linear's matmuls, and are priced so (``tp_overlap_hidden``); None: where the
     # cluster's device overlaps communication with compute (``Device.comm_overlap``: GPUs, not the cpu preset)
     tp_comm_overlap: bool | None = None
+    # internal: a pipeline stage's sharding problem (``_make_plan``'s ``solve_stage``); its gradient reduction runs
+    # from the schedule's last micro-batches, priced by the pipeline model (``solver.pipeline.reduction_tail``), so
+    # the ILP prices it whole rather than at the share one backward would hide (``grad_reduction_shares``)
+    stage: bool = False
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -1439,7 +1443,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     node_of = {n.name: n for n in info.nodes}
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     gather_share = zero1_gather_shares(info, cluster)  # ZeRO-1/2's after-step gather: what forward does not hide
-    reduction_shares = grad_reduction_shares(info, cluster)  # the gradient reduction: what backward does not hide
+    # the gradient reduction: what backward does not hide
+    reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster)
     share_axes = sorted({ax for _, ax in reduction_shares})
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
     fwd_once = []  # forward seconds per option of one member of each group (what a collective matmul hides behind)
@@ -1923,7 +1928,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                 roles_k.setdefault(a, "tp" if i == len(axis_names) - 1 else "dp")
         o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
                                 offload=opts.offload if opts.offload is not None else "none",
-                                objective_cutoff=cutoff, warm_start=warm)
+                                objective_cutoff=cutoff, warm_start=warm, stage=True)
         if reduced is not None:
             return _shared_sharding_plan(reduced[0], stage_cluster, axis_names,
                                          dataclasses.replace(o, virtual_layers=reduced[1]))
