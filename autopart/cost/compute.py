@@ -236,9 +236,33 @@ def backward_flops(target: Any, fwd_flops: int) -> int:
 _INTERMEDIATE = frozenset([aten.cross_entropy_loss])
 
 
+# ops that return a view of their input (new sizes and strides over the same storage): no kernel, no bytes
+_VIEWS = frozenset([aten.view, aten._unsafe_view, aten.transpose, aten.t, aten.permute, aten.unsqueeze, aten.squeeze,
+                    aten.expand, aten.alias, aten.slice, aten.select, aten.split, aten.split_with_sizes, aten.chunk,
+                    aten.unbind, aten.as_strided, aten.detach, aten.view_as, aten.unflatten, aten.narrow,
+                    aten.diagonal])
+# ops that are a view when their input's strides allow it and copy it otherwise
+_VIEW_OR_COPY = frozenset([aten.reshape, aten.contiguous, aten.flatten])
+
+
+def is_free_view(target: Any, args: Any) -> bool:
+    """The call moves no bytes: a view op (``_VIEWS``), or ``reshape``/``contiguous``/``flatten`` of a contiguous
+    tensor (the traced values carry strides: a transposed attention output is not contiguous and its reshape
+    copies, as on the device)."""
+    packet = _packet(target)
+    if packet in _VIEWS:
+        return True
+    if packet in _VIEW_OR_COPY and args and isinstance(args[0], torch.Tensor):
+        return args[0].is_contiguous()
+    return False
+
+
 def node_bytes(args: Any, out: Any, target: Any = None) -> int:
     """Bytes read plus written: numel·element_size of every tensor in ``args`` and ``out`` (lists, tuples, dicts),
-    plus, with the op ``target`` given, the intermediate its kernels write (``_INTERMEDIATE``)."""
+    plus, with the op ``target`` given, the intermediate its kernels write (``_INTERMEDIATE``); none for a view
+    (``is_free_view``, with ``target`` given)."""
+    if target is not None and is_free_view(target, args):
+        return 0
 
     def size(x: Any) -> int:
         if isinstance(x, torch.Tensor):
