@@ -115,6 +115,10 @@ class PlanOptions:
     # as ring steps behind the linear's matmuls, and are priced so (``tp_overlap_hidden``); None: where the
     # cluster's device overlaps communication with compute (``Device.comm_overlap``: GPUs, not the cpu preset)
     tp_comm_overlap: bool | None = None
+    # gradient accumulation without stages (``pipeline={"stages": 1, "micro_batches": m}``): forward and backward run
+    # over m micro-batches of batch/m one after another, the data-parallel reduction once, from the last one's
+    # backward (``runtime/module.py``). The ILP holds one micro-batch's activations; ``_record`` prices the rest
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -131,6 +135,12 @@ class PlanOptions:
             if bad:
                 raise ValueError(f"pipeline options {sorted(bad)} unknown: use stages, micro_batches, schedule, "
                                  "virtual, axis")
+            m = self.pipeline.get("micro_batches", 1)
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ValueError(f"pipeline micro_batches={m!r}: give a whole number >= 1 (with stages=1, the number "
+                                 "of gradient-accumulation micro-batches the batch is split into)")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches!r}: give a whole number >= 1")
 
 
 class Pruned(Exception):
@@ -952,7 +962,8 @@ def zero1_latency_shares(entries, cluster: Cluster) -> list[float]:
     return out
 
 
-def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) -> tuple[float, float]:
+def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster,
+                 micro_batches: int = 1) -> tuple[float, float]:
     """(total, exposed) seconds of ZeRO-1/2's parameter all-gather after the step, from the plan's node records
     ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in the order forward first uses them
     (the runtime's bucket order), (its node, its ``zero1_gather_entry``, seconds of its bandwidth).
@@ -963,7 +974,9 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) 
     communication with compute (``Device.comm_overlap``) the forward compute before that use hides it
     (``autopart.cost.comm.exposed_before``): the first bucket, needed at once, is exposed, the others as far as
     forward does not keep up. Otherwise all of it is exposed. A tied group's stand-ins (a block reduction's
-    ``virtual_layers``) share their node's first use, which counts them exposed sooner than their layers would."""
+    ``virtual_layers``) share their node's first use, which counts them exposed sooner than their layers would.
+    With gradient accumulation over ``micro_batches`` only the first micro-batch's forward (1/m of the traced
+    batch's) hides it: the later ones find every bucket gathered."""
     buckets = zero1_buckets([e for _, e, _ in gathered])
     cost = [zero1_bucket_latency(axes, cluster) + sum(gathered[i][2] for i in idx) for axes, idx in buckets]
     total = sum(cost)
@@ -974,7 +987,7 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) 
     for n in graph:
         before[n.name] = clock
         if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input"):
-            clock += nodes[n.name]["fwd_s"]
+            clock += nodes[n.name]["fwd_s"] / micro_batches
     node_of = {n.name: n for n in graph}
     first_use = {name: min((before[u.name] for u in node_of[name].users if u.name in before), default=clock)
                  for name in {g[0] for g in gathered}}
@@ -1006,7 +1019,8 @@ def grad_bucket_copy_time(nbytes: float, zero1: bool, ways: int, device: Device)
     return moved / device.mem_bandwidth
 
 
-def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> tuple[float, float]:
+def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster,
+                       micro_batches: int = 1) -> tuple[float, float]:
     """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
     axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
@@ -1014,10 +1028,12 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
     (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
     communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
-    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
+    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is.
+    With gradient accumulation over ``micro_batches`` the buckets launch from the last micro-batch's backward
+    (``runtime/module.py``): only its backward, 1/m of the traced batch's, hides them."""
     graph = [n for n in traced.graph.nodes if n.name in nodes]
     order = {n.name: i for i, n in enumerate(graph)}
-    bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]
+    bwd = [(nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]) / micro_batches
            if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input") else 0.0 for n in graph]
     after = np.concatenate([np.cumsum(bwd[::-1])[::-1], [0.0]])  # backward time of node i and all later nodes
     window = float(after[0])
@@ -1479,6 +1495,23 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                    region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved)
 
 
+def one_micro_batch(prob: Problem, m: int) -> Problem:
+    """``prob`` (priced at the traced batch) with the memory of one of ``m`` gradient-accumulation micro-batches:
+    what ops save for backward (node terms, what recompute keeps, the shards consumers keep) divided by ``m``, as
+    the pipeline search scales its blocks (``pipelining.Unit.cost``); parameters, gradients and optimizer states
+    as they are. Times stay the traced batch's (all ``m`` micro-batches): ``_record`` prices what accumulation
+    changes there. Approximation, stated: an op's saved bytes are taken as proportional to the batch."""
+    ops = [prob.info.kind[g[0]] == "op" for g in prob.groups]
+
+    def per(rows: list[np.ndarray]) -> list[np.ndarray]:
+        return [r / m if op else r for r, op in zip(rows, ops)] if rows else rows
+
+    saved = {key: ((s / m, g / m, f, sel) if ops[key[0]] else (s, g, f, sel))
+             for key, (s, g, f, sel) in prob.edge_saved.items()}
+    return dataclasses.replace(prob, node_memory=per(prob.node_memory), keep_full=per(prob.keep_full),
+                               keep_selective=per(prob.keep_selective), edge_saved=saved)
+
+
 # The three moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
 # largest (``peak_forward`` / ``peak_backward`` / ``peak_optimizer`` in ``plan.predicted["memory_bytes"]``).
 MEMORY_ROWS = ("end of forward (model states, gathered parameters, saved activations, one recomputed layer)",
@@ -1812,7 +1845,9 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
     if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
-        return _shared_sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
+        m = int(forced.get("micro_batches", 1)) if int(forced.get("stages", 2)) == 1 else opts.micro_batches
+        return _accumulated_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off",
+                                                                                  micro_batches=m))
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -1884,6 +1919,30 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                      f"with pipeline stages:\n{detail}")
 
 
+def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
+    """The sharding plan without stages, run in ``opts.micro_batches`` gradient-accumulation micro-batches (one:
+    the plain plan). The batch must split into them, and each micro-batch still as many ways as the plan splits the
+    batch (``pipelining._batch_shards``, the rule pipelined micro-batches follow)."""
+    m = opts.micro_batches
+    if m == 1:
+        return _shared_sharding_plan(traced, cluster, axis_names, opts)
+    from autopart.pipelining import _batch_of, _batch_shards
+
+    if not any(needs_grad_map(traced).values()):
+        raise ValueError(f"micro_batches={m} without pipeline stages is gradient accumulation, which needs a training "
+                         "step; this model has no parameter requiring a gradient (plan it with micro_batches=1)")
+    batch = _batch_of(traced)
+    if batch % m:
+        raise ValueError(f"micro_batches={m} does not divide the traced batch of {batch}: pick a divisor of {batch} "
+                         f"(or trace another batch size)")
+    plan = _shared_sharding_plan(traced, cluster, axis_names, opts)
+    ways = _batch_shards(plan, traced, cluster.mesh_shape)
+    if (batch // m) % ways:
+        raise ValueError(f"micro_batches={m}: micro-batches of {batch // m} do not split over the {ways} ranks the "
+                         f"plan splits the batch over; use micro_batches dividing {batch // ways}")
+    return plan
+
+
 def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     """Price every option, solve, and return the ``Plan`` (raises ``ValueError`` if no plan fits)."""
     from autopart.solver import InfeasibleError, SolverOptions, solve
@@ -1892,6 +1951,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     timings = {}
     t0 = time.perf_counter()
     prob = build_problem(traced, cluster, axis_names, opts)
+    if opts.micro_batches > 1:
+        prob = one_micro_batch(prob, opts.micro_batches)
     timings["strategies_and_costs_s"] = time.perf_counter() - t0
     if opts.objective_cutoff is not None:
         # every node's and every edge's cheapest option, chosen independently: no plan of this problem is cheaper
@@ -2286,6 +2347,20 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
                                                                   memory["gather_in_flight"] - zero_grads)
     memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
+    predicted = {"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
+                 "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
+                 "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
+                 "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,
+                 "tp_overlap_hidden_s": tp_hidden,
+                 "memory_bytes": dict(memory)}
+    accumulation = {}
+    if opts.micro_batches > 1:
+        from autopart.pipelining import _batch_of
+
+        m, batch = opts.micro_batches, _batch_of(traced)
+        accumulation = {"micro_batches": m, "micro_batch_size": batch // m, "batch": batch}
+        predicted = accumulated(predicted, m, traced, nodes, collectives, reduced, zero,
+                                [g[:3] for g in zero_gathers], cluster)
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),
@@ -2302,17 +2377,53 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         alternatives=alternatives,
         solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
                                 "graph_nodes": len(info.nodes)} | timings,
-        predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
-                   "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
-                   "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
-                   "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,
-                   "tp_overlap_hidden_s": tp_hidden,
-                   "memory_bytes": dict(memory)},
+        predicted=predicted,
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},
         zero=zero,
         offload=sorted(offload),
+        accumulation=accumulation,
     )
+
+
+def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> tuple[float, float]:
+    """(compute, communication) seconds of a plan's records (``nodes``, ``collectives``) that every micro-batch
+    pays whatever its size, as the pipeline's blocks count them (``pipelining.block_units``): the framework's time
+    per op (``Device.op_latency``), the runtime's work per parameter (a parameter node's ``compute_s``:
+    ``Device.param_latency``) and the conversions of parameters (ZeRO-3's gathers, once per forward)."""
+    comp = sum(min(device.op_latency, r["time_s"]) for r in nodes.values()
+               if r["op"] not in ("param", "buffer", "constant", "input"))
+    comp += sum(r["compute_s"] for r in nodes.values() if r["op"] == "param")
+    comm = sum(c["time_s"] for c in collectives if nodes.get(c["value"], {}).get("op") == "param")
+    return comp, comm
+
+
+def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collectives: list[dict], reduced: dict,
+                zero: dict, gathered: list, cluster: Cluster) -> dict:
+    """``predicted`` (a one-pass record of the traced batch, its memory already one micro-batch's:
+    ``one_micro_batch``) for ``m`` gradient-accumulation micro-batches run one after another, as the runtime runs
+    them (``ParallelModule.forward_backward``): the batch-proportional time is the same in all, what each
+    micro-batch pays whatever its size (``per_micro_batch_s``) is paid ``m`` times; the data-parallel reduction,
+    launched from the last micro-batch's backward, is hidden only by that backward, and ZeRO-1/2's after-step
+    gather only by the first micro-batch's forward (``gradient_reduction`` / ``param_gather`` with
+    ``micro_batches``). On GPU presets (no per-op latency) accumulation costs only that less-hidden communication.
+    ``predicted["accumulation"]`` says how the step is made up."""
+    comp, comm = per_micro_batch_s(nodes, collectives, cluster.device)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m)
+    _, gather = param_gather(traced, nodes, gathered, cluster, m)
+    exposed_1 = predicted["grad_reduction_s"] - predicted["hidden_comm_s"]
+    extra_comm = (m - 1) * comm + (exposed - exposed_1) + (gather - predicted["param_gather_s"])
+    out = dict(predicted)
+    out.update({"step_time_s": predicted["step_time_s"] + (m - 1) * comp + extra_comm,
+                "compute_s": predicted["compute_s"] + (m - 1) * comp, "comm_s": predicted["comm_s"] + extra_comm,
+                "hidden_comm_s": reduction - exposed, "param_gather_s": gather})
+    out["accumulation"] = {
+        "micro_batches": m, "one_pass_step_time_s": predicted["step_time_s"],
+        "per_micro_batch_s": comp + comm, "grad_reduction_exposed_s": exposed,
+        "one_pass_grad_reduction_exposed_s": exposed_1, "param_gather_exposed_s": gather,
+        "one_pass_param_gather_exposed_s": predicted["param_gather_s"],
+        "activations_bytes": predicted["memory_bytes"]["activations"]}
+    return out
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
