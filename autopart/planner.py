@@ -1846,8 +1846,10 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
         m = int(forced.get("micro_batches", 1)) if int(forced.get("stages", 2)) == 1 else opts.micro_batches
+        # the micro-batch count is the planner's where nothing was said of pipelines or recompute
+        search = opts.pipeline is None and opts.checkpoint is None and opts.offload is None and m == 1
         return _accumulated_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off",
-                                                                                  micro_batches=m))
+                                                                                  micro_batches=m), search)
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -1919,13 +1921,43 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                      f"with pipeline stages:\n{detail}")
 
 
-def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
+def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions,
+                      search: bool = False):
     """The sharding plan without stages, run in ``opts.micro_batches`` gradient-accumulation micro-batches (one:
     the plain plan). The batch must split into them, and each micro-batch still as many ways as the plan splits the
-    batch (``pipelining._batch_shards``, the rule pipelined micro-batches follow)."""
+    batch (``pipelining._batch_shards``, the rule pipelined micro-batches follow).
+
+    ``search``: where the plan in one pass does not fit without recompute or offload (or not at all), also one plan with
+    micro-batches (``_micro_batches_to_fit``: one extra solve, the count read off the first solve's numbers), kept
+    if predicted faster. On GPU presets accumulation costs only the reduction the shorter last backward no longer
+    hides; recompute costs about a third of forward and backward."""
     m = opts.micro_batches
     if m == 1:
-        return _shared_sharding_plan(traced, cluster, axis_names, opts)
+        try:
+            plan = _shared_sharding_plan(traced, cluster, axis_names, opts)
+        except ValueError as e:
+            if not search:
+                raise
+            plan, err = None, e
+        if not search or (plan is not None and not plan.checkpoint and not plan.offload):
+            return plan
+        m = _micro_batches_to_fit(plan, traced, cluster, axis_names, opts)
+        acc = None
+        if m > 1:
+            try:
+                acc = _accumulated_plan(traced, cluster, axis_names, dataclasses.replace(opts, micro_batches=m))
+            except ValueError:
+                acc = None
+        best = acc if acc is not None and (plan is None or acc.predicted["step_time_s"] <
+                                           plan.predicted["step_time_s"]) else plan
+        if best is None:
+            raise err
+        best.solver["accumulation_tried"] = {
+            "micro_batches": m, "step_time_s": acc.predicted["step_time_s"] if acc is not None else None,
+            "one_pass_step_time_s": plan.predicted["step_time_s"] if plan is not None else None,
+            "one_pass_checkpoint": sorted(set(plan.checkpoint.values())) if plan is not None else None,
+            "one_pass_offload": list(plan.offload) if plan is not None else None}
+        return best
     from autopart.pipelining import _batch_of, _batch_shards
 
     if not any(needs_grad_map(traced).values()):
@@ -1941,6 +1973,29 @@ def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, .
         raise ValueError(f"micro_batches={m}: micro-batches of {batch // m} do not split over the {ways} ranks the "
                          f"plan splits the batch over; use micro_batches dividing {batch // ways}")
     return plan
+
+
+def _micro_batches_to_fit(plan, traced: Traced, cluster: Cluster, axis_names, opts: PlanOptions) -> int:
+    """The fewest gradient-accumulation micro-batches whose activations (1/m of the batch's) let the fastest
+    one-pass sharding fit, from ``plan``'s solve (``free_memory_rows_bytes``, ``free_activation_bytes``), among the
+    counts dividing the batch into parts that still split over the plan's batch shards; 1 if none would. Without a
+    plan (nothing fits in one pass), the most: one sample per data-parallel rank (the axes with role "dp")."""
+    from autopart.pipelining import _batch_of, _batch_shards
+
+    if not any(needs_grad_map(traced).values()):
+        return 1
+    batch = _batch_of(traced)
+    if plan is None:
+        ways = math.prod(cluster.mesh_shape[axis_names.index(a)] for a, r in opts.roles.items() if r == "dp")
+        return batch // ways if batch % ways == 0 else 1
+    sol = plan.solver
+    limit = plan.options["memory_limit"]
+    rows, act = sol.get("free_memory_rows_bytes"), sol.get("free_activation_bytes", 0.0)
+    if not rows or max(rows[1:]) > limit or rows[0] - act >= limit or act <= 0:
+        return 1  # states, gradients or the optimizer step bind, or nothing is left for activations
+    need = act / (limit - (rows[0] - act))
+    ways = _batch_shards(plan, traced, cluster.mesh_shape)
+    return next((d for d in range(2, batch + 1) if batch % d == 0 and d >= need and (batch // d) % ways == 0), 1)
 
 
 def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
@@ -2067,11 +2122,16 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     # the bounded solves start from the free optimum's flat buckets: a plan reduce-scattering more adds its share
     # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
     bucket0 = buckets_of(sol0.choice)[0]
-    row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
-                   prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
+    rows0 = (sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
+             np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
+                 prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
+    row0 = max(rows0)
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
+    # its rows, and the activations in its end-of-forward row (what gradient accumulation divides: _accumulated_plan)
+    timings["free_memory_rows_bytes"] = [float(x) for x in rows0]
+    timings["free_activation_bytes"] = float(ebytes0[0]) + sum(
+        float(mem0[g][c]) for g, c in enumerate(sol0.choice) if info.kind[groups[g][0]] == "op")
     if binds:
         del results[first]
         run(first, base_modes, base_off)

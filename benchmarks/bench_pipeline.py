@@ -135,7 +135,7 @@ def megatron(args) -> list[dict]:
             key = f"zero{zero}"
             try:
                 ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=zero,
-                                       micro_batches=batch // dp if pp > 1 else None, **common)
+                                       micro_batches=batch // dp, **common)  # micro-batch 1, as published
                 rec[f"{key}_step_s"] = ev.predicted["step_time_s"]
                 rec[f"{key}_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
                 rec[f"{key}_plan"] = _config(ev)
