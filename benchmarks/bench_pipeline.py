@@ -80,7 +80,8 @@ def _config(p: autopart.Plan) -> str:
     if pp:
         sched = pp["schedule"] + (f"v{pp['virtual']}" if pp["schedule"] == "interleaved" else "")
         return f"pp={pp['degree']} m={pp['micro_batches']} {sched}; {roles}" + (f"; {' '.join(extra)}" if extra else "")
-    return f"pp=1; {roles}" + (f"; {' '.join(extra)}" if extra else "")
+    acc = f" m={p.accumulation['micro_batches']} accumulated" if p.accumulation else ""
+    return f"pp=1{acc}; {roles}" + (f"; {' '.join(extra)}" if extra else "")
 
 
 def planning(args) -> list[dict]:
