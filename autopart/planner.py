@@ -1905,8 +1905,9 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                 base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
                     else free.solver["objective"]
     if base is None and base_bound is not None and (cand is None or cand.step_s >= base_bound):
-        try:
-            base = _shared_sharding_plan(traced, cluster, axis_names, no_pp)
+        try:  # where it needs recompute or offload to fit, also with gradient accumulation (one more solve)
+            base = _accumulated_plan(traced, cluster, axis_names, no_pp,
+                                     search=opts.checkpoint is None and opts.offload is None and "stages" not in forced)
         except ValueError as e:
             base_err = e
     p1 = base.predicted["step_time_s"] if base is not None else base_bound

@@ -82,21 +82,23 @@ def test_micro_batches_must_split_the_batch():
         autopart.plan(model, (2,), (ids,), {"labels": ids}, pipeline={"stages": 1, "micro_batches": 0})
 
 
-def test_planner_accumulates_where_activations_do_not_fit():
+@pytest.mark.parametrize("pinned", [True, False], ids=["dp-role", "unpinned"])
+def test_planner_accumulates_where_activations_do_not_fit(pinned):
     """A budget the one-pass plan fits only with recompute (or offload): the planner takes micro-batches instead,
-    which fit, and is faster there (on a GPU preset accumulation costs only the less-hidden reduction)."""
+    which fit, and is faster there (on a GPU preset accumulation costs only the less-hidden reduction). Unpinned,
+    the plan without stages that the pipeline search compares against is the one that accumulates."""
     model, ids = _gpt()
     mesh = autopart.mesh((2,), ("dp",))
-    kw = dict(roles={"dp": "dp"}, zero=0, cluster="h100-80gb")
+    kw = dict(roles={"dp": "dp"}, zero=0, cluster="h100-80gb") if pinned else dict(cluster="h100-80gb")
     free = autopart.plan(model, mesh, (ids,), {"labels": ids}, **kw)
     assert not free.accumulation and not free.checkpoint and not free.offload
     total = free.predicted["memory_bytes"]["total"]
-    budget = 0.6 * total
+    budget = 0.5 * total
     p = autopart.plan(model, mesh, (ids,), {"labels": ids},
                       memory_budget=budget / (1 - autopart.api.MEMORY_MODEL_MARGIN), **kw)
     tried = p.solver["accumulation_tried"]
     assert tried["one_pass_checkpoint"] or tried["one_pass_offload"]  # one pass needed recompute or offload
-    assert p.accumulation["micro_batches"] == 2 and not p.checkpoint and not p.offload
+    assert p.accumulation["micro_batches"] >= 2 and not p.checkpoint and not p.offload and not p.pipeline
     assert p.predicted["memory_bytes"]["total"] <= budget * (1 + 1e-9)
     assert p.predicted["step_time_s"] < tried["one_pass_step_time_s"]
     # nothing said and it fits in one pass: no accumulation
