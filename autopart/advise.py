@@ -493,7 +493,8 @@ def strategy(plan, traced=None) -> dict[str, Any]:
            "tp_intra_node": all(links[i][1] == fastest for i, rs in enumerate(roles) if "tp" in rs),
            "mixed_axes": [plan.axis_names[i] for i, rs in enumerate(roles) if len(rs & {"dp", "tp", "cp"}) > 1],
            "checkpointed_layers": len(plan.checkpoint), "checkpoint": sorted(set(plan.checkpoint.values())),
-           "micro_batches": int(pp.get("micro_batches", 1)), "schedule": pp.get("schedule", ""),
+           "micro_batches": int(pp.get("micro_batches", plan.accumulation.get("micro_batches", 1))),
+           "schedule": pp.get("schedule", ""),
            "offload": list(plan.offload)}
     parts = [x.upper() for x in ("tp", "pp", "cp") if out[x] > 1]
     if out["dp"] > 1:
@@ -510,6 +511,8 @@ def strategy(plan, traced=None) -> dict[str, Any]:
     if pp:
         sched = pp["schedule"] + (f"v{pp.get('virtual')}" if pp["schedule"] == "interleaved" else "")
         layout.append(f"pp{pp['degree']} on {pp['axis_name']} m={pp['micro_batches']} {sched}")
+    elif plan.accumulation:
+        layout.append(f"m={plan.accumulation['micro_batches']} accumulated")
     if zero:
         layout.append(f"zero{zero}")
     if plan.checkpoint:

@@ -84,7 +84,8 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
     placement of a parameter (by name) or graph node (``{"lm_head.weight": "RS(0)"}``). ``pipeline``: None lets
     the solver split an unpinned axis into stages when that is faster or needed to fit; ``"off"``; or a dict forcing
-    any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``.
+    any of ``stages``, ``micro_batches``, ``schedule`` (``gpipe``/``1f1b``/``interleaved``), ``virtual``, ``axis``;
+    ``{"stages": 1, "micro_batches": m}`` is gradient accumulation without stages (``plan.accumulation``).
     ``optimizer_bytes_per_param``: optimizer state bytes per parameter (8: Adam's two fp32 states; 12 with an fp32
     master copy of bf16 weights, as Megatron-LM's mixed precision). Inference: a model whose parameters do not
     require gradients (``model.requires_grad_(False)``) is planned forward-only, without gradients or optimizer
@@ -113,9 +114,11 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
              gpus_per_node: int = 8) -> Plan:
     """Score a user-given configuration under autopart's cost model: ``gpus = dp x pp x tp``, Megatron-style
     (``tp`` the inner axis, weights sharded there; ``dp`` data parallel; ``pp`` stages over the data axis, the
-    micro-batch count and schedule as given). Only the per-node shardings inside those roles and, unless given,
-    the stage boundaries and per-layer checkpointing are optimised. Returns the ``Plan`` (``predicted``,
-    ``pipeline``); raises ``ValueError`` if the configuration does not fit ``memory_budget``.
+    micro-batch count and schedule as given; with ``pp=1``, ``micro_batches`` is gradient accumulation: that many
+    micro-batches one after another, the gradients reduced once). Only the per-node shardings inside those roles
+    and, unless given, the stage boundaries and per-layer checkpointing are optimised. Returns the ``Plan``
+    (``predicted``, ``pipeline``, ``accumulation``); raises ``ValueError`` if the configuration does not fit
+    ``memory_budget``.
 
     >>> autopart.evaluate(model, 768, (ids,), {"labels": ids}, cluster="h100-80gb", tp=8, pp=2, micro_batches=384)
 
@@ -149,6 +152,8 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
             pipeline["virtual"] = virtual
         if micro_batches is not None:
             pipeline["micro_batches"] = micro_batches
+    elif micro_batches is not None:  # gradient accumulation: the micro-batches one after another, no stages
+        pipeline = {"stages": 1, "micro_batches": micro_batches}
     else:
         pipeline = "off"
     return globals()["plan"](model, Mesh(shape, names), example_inputs, example_kwargs, cluster=cluster, roles=roles,
@@ -208,11 +213,38 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
 
-    return ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
-                          tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
-                          loss_fn=loss_fn, local_batch_axes=local_axes,
-                          example_signature=example_sig,
-                          make_program=_program_maker(model, m, pins, {**plan_kw, "pipeline": "off"}, factor))
+    pm = ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
+                        tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
+                        loss_fn=loss_fn, local_batch_axes=local_axes,
+                        example_signature=example_sig,
+                        make_program=_program_maker(model, m, pins, {**plan_kw, "pipeline": "off"}, factor))
+    if int(plan.accumulation.get("micro_batches", 1)) > 1:
+        if local_batch:
+            raise NotImplementedError("local_batch=True with gradient accumulation (plan.accumulation): pass the "
+                                      "global batch (every rank the same), or plan without micro_batches")
+        _add_micro_batch_program(pm, model, m, plan, example_inputs, example_kwargs or {}, pins, plan_kw)
+    return pm
+
+
+def _add_micro_batch_program(pm, model, m: Mesh, plan: Plan, example_inputs: tuple, example_kwargs: dict, pins,
+                             plan_kw: dict) -> None:
+    """Gradient accumulation: the program of one micro-batch, as for pipeline stages (re-traced at the micro-batch
+    size, its shardings re-solved with every parameter pinned to the plan's placement and the plan's
+    checkpointing). Its gradients must be the ones the module's reducer was built for (the same parameters reduced
+    over the same axes, the same ZeRO levels): otherwise a clear error rather than a silently wrong reduction."""
+    from autopart.runtime.module import signature
+    from autopart.runtime.pipeline import first_micro_batch
+
+    acc = plan.accumulation
+    micro_kw = dict(plan_kw, memory_budget=float("inf"), pipeline="off", checkpoint=dict(plan.checkpoint),
+                    cluster=Cluster.from_json(plan.cluster))
+    margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), int(acc["micro_batch_size"]))
+    prog = _program_maker(model, m, pins, micro_kw)(margs, mkw, dict(plan.params))
+    if prog.plan.reduced != plan.reduced or prog.plan.zero != plan.zero:
+        raise RuntimeError("gradient accumulation: the micro-batch's re-solved plan reduces gradients differently "
+                           f"from the plan (reduced {prog.plan.reduced} vs {plan.reduced}; ZeRO {prog.plan.zero} vs "
+                           f"{plan.zero}); pass zero=<level> and roles={{'<axis>': 'dp'}} explicitly so both agree")
+    pm._programs[signature(margs, mkw)] = prog
 
 
 def _shared_plan(model: nn.Module, mesh: Mesh, traced: Traced, **kw) -> Plan:

@@ -83,6 +83,10 @@ class Plan:
     # pipeline parallelism (empty: none). Placements above are on the stage mesh ``mesh_shape``; the world mesh is
     # ``pipeline["world_mesh_shape"]``, whose axis ``pipeline["axis"]`` is split into ``degree`` stages
     pipeline: dict = field(default_factory=dict)
+    # gradient accumulation without stages (empty: one pass): {"micro_batches", "micro_batch_size", "batch"}; the
+    # step runs that many micro-batches one after another and reduces the gradients once (``predicted``:
+    # ``"accumulation"`` says how its time is made up)
+    accumulation: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     # ---- serialisation -------------------------------------------------------------------------------------
@@ -195,6 +199,8 @@ class Plan:
             lines.append("ops without a sharding rule (replicated): " + ", ".join(self.unsupported_ops))
         if self.pipeline:
             lines += ["", *self.pipeline_text().splitlines()]
+        if self.accumulation:
+            lines += ["", self.accumulation_text()]
         if self.solver.get("recipes"):
             from autopart.recipes import table
 
@@ -229,6 +235,22 @@ class Plan:
         if pp.get("grid"):
             lines += ["schedule (F = forward, B = backward of micro-batch i; c = chunk; '.' idle):", pp["grid"]]
         return "\n".join(lines)
+
+    def accumulation_text(self) -> str:
+        """Gradient accumulation: micro-batches, what each pays, and the communication fewer of them hide."""
+        acc = self.accumulation
+        if not acc:
+            return "no gradient accumulation"
+        a = self.predicted.get("accumulation", {})
+        return (f"gradient accumulation: {acc['micro_batches']} micro-batches of {acc['micro_batch_size']} (batch "
+                f"{acc['batch']}), one forward+backward after another, gradients reduced once; step "
+                f"{_fmt_time(self.predicted['step_time_s'])} (in one pass {_fmt_time(a.get('one_pass_step_time_s', 0))}"
+                f"): {_fmt_time(a.get('per_micro_batch_s', 0))} per micro-batch whatever its size; gradient reduction "
+                f"exposed {_fmt_time(a.get('grad_reduction_exposed_s', 0))} behind the last micro-batch's backward "
+                f"(in one pass {_fmt_time(a.get('one_pass_grad_reduction_exposed_s', 0))}), ZeRO-1/2 gather exposed "
+                f"{_fmt_time(a.get('param_gather_exposed_s', 0))} (in one pass "
+                f"{_fmt_time(a.get('one_pass_param_gather_exposed_s', 0))}); activations of one micro-batch "
+                f"{_fmt_bytes(a.get('activations_bytes', 0))}")
 
     def explain(self, node: str) -> str:
         """The option chosen for ``node`` (graph node name or parameter FQN) beside its alternatives and costs."""

@@ -120,6 +120,10 @@ class PlanOptions:
     # from the schedule's last micro-batches, priced by the pipeline model (``solver.pipeline.reduction_tail``), so
     # the ILP prices it whole rather than at the share one backward would hide (``grad_reduction_shares``)
     stage: bool = False
+    # gradient accumulation without stages (``pipeline={"stages": 1, "micro_batches": m}``): forward and backward run
+    # over m micro-batches of batch/m one after another, the data-parallel reduction once, from the last one's
+    # backward (``runtime/module.py``). The ILP holds one micro-batch's activations; ``_record`` prices the rest
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         for axis, role in self.roles.items():
@@ -136,6 +140,12 @@ class PlanOptions:
             if bad:
                 raise ValueError(f"pipeline options {sorted(bad)} unknown: use stages, micro_batches, schedule, "
                                  "virtual, axis")
+            m = self.pipeline.get("micro_batches", 1)
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ValueError(f"pipeline micro_batches={m!r}: give a whole number >= 1 (with stages=1, the number "
+                                 "of gradient-accumulation micro-batches the batch is split into)")
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches!r}: give a whole number >= 1")
 
 
 class Pruned(Exception):
@@ -893,7 +903,8 @@ def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], floa
     return before, clock, bwd
 
 
-def grad_reduction_shares(info: Graphinfo, cluster: Cluster) -> dict[tuple[str, tuple[int, ...]], float]:
+def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
+                          micro_batches: int = 1) -> dict[tuple[str, tuple[int, ...]], float]:
     """Per parameter node and set of mesh axes its gradient is summed over, the share of its bucketed reduction's
     seconds (``grad_reduction_share``) the ILP prices: 1 where a second more of it would end the step a second
     later, 0 where backward hides it. Empty (all of it) where the device does not overlap communication with
@@ -907,7 +918,8 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster) -> dict[tuple[str, 
     one-for-one iff the step's reduction is exposed at all and the chain never waits for a gradient after it, its
     share is then 1, else 0 (the derivative of the exposed time in its seconds). Without this the ILP priced every
     gradient reduction in full where the step hides all but its last buckets, and chose tensor over data
-    parallelism that was faster (Llama-8B on 8 H100s: a TP+DP plan 1.3-1.7% slower than ZeRO-1)."""
+    parallelism that was faster (Llama-8B on 8 H100s: a TP+DP plan 1.3-1.7% slower than ZeRO-1). Under gradient
+    accumulation over ``micro_batches`` only the last micro-batch's backward (1/m of the traced one) hides it."""
     if not cluster.device.comm_overlap:
         return {}
     mesh = cluster.mesh_shape
@@ -915,7 +927,7 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster) -> dict[tuple[str, 
     order = [n for n in info.nodes]
     after, clock = {}, 0.0  # backward seconds from its start until it has passed node n
     for n in reversed(order):
-        clock += bwd.get(n.name, 0.0)
+        clock += bwd.get(n.name, 0.0) / micro_batches
         after[n.name] = clock
     window = clock
     params = [n for n in order if info.kind[n.name] == "param" and info.needs_grad[n.name]]
@@ -1037,7 +1049,8 @@ def zero1_latency_shares(entries, cluster: Cluster) -> list[float]:
     return out
 
 
-def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) -> tuple[float, float]:
+def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster,
+                 micro_batches: int = 1) -> tuple[float, float]:
     """(total, exposed) seconds of ZeRO-1/2's parameter all-gather after the step, from the plan's node records
     ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in the order forward first uses them
     (the runtime's bucket order), (its node, its ``zero1_gather_entry``, seconds of its bandwidth).
@@ -1048,7 +1061,9 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) 
     communication with compute (``Device.comm_overlap``) the forward compute before that use hides it
     (``autopart.cost.comm.exposed_before``): the first bucket, needed at once, is exposed, the others as far as
     forward does not keep up. Otherwise all of it is exposed. A tied group's stand-ins (a block reduction's
-    ``virtual_layers``) share their node's first use, which counts them exposed sooner than their layers would."""
+    ``virtual_layers``) share their node's first use, which counts them exposed sooner than their layers would.
+    With gradient accumulation over ``micro_batches`` only the first micro-batch's forward (1/m of the traced
+    batch's) hides it: the later ones find every bucket gathered."""
     buckets = zero1_buckets([e for _, e, _ in gathered])
     cost = [zero1_bucket_latency(axes, cluster) + sum(gathered[i][2] for i in idx) for axes, idx in buckets]
     total = sum(cost)
@@ -1059,7 +1074,7 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster) 
     for n in graph:
         before[n.name] = clock
         if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input"):
-            clock += nodes[n.name]["fwd_s"]
+            clock += nodes[n.name]["fwd_s"] / micro_batches
     node_of = {n.name: n for n in graph}
     first_use = {name: min((before[u.name] for u in node_of[name].users if u.name in before), default=clock)
                  for name in {g[0] for g in gathered}}
@@ -1091,7 +1106,8 @@ def grad_bucket_copy_time(nbytes: float, zero1: bool, ways: int, device: Device)
     return moved / device.mem_bandwidth
 
 
-def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster) -> tuple[float, float]:
+def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster,
+                       micro_batches: int = 1) -> tuple[float, float]:
     """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
     axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
@@ -1099,10 +1115,12 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
     (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
     communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
-    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is."""
+    (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is.
+    With gradient accumulation over ``micro_batches`` the buckets launch from the last micro-batch's backward
+    (``runtime/module.py``): only its backward, 1/m of the traced batch's, hides them."""
     graph = [n for n in traced.graph.nodes if n.name in nodes]
     order = {n.name: i for i, n in enumerate(graph)}
-    bwd = [nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]
+    bwd = [(nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]) / micro_batches
            if nodes[n.name]["op"] not in ("param", "buffer", "constant", "input") else 0.0 for n in graph]
     after = np.concatenate([np.cumsum(bwd[::-1])[::-1], [0.0]])  # backward time of node i and all later nodes
     window = float(after[0])
@@ -1444,7 +1462,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     gather_share = zero1_gather_shares(info, cluster)  # ZeRO-1/2's after-step gather: what forward does not hide
     # the gradient reduction: what backward does not hide
-    reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster)
+    reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster, opts.micro_batches)
     share_axes = sorted({ax for _, ax in reduction_shares})
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
     fwd_once = []  # forward seconds per option of one member of each group (what a collective matmul hides behind)
@@ -1576,6 +1594,23 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 edge_saved[key] = (s0 + shard_b * scale, g0 + gathered_b * scale, outside_full, outside_sel)
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
                    region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved)
+
+
+def one_micro_batch(prob: Problem, m: int) -> Problem:
+    """``prob`` (priced at the traced batch) with the memory of one of ``m`` gradient-accumulation micro-batches:
+    what ops save for backward (node terms, what recompute keeps, the shards consumers keep) divided by ``m``, as
+    the pipeline search scales its blocks (``pipelining.Unit.cost``); parameters, gradients and optimizer states
+    as they are. Times stay the traced batch's (all ``m`` micro-batches): ``_record`` prices what accumulation
+    changes there. Approximation, stated: an op's saved bytes are taken as proportional to the batch."""
+    ops = [prob.info.kind[g[0]] == "op" for g in prob.groups]
+
+    def per(rows: list[np.ndarray]) -> list[np.ndarray]:
+        return [r / m if op else r for r, op in zip(rows, ops)] if rows else rows
+
+    saved = {key: ((s / m, g / m, f, sel) if ops[key[0]] else (s, g, f, sel))
+             for key, (s, g, f, sel) in prob.edge_saved.items()}
+    return dataclasses.replace(prob, node_memory=per(prob.node_memory), keep_full=per(prob.keep_full),
+                               keep_selective=per(prob.keep_selective), edge_saved=saved)
 
 
 # The three moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
@@ -1911,7 +1946,11 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
     if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
-        return _shared_sharding_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off"))
+        m = int(forced.get("micro_batches", 1)) if int(forced.get("stages", 2)) == 1 else opts.micro_batches
+        # the micro-batch count is the planner's where nothing was said of pipelines or recompute
+        search = opts.pipeline is None and opts.checkpoint is None and opts.offload is None and m == 1
+        return _accumulated_plan(traced, cluster, axis_names, dataclasses.replace(opts, pipeline="off",
+                                                                                  micro_batches=m), search)
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
@@ -1967,8 +2006,9 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                 base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
                     else free.solver["objective"]
     if base is None and base_bound is not None and (cand is None or cand.step_s >= base_bound):
-        try:
-            base = _shared_sharding_plan(traced, cluster, axis_names, no_pp)
+        try:  # where it needs recompute or offload to fit, also with gradient accumulation (one more solve)
+            base = _accumulated_plan(traced, cluster, axis_names, no_pp,
+                                     search=opts.checkpoint is None and opts.offload is None and "stages" not in forced)
         except ValueError as e:
             base_err = e
     p1 = base.predicted["step_time_s"] if base is not None else base_bound
@@ -1983,6 +2023,83 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                      f"with pipeline stages:\n{detail}")
 
 
+def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions,
+                      search: bool = False):
+    """The sharding plan without stages, run in ``opts.micro_batches`` gradient-accumulation micro-batches (one:
+    the plain plan). The batch must split into them, and each micro-batch still as many ways as the plan splits the
+    batch (``pipelining._batch_shards``, the rule pipelined micro-batches follow).
+
+    ``search``: where the plan in one pass does not fit without recompute or offload (or not at all), also one plan with
+    micro-batches (``_micro_batches_to_fit``: one extra solve, the count read off the first solve's numbers), kept
+    if predicted faster. On GPU presets accumulation costs only the reduction the shorter last backward no longer
+    hides; recompute costs about a third of forward and backward."""
+    m = opts.micro_batches
+    if m == 1:
+        try:
+            plan = _shared_sharding_plan(traced, cluster, axis_names, opts)
+        except ValueError as e:
+            if not search:
+                raise
+            plan, err = None, e
+        if not search or (plan is not None and not plan.checkpoint and not plan.offload):
+            return plan
+        m = _micro_batches_to_fit(plan, traced, cluster, axis_names, opts)
+        acc = None
+        if m > 1:
+            try:
+                acc = _accumulated_plan(traced, cluster, axis_names, dataclasses.replace(opts, micro_batches=m))
+            except ValueError:
+                acc = None
+        best = acc if acc is not None and (plan is None or acc.predicted["step_time_s"] <
+                                           plan.predicted["step_time_s"]) else plan
+        if best is None:
+            raise err
+        best.solver["accumulation_tried"] = {
+            "micro_batches": m, "step_time_s": acc.predicted["step_time_s"] if acc is not None else None,
+            "one_pass_step_time_s": plan.predicted["step_time_s"] if plan is not None else None,
+            "one_pass_checkpoint": sorted(set(plan.checkpoint.values())) if plan is not None else None,
+            "one_pass_offload": list(plan.offload) if plan is not None else None}
+        return best
+    from autopart.pipelining import _batch_of, _batch_shards
+
+    if not any(needs_grad_map(traced).values()):
+        raise ValueError(f"micro_batches={m} without pipeline stages is gradient accumulation, which needs a training "
+                         "step; this model has no parameter requiring a gradient (plan it with micro_batches=1)")
+    batch = _batch_of(traced)
+    if batch % m:
+        raise ValueError(f"micro_batches={m} does not divide the traced batch of {batch}: pick a divisor of {batch} "
+                         f"(or trace another batch size)")
+    plan = _shared_sharding_plan(traced, cluster, axis_names, opts)
+    ways = _batch_shards(plan, traced, cluster.mesh_shape)
+    if (batch // m) % ways:
+        raise ValueError(f"micro_batches={m}: micro-batches of {batch // m} do not split over the {ways} ranks the "
+                         f"plan splits the batch over; use micro_batches dividing {batch // ways}")
+    return plan
+
+
+def _micro_batches_to_fit(plan, traced: Traced, cluster: Cluster, axis_names, opts: PlanOptions) -> int:
+    """The fewest gradient-accumulation micro-batches whose activations (1/m of the batch's) let the fastest
+    one-pass sharding fit, from ``plan``'s solve (``free_memory_rows_bytes``, ``free_activation_bytes``), among the
+    counts dividing the batch into parts that still split over the plan's batch shards; 1 if none would. Without a
+    plan (nothing fits in one pass), the most: one sample per data-parallel rank (the axes with role "dp")."""
+    from autopart.pipelining import _batch_of, _batch_shards
+
+    if not any(needs_grad_map(traced).values()):
+        return 1
+    batch = _batch_of(traced)
+    if plan is None:
+        ways = math.prod(cluster.mesh_shape[axis_names.index(a)] for a, r in opts.roles.items() if r == "dp")
+        return batch // ways if batch % ways == 0 else 1
+    sol = plan.solver
+    limit = plan.options["memory_limit"]
+    rows, act = sol.get("free_memory_rows_bytes"), sol.get("free_activation_bytes", 0.0)
+    if not rows or max(rows[1:]) > limit or rows[0] - act >= limit or act <= 0:
+        return 1  # states, gradients or the optimizer step bind, or nothing is left for activations
+    need = act / (limit - (rows[0] - act))
+    ways = _batch_shards(plan, traced, cluster.mesh_shape)
+    return next((d for d in range(2, batch + 1) if batch % d == 0 and d >= need and (batch // d) % ways == 0), 1)
+
+
 def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions):
     """Price every option, solve, and return the ``Plan`` (raises ``ValueError`` if no plan fits)."""
     from autopart.solver import InfeasibleError, SolverOptions, solve
@@ -1991,6 +2108,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     timings = {}
     t0 = time.perf_counter()
     prob = build_problem(traced, cluster, axis_names, opts)
+    if opts.micro_batches > 1:
+        prob = one_micro_batch(prob, opts.micro_batches)
     timings["strategies_and_costs_s"] = time.perf_counter() - t0
     if opts.objective_cutoff is not None:
         # every node's and every edge's cheapest option, chosen independently: no plan of this problem is cheaper
@@ -2105,11 +2224,16 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     # the bounded solves start from the free optimum's flat buckets: a plan reduce-scattering more adds its share
     # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
     bucket0 = buckets_of(sol0.choice)[0]
-    row0 = max(sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-               np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
-                   prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
+    rows0 = (sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
+             np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
+                 prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
+    row0 = max(rows0)
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
+    # its rows, and the activations in its end-of-forward row (what gradient accumulation divides: _accumulated_plan)
+    timings["free_memory_rows_bytes"] = [float(x) for x in rows0]
+    timings["free_activation_bytes"] = float(ebytes0[0]) + sum(
+        float(mem0[g][c]) for g, c in enumerate(sol0.choice) if info.kind[groups[g][0]] == "op")
     if binds:
         del results[first]
         run(first, base_modes, base_off)
@@ -2385,6 +2509,20 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
                                                                   memory["gather_in_flight"] - zero_grads)
     memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
+    predicted = {"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
+                 "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
+                 "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
+                 "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,
+                 "tp_overlap_hidden_s": tp_hidden,
+                 "memory_bytes": dict(memory)}
+    accumulation = {}
+    if opts.micro_batches > 1:
+        from autopart.pipelining import _batch_of
+
+        m, batch = opts.micro_batches, _batch_of(traced)
+        accumulation = {"micro_batches": m, "micro_batch_size": batch // m, "batch": batch}
+        predicted = accumulated(predicted, m, traced, nodes, collectives, reduced, zero,
+                                [g[:3] for g in zero_gathers], cluster)
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),
@@ -2401,17 +2539,53 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         alternatives=alternatives,
         solver=sol.to_json() | {"groups": len(prob.groups), "tied_layers": prob.tied_layers,
                                 "graph_nodes": len(info.nodes)} | timings,
-        predicted={"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
-                   "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
-                   "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
-                   "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,
-                   "tp_overlap_hidden_s": tp_hidden,
-                   "memory_bytes": dict(memory)},
+        predicted=predicted,
         unsupported_ops=unsupported,
         checkpoint={lay: m for lay, m in checkpoint.items() if m != "none"},
         zero=zero,
         offload=sorted(offload),
+        accumulation=accumulation,
     )
+
+
+def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> tuple[float, float]:
+    """(compute, communication) seconds of a plan's records (``nodes``, ``collectives``) that every micro-batch
+    pays whatever its size, as the pipeline's blocks count them (``pipelining.block_units``): the framework's time
+    per op (``Device.op_latency``), the runtime's work per parameter (a parameter node's ``compute_s``:
+    ``Device.param_latency``) and the conversions of parameters (ZeRO-3's gathers, once per forward)."""
+    comp = sum(min(device.op_latency, r["time_s"]) for r in nodes.values()
+               if r["op"] not in ("param", "buffer", "constant", "input"))
+    comp += sum(r["compute_s"] for r in nodes.values() if r["op"] == "param")
+    comm = sum(c["time_s"] for c in collectives if nodes.get(c["value"], {}).get("op") == "param")
+    return comp, comm
+
+
+def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collectives: list[dict], reduced: dict,
+                zero: dict, gathered: list, cluster: Cluster) -> dict:
+    """``predicted`` (a one-pass record of the traced batch, its memory already one micro-batch's:
+    ``one_micro_batch``) for ``m`` gradient-accumulation micro-batches run one after another, as the runtime runs
+    them (``ParallelModule.forward_backward``): the batch-proportional time is the same in all, what each
+    micro-batch pays whatever its size (``per_micro_batch_s``) is paid ``m`` times; the data-parallel reduction,
+    launched from the last micro-batch's backward, is hidden only by that backward, and ZeRO-1/2's after-step
+    gather only by the first micro-batch's forward (``gradient_reduction`` / ``param_gather`` with
+    ``micro_batches``). On GPU presets (no per-op latency) accumulation costs only that less-hidden communication.
+    ``predicted["accumulation"]`` says how the step is made up."""
+    comp, comm = per_micro_batch_s(nodes, collectives, cluster.device)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m)
+    _, gather = param_gather(traced, nodes, gathered, cluster, m)
+    exposed_1 = predicted["grad_reduction_s"] - predicted["hidden_comm_s"]
+    extra_comm = (m - 1) * comm + (exposed - exposed_1) + (gather - predicted["param_gather_s"])
+    out = dict(predicted)
+    out.update({"step_time_s": predicted["step_time_s"] + (m - 1) * comp + extra_comm,
+                "compute_s": predicted["compute_s"] + (m - 1) * comp, "comm_s": predicted["comm_s"] + extra_comm,
+                "hidden_comm_s": reduction - exposed, "param_gather_s": gather})
+    out["accumulation"] = {
+        "micro_batches": m, "one_pass_step_time_s": predicted["step_time_s"],
+        "per_micro_batch_s": comp + comm, "grad_reduction_exposed_s": exposed,
+        "one_pass_grad_reduction_exposed_s": exposed_1, "param_gather_exposed_s": gather,
+        "one_pass_param_gather_exposed_s": predicted["param_gather_s"],
+        "activations_bytes": predicted["memory_bytes"]["activations"]}
+    return out
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],

@@ -80,7 +80,8 @@ def _config(p: autopart.Plan) -> str:
     if pp:
         sched = pp["schedule"] + (f"v{pp['virtual']}" if pp["schedule"] == "interleaved" else "")
         return f"pp={pp['degree']} m={pp['micro_batches']} {sched}; {roles}" + (f"; {' '.join(extra)}" if extra else "")
-    return f"pp=1; {roles}" + (f"; {' '.join(extra)}" if extra else "")
+    acc = f" m={p.accumulation['micro_batches']} accumulated" if p.accumulation else ""
+    return f"pp=1{acc}; {roles}" + (f"; {' '.join(extra)}" if extra else "")
 
 
 def planning(args) -> list[dict]:
@@ -135,7 +136,7 @@ def megatron(args) -> list[dict]:
             key = f"zero{zero}"
             try:
                 ev = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, tp=tp, pp=pp, zero=zero,
-                                       micro_batches=batch // dp if pp > 1 else None, **common)
+                                       micro_batches=batch // dp, **common)  # micro-batch 1, as published
                 rec[f"{key}_step_s"] = ev.predicted["step_time_s"]
                 rec[f"{key}_tflops"] = flops / ev.predicted["step_time_s"] / gpus / 1e12
                 rec[f"{key}_plan"] = _config(ev)

@@ -16,6 +16,10 @@ after reduction); ZeRO-2 frees ``.grad`` as soon as it is copied into its bucket
 optimizer's slice leaf, so only gradient slices (plus the buckets in flight) remain at the end of backward. With
 any other optimizer those parameters' gradients are all-reduced whole, which every optimizer can step.
 
+Gradient accumulation without stages (``plan.accumulation``, ``ParallelModule.forward_backward``) runs the
+micro-batches' backwards with launches suppressed but the last (``accumulating``): its hooks fire on the accumulated
+gradients and launch the buckets as above, once per step, hidden only by that last backward.
+
 Pipelined modules (``runtime/pipeline.py``) launch the same buckets from the schedule's backward, as Megatron-LM's
 --overlap-grad-reduce does: a schedule runs every micro-batch's backward through each of the rank's chunks, so a
 parameter's gradient is final only at its last accumulation of the step (``begin_schedule`` counts them); the
@@ -29,6 +33,7 @@ mesh's groups, not overlapped.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +146,10 @@ class GradReducer:
         self._own = axes_groups(dm, [e.axes for e in self._entries.values() if e.axes]) if self.overlap else {}
         self._in_backward = False
         self._held: dict[str, torch.Tensor] = {}
+        # gradient accumulation (``accumulating``): a backward that only accumulates (an earlier micro-batch), and
+        # whether a backward holds the gradients already there aside (reducing only its own)
+        self._skip = False
+        self._hold = True
         # pipelines (``in_schedule``): accumulations per step that make a gradient final, and those seen so far;
         # keys reduced after the schedule; the chunk whose backward finalises each (a bucket holds one chunk's)
         self._uses: dict[str, int] | None = None
@@ -257,15 +266,27 @@ class GradReducer:
             flat[i] = m
         return type(outs)(flat) if isinstance(outs, (tuple, list)) else flat[0]
 
+    @contextmanager
+    def accumulating(self, last: bool):
+        """One micro-batch of gradient accumulation (``ParallelModule.forward_backward``). Before the last, its
+        backward launches nothing: the gradients add up in ``.grad``. In the last, the buckets launch from its
+        backward as usual, each once its parameters' gradients are final, and reduce the whole accumulated sum
+        (nothing is held aside: the caller held what was there before the step)."""
+        self._skip, self._hold = not last, False
+        try:
+            yield
+        finally:
+            self._skip, self._hold = False, True
+
     def begin_backward(self) -> None:
-        if self._in_backward:  # several outputs of one backward (two forwards summed)
+        if self._in_backward or self._skip:  # several outputs of one backward; an earlier micro-batch's backward
             return
         self._in_backward = True
         for b in self.buckets():
             b.reset()
         self._held = {}
         for k, e in self._entries.items():  # reduce only this backward's gradients; add the earlier ones after
-            if e.param.grad is not None:
+            if self._hold and e.param.grad is not None:
                 self._held[k], e.param.grad = e.param.grad, None
         P.queue_backward_callback(self._end_backward)
 

@@ -32,6 +32,22 @@ from autopart.runtime import grads as G
 from autopart.runtime.grads import BUCKET_BYTES  # noqa: F401 - where callers have read it from
 
 
+def split_batch(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+    """The inputs as ``m`` micro-batches: every tensor whose dim 0 is the batch (that of the first tensor with a
+    dimension) cut into ``m`` equal consecutive parts along it, the others passed to each unchanged."""
+    batch = next((a.shape[0] for a in list(args) + list(kwargs.values())
+                  if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if batch is None or batch % m:
+        raise ValueError(f"the plan accumulates gradients over {m} micro-batches; got a batch of {batch}, not a "
+                         f"multiple of {m}: pass a batch divisible by {m}, or re-plan with other micro_batches")
+    b = batch // m
+
+    def cut(x: Any, i: int) -> Any:
+        return x[i * b:(i + 1) * b] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
+
+    return [(tuple(cut(a, i) for a in args), {k: cut(v, i) for k, v in kwargs.items()}) for i in range(m)]
+
+
 def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) -> torch.Tensor:
     out = full
     for p, c, n in zip(spec, coords, sizes):
@@ -327,14 +343,35 @@ class ParallelModule(nn.Module):
         """Forward and backward of the global batch; gradients land in ``.grad`` of this rank's shards (added to
         gradients already there, so several calls accumulate), reduced over the data-parallel axes in buckets
         launched during backward (``runtime/grads.py``). Returns the loss (detached), equal to the single-process
-        loss of the same global batch."""
+        loss of the same global batch.
+
+        With gradient accumulation (``plan.accumulation``: m micro-batches) the batch-split inputs (those whose dim 0
+        is the batch) are cut into m micro-batches, run forward and backward one after another through the
+        micro-batch's program (``api._add_micro_batch_program``): the first m - 1 backwards only accumulate into
+        ``.grad``, the last one's launches the buckets, which reduce the sum (``GradReducer.accumulating``), so the
+        reduction runs once and only the last backward hides it. Each micro-batch's loss is divided by m: the
+        gradients and the returned loss are those of the mean of the micro-batch losses, the global batch's loss
+        when each micro-batch averages over the same number of elements (a mean-reduced loss with no ignored
+        targets; with ignored targets, the mean of the micro-batch means), as the pipelined runtime does. ZeRO-2
+        holds the whole accumulated gradient until that last backward (it is reduce-scattered into the slices only
+        then, not per micro-batch): its gradient memory saving applies after the step."""
         held = {}
         for key in self._reduced_keys():
             p = self._params[key]
             if p.grad is not None:  # reduce only this call's gradients, then add what was accumulated before
                 held[key], p.grad = p.grad, None
-        loss = self._loss_of(self.forward(*args, **kwargs))
-        loss.backward()
+        m = int(self.plan.accumulation.get("micro_batches", 1))
+        if m == 1:
+            loss = self._loss_of(self.forward(*args, **kwargs))
+            loss.backward()
+        else:
+            parts = []
+            for i, (margs, mkw) in enumerate(split_batch(args, kwargs, m)):
+                with self._grads.accumulating(last=i == m - 1):
+                    part = self._loss_of(self.forward(*margs, **mkw)) / m
+                    part.backward()
+                parts.append(part.detach())
+            loss = torch.stack(parts).sum()
         self.reduce_gradients()
         for key, g in held.items():
             p = self._params[key]

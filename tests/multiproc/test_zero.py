@@ -13,19 +13,21 @@ from tests.multiproc.parity import OPT, batches, check, make_model, reference, t
 pytestmark = pytest.mark.multiproc
 
 
-def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
+def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int, micro_batches: int = 1):
     import autopart
     from autopart.runtime import collectives as C
-    from autopart.runtime import zero1
+    from autopart.runtime import grads, zero1
 
     model = make_model(name)
     mesh = autopart.mesh(shape, names)
     ids0 = batches()[0]
-    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, zero=zero)
+    pipeline = {"stages": 1, "micro_batches": micro_batches} if micro_batches > 1 else None
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, zero=zero, pipeline=pipeline)
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     losses = []
     C.REGATHER_STATS["packed"] = 0
     zero1.STATS["all_gathers"] = 0
+    grads.STATS.update(launched_in_backward=0, launched_at_end=0)
     for ids in batches():
         losses.append(pm.forward_backward(ids, labels=ids).item())
         opt.step()
@@ -35,23 +37,37 @@ def _zero_run(name: str, shape: tuple, names: tuple, roles: dict, zero: int):
                       for s in opt.state.values() for k, v in s.items() if k == "exp_avg")
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
     return (losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), state_numel,
-            C.REGATHER_STATS["packed"], zero1.STATS["all_gathers"], getattr(opt, "autopart_zero1_buckets", []))
+            C.REGATHER_STATS["packed"], zero1.STATS["all_gathers"], getattr(opt, "autopart_zero1_buckets", []),
+            dict(grads.STATS), len(pm._grads.buckets()))
 
 
+# (model, mesh shape, axis names, roles, ZeRO level[, gradient-accumulation micro-batches])
 CASES = [("gpt", (2,), ("dp",), {"dp": "dp"}, 2), ("gpt", (2,), ("dp",), {"dp": "dp"}, 3),
          ("llama", (2,), ("dp",), {"dp": "dp"}, 1), ("gpt", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 3),
          ("llama", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 2),
-         ("gpt", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 1)]
+         ("gpt", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 1),
+         ("gpt", (2,), ("dp",), {"dp": "dp"}, 0, 2), ("llama", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, 1, 2)]
 
 
-@pytest.mark.parametrize("name,shape,names,roles,zero", CASES, ids=[f"{c[0]}-{'x'.join(c[2])}-zero{c[4]}"
-                                                                   for c in CASES])
-def test_zero_parity(name, shape, names, roles, zero):
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{'x'.join(c[2])}-zero{c[4]}" + (f"-accum{c[5]}" if c[5:] else "")
+                                             for c in CASES])
+def test_zero_parity(case):
+    """Parity with one process; with gradient accumulation (m micro-batches of the batch, ``plan.accumulation``)
+    too, where every bucket must be reduced once per step, launched from the last micro-batch's backward."""
     from autopart.plan import Plan
 
-    results = run_ranks(math.prod(shape), _zero_run, name, shape, names, roles, zero)
+    name, shape, names, roles, zero = case[:5]
+    micro = case[5] if case[5:] else 1
+    results = run_ranks(math.prod(shape), _zero_run, name, shape, names, roles, zero, micro)
     check(name, [r[:5] for r in results], reference(name))
     plan = Plan.from_json(results[0][3])
+    assert plan.accumulation.get("micro_batches", 1) == micro, plan.accumulation
+    if micro > 1:
+        launched, buckets = results[0][9], results[0][10]
+        assert launched == {"launched_in_backward": len(batches()) * buckets, "launched_at_end": 0}, (launched, buckets)
+        assert "gradient accumulation: 2 micro-batches of 2 (batch 4)" in results[0][2]
+    if not zero:
+        return
     assert plan.zero and set(plan.zero.values()) == {zero}, plan.zero
     from autopart.placement import Replicate, Shard, parse_spec
 

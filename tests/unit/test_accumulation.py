@@ -1,0 +1,105 @@
+"""Gradient accumulation without stages (``plan.accumulation``): how it is priced and when the planner takes it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopart
+from autopart.models import GPT, GPTConfig
+from autopart.plan import Plan
+
+
+def _gpt(layers: int = 2, d: int = 64, batch: int = 16, seq: int = 64, meta: bool = False):
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(GPTConfig(vocab_size=128, max_seq_len=seq, n_layer=layers, n_head=4, d_model=d))
+        ids = torch.randint(0, 128, (batch, seq))
+    return model, ids
+
+
+@pytest.fixture(scope="module")
+def gpu_gpt():
+    """A GPT whose backward on 8 H100s is long enough to hide part of its gradient reduction."""
+    from autopart.trace import trace
+
+    model, ids = _gpt(layers=4, d=1024, batch=32, seq=1024, meta=True)
+    return model, ids, trace(model, (ids,), {"labels": ids})
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_accumulation_priced_on_a_gpu_preset(gpu_gpt, zero):
+    """Same shardings, m = 4: compute unchanged (no per-op latency on the preset), activations a quarter, the
+    reduction hidden only by the last micro-batch's backward (so more of it exposed), ZeRO-1's gather only by the
+    first forward; the step grows by exactly the communication no longer hidden."""
+    model, ids, t = gpu_gpt
+    kw = dict(cluster="h100-80gb", traced=t, zero=zero)
+    one = autopart.evaluate(model, 8, (ids,), {"labels": ids}, **kw)
+    acc = autopart.evaluate(model, 8, (ids,), {"labels": ids}, micro_batches=4, **kw)
+    assert not one.accumulation and one.params == acc.params
+    assert acc.accumulation == {"micro_batches": 4, "micro_batch_size": 8, "batch": 32}
+    a, p1 = acc.predicted["accumulation"], one.predicted
+    exposed_1 = p1["grad_reduction_s"] - p1["hidden_comm_s"]
+    assert a["one_pass_grad_reduction_exposed_s"] == pytest.approx(exposed_1)
+    assert exposed_1 < 0.5 * p1["grad_reduction_s"]  # one pass hides most of it ...
+    assert a["grad_reduction_exposed_s"] > 1.5 * exposed_1  # ... the last of 4 micro-batches much less
+    assert acc.predicted["compute_s"] == pytest.approx(p1["compute_s"])
+    assert a["per_micro_batch_s"] == 0.0
+    extra = (a["grad_reduction_exposed_s"] - exposed_1) + (a["param_gather_exposed_s"] - p1["param_gather_s"])
+    assert acc.predicted["step_time_s"] == pytest.approx(p1["step_time_s"] + extra, rel=1e-9)
+    if zero:
+        assert a["param_gather_exposed_s"] > p1["param_gather_s"]
+    act1, act4 = p1["memory_bytes"]["activations"], acc.predicted["memory_bytes"]["activations"]
+    assert act4 == pytest.approx(act1 / 4, rel=0.02)
+    assert acc.predicted["memory_bytes"]["total"] < p1["memory_bytes"]["total"]
+    back = Plan.from_json(acc.to_json())
+    assert back.accumulation == acc.accumulation
+    assert "gradient accumulation: 4 micro-batches of 8 (batch 32)" in str(back)
+
+
+def test_per_op_latency_paid_by_every_micro_batch():
+    """On a device with a framework time per op (a calibrated CPU), every micro-batch pays it."""
+    model, ids = _gpt(batch=4, seq=16)
+    c = autopart.preset("cpu", (2,))
+    c = dataclasses.replace(c, device=dataclasses.replace(c.device, op_latency=1e-4))
+    one = autopart.evaluate(model, 2, (ids,), {"labels": ids}, cluster=c)
+    acc = autopart.evaluate(model, 2, (ids,), {"labels": ids}, cluster=c, micro_batches=2)
+    ops = sum(1 for r in one.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
+    per = acc.predicted["accumulation"]["per_micro_batch_s"]
+    assert per >= ops * 1e-4
+    assert acc.predicted["compute_s"] >= one.predicted["compute_s"] + ops * 1e-4
+
+
+def test_micro_batches_must_split_the_batch():
+    model, ids = _gpt(batch=4, seq=16)
+    with pytest.raises(ValueError, match="does not divide the traced batch of 4"):
+        autopart.evaluate(model, 2, (ids,), {"labels": ids}, micro_batches=3)
+    with pytest.raises(ValueError, match="do not split over the 2 ranks"):
+        autopart.evaluate(model, 2, (ids,), {"labels": ids}, micro_batches=4)
+    with pytest.raises(ValueError, match="whole number >= 1"):
+        autopart.plan(model, (2,), (ids,), {"labels": ids}, pipeline={"stages": 1, "micro_batches": 0})
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["dp-role", "unpinned"])
+def test_planner_accumulates_where_activations_do_not_fit(pinned):
+    """A budget the one-pass plan fits only with recompute (or offload): the planner takes micro-batches instead,
+    which fit, and is faster there (on a GPU preset accumulation costs only the less-hidden reduction). Unpinned,
+    the plan without stages that the pipeline search compares against is the one that accumulates."""
+    model, ids = _gpt()
+    mesh = autopart.mesh((2,), ("dp",))
+    kw = dict(roles={"dp": "dp"}, zero=0, cluster="h100-80gb") if pinned else dict(cluster="h100-80gb")
+    free = autopart.plan(model, mesh, (ids,), {"labels": ids}, **kw)
+    assert not free.accumulation and not free.checkpoint and not free.offload
+    total = free.predicted["memory_bytes"]["total"]
+    budget = 0.5 * total
+    p = autopart.plan(model, mesh, (ids,), {"labels": ids},
+                      memory_budget=budget / (1 - autopart.api.MEMORY_MODEL_MARGIN), **kw)
+    tried = p.solver["accumulation_tried"]
+    assert tried["one_pass_checkpoint"] or tried["one_pass_offload"]  # one pass needed recompute or offload
+    assert p.accumulation["micro_batches"] >= 2 and not p.checkpoint and not p.offload and not p.pipeline
+    assert p.predicted["memory_bytes"]["total"] <= budget * (1 + 1e-9)
+    assert p.predicted["step_time_s"] < tried["one_pass_step_time_s"]
+    # nothing said and it fits in one pass: no accumulation
+    assert "accumulation_tried" not in free.solver
