@@ -375,9 +375,12 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
     inside = sum(r.get("time_s", 0.0) - r.get("compute_s", 0.0) for r in plan.nodes.values())
     out[INSIDE_OPS] = {"time_s": inside / (int(pp["degree"]) if pp else 1), "bytes": None}
     if not pp:
+        # gradient accumulation: a parameter's conversions (ZeRO-3's gathers) run once per micro-batch, as in a
+        # pipeline; the activations' are the batch's in all (``planner.accumulated``)
+        m = int((plan.accumulation or {}).get("micro_batches", 1))
         for k in KINDS:
-            out[k]["time_s"] = at[k] + pt[k]
-            out[k]["bytes"] = ab[k] + pb[k]
+            out[k]["time_s"] = at[k] + m * pt[k]
+            out[k]["bytes"] = ab[k] + m * pb[k]
         gt -= plan.predicted.get("hidden_comm_s", 0.0)  # the step pays what backward does not hide
         # ZeRO-1/2's after-step all-gather: the node times (inside ops) hold the ILP's price of it; the step pays
         # what the next forward does not hide of the bucketed gather (``param_gather_s``)

@@ -337,3 +337,29 @@ def test_a_mesh_the_solver_does_not_finish_is_skipped(monkeypatch) -> None:
     monkeypatch.setattr(autopart, "plan", lambda *a, **k: (_ for _ in ()).throw(SolverTimeout("no solution")))
     b = adv.advise("gpt", "125m", layers=2, seq=128)
     assert not b.fits and b.binding.startswith("not planned: no solution")
+
+
+def test_accumulated_plan_reads_consistently() -> None:
+    """Gradient accumulation over 2 micro-batches with ZeRO-3: the parameters' gathers run once per micro-batch, so
+    the communication by kind counts them twice and the terms still sum to the step with nothing left over."""
+    from autopart.trace import trace
+
+    built = adv.build("gpt", "125m", batch=16, seq=256, layers=2, hidden=256, heads=4)
+    _, model, inputs, kwargs, _ = built
+    traced = trace(model, inputs, kwargs)
+    cl = preset("h100-80gb", (8,))
+    plan = autopart.plan(model, autopart.mesh((8,), ("dp",)), inputs, kwargs, cluster=cl, traced=traced,
+                         pipeline={"stages": 1, "micro_batches": 2}, roles={"dp": "dp"}, zero=3,
+                         optimizer_bytes_per_param=12.0)
+    assert plan.accumulation["micro_batches"] == 2 and set(plan.zero.values()) == {3}
+    base = dict(model="x", params=sum(p.numel() for p in model.parameters()), cluster=cl.name, gpus=8, mesh=(8,),
+                batch=16, seq=256, memory_budget=float(cl.memory_budget),
+                peak_tflops_per_gpu=cl.device.peak_flops / 1e12,
+                model_flops_per_step=adv.model_flops(model, traced, 16 * 256)[0])
+    a = adv.read_plan(plan, traced, base)
+    _check_consistent(a.to_json())
+    one = autopart.plan(model, autopart.mesh((8,), ("dp",)), inputs, kwargs, cluster=cl, traced=traced,
+                        pipeline="off", roles={"dp": "dp"}, zero=3, optimizer_bytes_per_param=12.0)
+    gathers = adv.communication(one, traced)["all_gather"]["bytes"]
+    assert gathers > 0 and a.communication["all_gather"]["bytes"] == pytest.approx(2 * gathers, rel=1e-6)
+    assert a.terms["bubble_and_imbalance"] == pytest.approx(0, abs=1e-9 * a.step_time_s)
