@@ -292,7 +292,9 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
     ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
     alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways), less what a
-    collective matmul hides of it (``rec["tp_overlap_hidden_s"]``, of step ``rec["tp_overlap_step"]``)."""
+    collective matmul hides of it (``rec["tp_overlap_hidden_s"]``, of step ``rec["tp_overlap_step"]``). The
+    backward all-gathers of a kept shard (``rec["regather_s"]``: sequence parallelism's activations, which the
+    step pays beside the record's time) count as activations' all-gathers."""
     from autopart.planner import saves_input, transition_time
     from autopart.strategy.registry import tensor_inputs
 
@@ -334,6 +336,13 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
                 (param_b if is_param else b)[kind] += _bus_bytes(kind, sent, mesh[axis])
             rec_t += dt
             cur = nxt
+        if rec.get("regather_s"):  # the users that keep the shard gather it again in backward (sequence parallel)
+            gathers = [(axis, fwd) for axis, fwd, _ in rec["steps"] if fwd == "all_gather"]
+            t["all_gather"] += rec["regather_s"]
+            if gathers:
+                axis = gathers[-1][0]
+                b["all_gather"] += rec.get("regather", 1) * _bus_bytes(
+                    "all_gather", _local_bytes(val, tuple(dst), mesh), mesh[axis])
         per_record.append(rec_t)
     return {"activations": (t, b), "parameters": (param_t, param_b)}, per_record
 

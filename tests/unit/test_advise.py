@@ -363,3 +363,26 @@ def test_accumulated_plan_reads_consistently() -> None:
     gathers = adv.communication(one, traced)["all_gather"]["bytes"]
     assert gathers > 0 and a.communication["all_gather"]["bytes"] == pytest.approx(2 * gathers, rel=1e-6)
     assert a.terms["bubble_and_imbalance"] == pytest.approx(0, abs=1e-9 * a.step_time_s)
+
+
+def test_sequence_parallel_regathers_are_reported() -> None:
+    """Tensor + sequence parallel: the activations a linear keeps as their sequence shard are gathered again in
+    backward (``regather_s`` of the record), which the step pays: the communication by kind reports them as
+    all-gathers, so its kinds sum to ``comm_s`` and nothing is left for the bubble, with collective matmuls or
+    without."""
+    from autopart.trace import trace
+
+    built = adv.build("llama", "1b", batch=16, seq=512, layers=2, hidden=1024, heads=8, kv_heads=4, ffn=2048)
+    _, model, inputs, kwargs, _ = built
+    traced = trace(model, inputs, kwargs)
+    cl = preset("h100-80gb", (2, 4))
+    for overlap in (False, True):
+        plan = autopart.plan(model, autopart.mesh((2, 4), ("dp", "tp")), inputs, kwargs, cluster=cl, traced=traced,
+                             pipeline="off", roles={"dp": "dp", "tp": "tp"}, optimizer_bytes_per_param=12.0,
+                             tp_comm_overlap=overlap)
+        assert sum(c.get("regather_s", 0.0) for c in plan.collectives) > 0
+        comm = adv.communication(plan, traced)
+        total = sum(comm[k]["time_s"] for k in adv.KINDS) + comm[adv.INSIDE_OPS]["time_s"]
+        assert total == pytest.approx(plan.predicted["comm_s"], rel=1e-9)
+        step = plan.predicted["step_time_s"]
+        assert adv.terms(plan, traced, comm)["bubble_and_imbalance"] == pytest.approx(0, abs=1e-9 * step)
