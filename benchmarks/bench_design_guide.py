@@ -54,9 +54,11 @@ def main() -> None:
                              f"autopart design guide: {args.cluster}, seq {args.seq}, "
                              f"{args.batch_per_gpu} sequence(s) per GPU")
     print("\n" + md)
-    agree = sum(r["agrees"] is True for r in rows)
+    agree = sum(r["agrees"] in (True, "tie") for r in rows)
+    ties = sum(r["agrees"] == "tie" for r in rows)
     beyond = sum(r["agrees"] is None for r in rows)
-    print(f"\n{agree}/{len(rows)} cells agree with published practice, {beyond} go beyond it (no recipe of practice "
+    print(f"\n{agree}/{len(rows)} cells agree with published practice ({ties} of them ties: practice's recipe within "
+          f"{advise.TIE:.0%} of the plan), {beyond} go beyond it (no recipe of practice "
           f"fits; autopart offloads or recomputes); sweep took {total:.0f} s "
           f"(tracing and planning); wrote {args.out}/design_guide.md, .json and {png}")
 
