@@ -301,7 +301,7 @@ def test_cli_sweep_writes_table_json_and_chart(tmp_path, capsys) -> None:
     rows = json.loads((tmp_path / "design_guide.json").read_text())
     assert [(r["model"], r["gpus"]) for r in rows] == [("gpt:125m", 2)]
     r = rows[0]
-    assert r["advice"]["fits"] and r["practice"]["kind"] == "DP" and r["agrees"] in (True, False)
+    assert r["advice"]["fits"] and r["practice"]["kind"] == "DP" and r["agrees"] in (True, "tie", False)
     md = (tmp_path / "design_guide.md").read_text()
     assert md.splitlines()[2].startswith("| gpt:125m | 0.1B | 2 |")
     assert (tmp_path / "design_guide.png").read_bytes()[:4] == b"\x89PNG"
@@ -386,3 +386,31 @@ def test_sequence_parallel_regathers_are_reported() -> None:
         assert total == pytest.approx(plan.predicted["comm_s"], rel=1e-9)
         step = plan.predicted["step_time_s"]
         assert adv.terms(plan, traced, comm)["bubble_and_imbalance"] == pytest.approx(0, abs=1e-9 * step)
+
+
+def test_sweep_counts_a_tie_with_practice_as_agreeing(monkeypatch) -> None:
+    """A plan of another family than practice's agrees with it when practice's recipe scores within ``adv.TIE`` of
+    the plan (the cell says so and keeps the comparison); beyond that it differs."""
+    import dataclasses
+
+    real = adv.advise
+    planned = {}
+
+    def other_family(**kw):  # the plan, relabelled as context parallel (not practice's DP family)
+        a = real(**kw)
+        planned["advice"] = a = dataclasses.replace(a, strategy={**a.strategy, "cp": 2, "name": "CP+DP"})
+        return a
+
+    for slower, verdict in ((0.5 * adv.TIE, "tie"), (2 * adv.TIE, False)):
+        def recipe(rec, built, traced, cluster, base, *args, slower=slower):
+            a = planned["advice"]
+            return dataclasses.replace(a, step_time_s=a.step_time_s * (1 + slower),
+                                       terms={**a.terms, "compute": a.terms["compute"] + a.step_time_s * slower})
+
+        monkeypatch.setattr(adv, "advise", other_family)
+        monkeypatch.setattr(adv, "evaluate_recipe", recipe)
+        (row,) = adv.sweep(("gpt:125m",), (2,), seq=128, views=False)
+        assert row["practice"].kind == "DP" and row["agrees"] == verdict, row
+        assert row["comparison"]["decided_by"] == "compute"
+        assert ("tie" in row["comparison"]["detail"]) == (verdict == "tie")
+        assert ("agrees (tie)" in adv.sweep_markdown([row])) == (verdict == "tie")
