@@ -953,7 +953,7 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
     return shares
 
 
-def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
+def zero1_gather_shares(info: Graphinfo, cluster: Cluster, micro_batches: int = 1) -> dict[str, float]:
     """Per ZeRO-1/2-able parameter node and set of gathered mesh axes, the share of its after-step gather's
     bandwidth the ILP prices: the part of
     ``param_gather``'s exposed time it adds, per second of its bandwidth. Empty (all of it) where the device does
@@ -967,31 +967,39 @@ def zero1_gather_shares(info: Graphinfo, cluster: Cluster) -> dict[str, float]:
     to the record's exposed gather when every such parameter is ZeRO-1/2 (fewer shorten the chain: the ILP then prices a
     little more than the record); the earliest parameters (the embedding) carry them, the rest hide. A pipeline stage's
     first micro-batch is a fraction of the traced batch (``solver.pipeline.gather_exposed`` prices that window): there
-    the ILP's shares are lower than what the pipeline record charges."""
+    the ILP's shares are lower than what the pipeline record charges. Under gradient accumulation over
+    ``micro_batches`` only the first micro-batch's forward (1/m of the traced one) hides the gather.
+
+    The chain holds each parameter's share of its bucket's latency beside its bandwidth (its gathered bytes over
+    ``BUCKET_BYTES``, at most one bucket's: ``zero1_bucket_latency``), as the record's chain does
+    (``param_gather``); the ILP prices the bandwidth alone (``zero1_gather_time(latency=False)``), so a share can
+    exceed 1 where latency is exposed. Without it a mesh axis across many nodes (96 ranks: ~1 ms a bucket) hid a
+    chain the record found exposed (Megatron 16B on (96, 2) H100s: 0.037 s exposed, 0.001 s priced)."""
     if not cluster.device.comm_overlap:
         return {}
     before, clock = _forward_floor(info, cluster.device, math.prod(cluster.mesh_shape))
     mesh = cluster.mesh_shape
-    chains: dict[tuple, list] = defaultdict(list)  # per set of gathered axes: (node, bandwidth, first use)
+    chains: dict[tuple, list] = defaultdict(list)  # per set of gathered axes: (node, bandwidth, latency, first use)
     for n in info.nodes:
         if info.kind[n.name] != "param" or not info.needs_grad[n.name]:
             continue
-        cheapest: dict[tuple, float] = {}
+        cheapest: dict[tuple, tuple[float, float]] = {}
         for o in info.options[n.name]:
             if o.tag in ("zero1", "zero2"):
-                axes = zero1_gather_entry(value_of(n), o.output, mesh)[0]
+                axes, _, gathered = zero1_gather_entry(value_of(n), o.output, mesh)
                 bw = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
-                cheapest[axes] = min(bw, cheapest.get(axes, math.inf))
-        first = min((before[u.name] for u in n.users if u.name in before), default=clock)
-        for axes, bw in cheapest.items():
+                if bw < cheapest.get(axes, (math.inf, 0.0))[0]:
+                    cheapest[axes] = (bw, min(1.0, gathered / BUCKET_BYTES) * zero1_bucket_latency(axes, cluster))
+        first = min((before[u.name] for u in n.users if u.name in before), default=clock) / micro_batches
+        for axes, (bw, lat) in cheapest.items():
             if bw > 0:
-                chains[axes].append((n.name, bw, first))
+                chains[axes].append((n.name, bw, lat, first))
     shares = {}
     for axes, chain in chains.items():  # a layout family at a time: gathering over more axes hides less
-        chain.sort(key=lambda c: c[2])
+        chain.sort(key=lambda c: c[3])
         done, worst = 0.0, 0.0
-        for name, bw, e in chain:
-            done += bw
+        for name, bw, lat, e in chain:
+            done += bw + lat
             late = max(worst, done - e)
             shares[name, axes] = (late - worst) / bw
             worst = late
@@ -1460,7 +1468,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     groups, group_of, tied_layers = _tie_groups(info, opts.tie_layers)
     node_of = {n.name: n for n in info.nodes}
     dp_axes = [i for i, r in roles.items() if r == "dp"]
-    gather_share = zero1_gather_shares(info, cluster)  # ZeRO-1/2's after-step gather: what forward does not hide
+    # ZeRO-1/2's after-step gather: what forward does not hide
+    gather_share = zero1_gather_shares(info, cluster, opts.micro_batches)
     # the gradient reduction: what backward does not hide
     reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster, opts.micro_batches)
     share_axes = sorted({ax for _, ax in reduction_shares})
