@@ -1419,7 +1419,8 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                 if comms is None:
                     comms = cache[ok] = tp_overlap_comms(val, srcs[ai], dst, split, g, cluster, into)
                 compute = lin_fwd[bi if into else ai]
-                t -= sum(overlap_hidden(c, compute, n) for c, n in comms)
+                # a collective hidden whole leaves 0 (not -1e-16 of rounding, which the solver rejects)
+                t = max(0.0, t - sum(overlap_hidden(c, compute, n) for c, n in comms))
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)
@@ -2440,6 +2441,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 fused_step = max((i for i, st in enumerate(steps or ()) if st.fwd != "none"), default=0)
             elif overlap and a is u and linear_output_fused(u):
                 hid = tp_overlap_hidden(value_of(a), src, o.inputs[j], split, g, cluster, fwd_of(u.name), False)
+            hid = min(hid, t)  # hidden whole: 0 left, not a rounding's negative
             t -= hid
             tp_hidden += hid
             comm_total += t

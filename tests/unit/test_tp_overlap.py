@@ -97,3 +97,22 @@ def test_gpu_preset_prices_overlap(sp_gpt):
 def test_option_checked():
     with pytest.raises(ValueError, match="tp_comm_overlap='yes'"):
         PlanOptions(tp_comm_overlap="yes")
+
+
+def test_collective_hidden_whole_prices_zero_not_rounding_below():
+    """A reduce-scatter out of a linear that its collective matmul hides whole leaves an edge price of 0: the
+    subtraction's rounding (-1.1e-16 for Llama-70B's attention output projection on (1024, 4) H100s) made the
+    solver reject the problem ("costs must be >= 0"), and the design guide lost that mesh view."""
+    import importlib
+
+    import autopart
+    from autopart.trace import trace
+
+    adv = importlib.import_module("autopart.advise")
+    _, model, inputs, kwargs, _ = adv.build("llama", "70b", batch=4096, seq=4096, layers=2)
+    traced = trace(model, inputs, kwargs)
+    cluster = autopart.preset("h100-80gb", (1024, 4))
+    p = autopart.plan(model, autopart.Mesh((1024, 4), ("outer", "inner")), inputs, kwargs, cluster=cluster,
+                      traced=traced, pipeline="off", optimizer_bytes_per_param=12.0)
+    assert p.predicted["tp_overlap_hidden_s"] > 0
+    assert all(c["time_s"] >= 0 for c in p.collectives)
