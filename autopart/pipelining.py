@@ -374,12 +374,18 @@ def _batch_shards(plan, traced: Traced, mesh) -> int:
     is sharded on its batch dimension (dim 0 of the batch's size, batch-first models). A micro-batch must still
     split that many ways. A batch x sequence flattened into dim 0 (the tokens of a linear under sequence
     parallelism, reduce-scattered there by a collective matmul) splits with the sequence, whatever the
-    micro-batch: it does not count."""
+    micro-batch: it does not count. Nor does a tensor that no input flows into (a RoPE table of the sequence's
+    length, [seq, head_dim]: sharded by sequence on a tensor axis, and as long as the batch when seq == batch, e.g.
+    4096 sequences of 4096 tokens)."""
     batch = _batch_of(traced)
     vals = {n.name: n.meta.get("val") for n in traced.graph.nodes}
+    from_inputs = set(traced.user_inputs)
+    for n in traced.graph.nodes:
+        if any(a.name in from_inputs for a in n.all_input_nodes):
+            from_inputs.add(n.name)
     axes: set[int] = set()
     for name, rec in plan.nodes.items():
-        if rec["op"] in ("param", "buffer", "constant"):
+        if rec["op"] in ("param", "buffer", "constant") or name not in from_inputs:
             continue
         outs = rec["output"] if isinstance(rec["output"], list) else [rec["output"]]
         val = vals.get(name)

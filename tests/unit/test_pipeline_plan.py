@@ -167,3 +167,21 @@ def test_sequence_split_tables_do_not_bind_micro_batches():
              and vals[name].dim() > 0 and vals[name].shape[0] != 64
              and isinstance(parse_spec(rec["output"])[tp], Shard) and parse_spec(rec["output"])[tp].dim == 0]
     assert other  # a non-batch dim 0 split on tp: the case the micro-batch check must not count
+
+
+def test_tables_as_long_as_the_batch_do_not_bind_micro_batches():
+    """The same tables when the sequence is as long as the batch (256 sequences of 256 tokens; the design guide's
+    4096 GPUs x 4096 tokens): their dim 0 is the batch's size, but no input flows into them, so they are no batch
+    split either. Counting them capped Llama-70B on 4096 H100s at as many micro-batches as stages."""
+    import importlib
+
+    from autopart.pipelining import _batch_shards
+
+    _, model, inputs, kwargs, _ = importlib.import_module("autopart.advise").build(
+        model="llama:70b", layers=4, batch=256, seq=256)
+    t = trace(model, inputs, kwargs)
+    p = autopart.evaluate(model, 64, inputs, kwargs, cluster="h100-80gb", tp=8, pp=2, micro_batches=64, traced=t,
+                          zero=None, offload=None, optimizer_bytes_per_param=12.0)
+    assert p.pipeline["degree"] == 2 and p.pipeline["micro_batches"] == 64
+    dp = p.axis_names.index("dp")
+    assert _batch_shards(p, t, p.mesh_shape) == p.mesh_shape[dp]
