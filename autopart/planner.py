@@ -343,13 +343,17 @@ def tp_overlap_comms(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
     return tuple(comms)
 
 
+def hidden_behind(comms: tuple[tuple[float, int], ...], compute: float) -> float:
+    """Seconds of the fused collectives ``comms`` (``tp_overlap_comms``) a linear of ``compute`` forward seconds
+    hides: the backward's collective hides behind the input gradient's matmuls, which have the forward's flops."""
+    return sum(overlap_hidden(c, compute, n) for c, n in comms)
+
+
 def tp_overlap_hidden(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
                       compute: float, into: bool) -> float:
     """Seconds of the conversion ``src -> dst`` of ``val`` that the runtime's collective matmul hides behind a linear
-    of ``compute`` forward seconds on this rank (``tp_overlap_comms``; the backward's collective hides behind the
-    input gradient's matmuls, which have the forward's flops); 0.0 where nothing is fused."""
-    return sum(overlap_hidden(c, compute, n) for c, n in tp_overlap_comms(val, src, dst, split, needs_grad, cluster,
-                                                                          into))
+    of ``compute`` forward seconds on this rank (``hidden_behind``); 0.0 where nothing is fused."""
+    return hidden_behind(tp_overlap_comms(val, src, dst, split, needs_grad, cluster, into), compute)
 
 
 def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
@@ -924,13 +928,12 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
         return {}
     mesh = cluster.mesh_shape
     _, _, bwd = _floors(info, cluster.device, math.prod(mesh))
-    order = [n for n in info.nodes]
     after, clock = {}, 0.0  # backward seconds from its start until it has passed node n
-    for n in reversed(order):
+    for n in reversed(info.nodes):
         clock += bwd.get(n.name, 0.0) / micro_batches
         after[n.name] = clock
     window = clock
-    params = [n for n in order if info.kind[n.name] == "param" and info.needs_grad[n.name]]
+    params = [n for n in info.nodes if info.kind[n.name] == "param" and info.needs_grad[n.name]]
     ready = {n.name: max((after[u.name] for u in n.users if u.name in after), default=window) for n in params}
     multi = [i for i, k in enumerate(mesh) if k > 1]
     shares: dict[tuple[str, tuple[int, ...]], float] = {}
@@ -1418,9 +1421,8 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                 comms = cache.get(ok)
                 if comms is None:
                     comms = cache[ok] = tp_overlap_comms(val, srcs[ai], dst, split, g, cluster, into)
-                compute = lin_fwd[bi if into else ai]
                 # a collective hidden whole leaves 0 (not -1e-16 of rounding, which the solver rejects)
-                t = max(0.0, t - sum(overlap_hidden(c, compute, n) for c, n in comms))
+                t = max(0.0, t - hidden_behind(comms, lin_fwd[bi if into else ai]))
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)

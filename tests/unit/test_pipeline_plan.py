@@ -145,21 +145,28 @@ def test_two_block_reduction_prices_the_whole_model():
             assert getattr(b, f) == pytest.approx(getattr(a, f), rel=1e-9, abs=1e-15), (a.name, f)
 
 
+def _llama70b_tp8_pp2_on_64(batch: int, seq: int, micro_batches: int):
+    """A 4-layer Llama-70B scored in Megatron's layout (tp 8, pp 2, dp 4 on 64 H100s): the trace and the plan,
+    checked to pipeline with the micro-batches asked."""
+    import importlib
+
+    _, model, inputs, kwargs, _ = importlib.import_module("autopart.advise").build(
+        model="llama:70b", layers=4, batch=batch, seq=seq)
+    t = trace(model, inputs, kwargs)
+    p = autopart.evaluate(model, 64, inputs, kwargs, cluster="h100-80gb", tp=8, pp=2, micro_batches=micro_batches,
+                          traced=t, zero=None, offload=None, optimizer_bytes_per_param=12.0)
+    assert p.pipeline["degree"] == 2 and p.pipeline["micro_batches"] == micro_batches
+    return t, p
+
+
 def test_sequence_split_tables_do_not_bind_micro_batches():
     """Under tensor-parallel overlap (GPU presets) a stage may split a tensor whose dim 0 is not the batch on the tp
     axis (the RoPE tables by sequence, [seq, head_dim]): that is no batch split, so Megatron's 70B layout (tp 8,
     pp 2, dp 4 on 64 H100s, 8 micro-batches of 8 sequences) still pipelines; counting it asked micro-batches whose
     size divides over 32 ranks, and no pipeline fitted."""
-    import importlib
-
     from autopart.placement import Shard, parse_spec
 
-    _, model, inputs, kwargs, _ = importlib.import_module("autopart.advise").build(
-        model="llama:70b", layers=4, batch=64, seq=4096)
-    t = trace(model, inputs, kwargs)
-    p = autopart.evaluate(model, 64, inputs, kwargs, cluster="h100-80gb", tp=8, pp=2, micro_batches=8, traced=t,
-                          zero=None, offload=None, optimizer_bytes_per_param=12.0)
-    assert p.pipeline["degree"] == 2 and p.pipeline["micro_batches"] == 8
+    t, p = _llama70b_tp8_pp2_on_64(batch=64, seq=4096, micro_batches=8)
     vals = {n.name: n.meta.get("val") for n in t.graph.nodes}
     tp = p.axis_names.index("tp")
     other = [name for name, rec in p.nodes.items() if rec["op"] not in ("param", "buffer", "constant")
@@ -173,15 +180,8 @@ def test_tables_as_long_as_the_batch_do_not_bind_micro_batches():
     """The same tables when the sequence is as long as the batch (256 sequences of 256 tokens; the design guide's
     4096 GPUs x 4096 tokens): their dim 0 is the batch's size, but no input flows into them, so they are no batch
     split either. Counting them capped Llama-70B on 4096 H100s at as many micro-batches as stages."""
-    import importlib
-
     from autopart.pipelining import _batch_shards
 
-    _, model, inputs, kwargs, _ = importlib.import_module("autopart.advise").build(
-        model="llama:70b", layers=4, batch=256, seq=256)
-    t = trace(model, inputs, kwargs)
-    p = autopart.evaluate(model, 64, inputs, kwargs, cluster="h100-80gb", tp=8, pp=2, micro_batches=64, traced=t,
-                          zero=None, offload=None, optimizer_bytes_per_param=12.0)
-    assert p.pipeline["degree"] == 2 and p.pipeline["micro_batches"] == 64
+    t, p = _llama70b_tp8_pp2_on_64(batch=256, seq=256, micro_batches=64)
     dp = p.axis_names.index("dp")
     assert _batch_shards(p, t, p.mesh_shape) == p.mesh_shape[dp]
