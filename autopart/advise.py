@@ -367,7 +367,8 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
         for i in sorted(axes):
             nbytes += _bus_bytes("reduce_scatter" if zero1 else "all_reduce", size, mesh[i])
             size = size / mesh[i] if zero1 else size
-    secs, _ = gradient_reduction(traced, plan.nodes, plan.reduced, plan.zero, cluster)
+    secs, _ = gradient_reduction(traced, plan.nodes, plan.reduced, plan.zero, cluster, 1,
+                                 plan.options.get("bucket_bytes", {}))
     return secs, nbytes
 
 

@@ -51,7 +51,10 @@ import torch.fx as fx
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
 from autopart.planner import _local_bytes, grad_reduction_share
-from autopart.runtime.grads import OVERLAP_IN_PIPELINE  # pipelines reduce from the last micro-batch's backward
+from autopart.runtime.grads import (
+    OVERLAP_IN_PIPELINE,  # pipelines reduce from the last micro-batch's backward
+    bucket_limit,
+)
 from autopart.solver.pipeline import (
     SCHEDULES,
     CoreSharing,
@@ -208,7 +211,8 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         # gradient reduction at 6x the sharding plan's. One several blocks use (a tied embedding and head, on the
         # first and the last stage) is reduced after the schedule, once those stages summed it
         # (``runtime.pipeline.PipelinedModule.reduce_gradients``)
-        t = grad_reduction_share(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster)
+        t = grad_reduction_share(nbytes, axes, plan.zero.get(fqn) in (1, 2), cluster,
+                                 bucket_limit(axes, plan.options.get("bucket_bytes", {})))
         us = sorted(set(users_units.get(ph, [])) or {0})
         for u in us:
             own = nodes[ph]["layer"] == units[u].name

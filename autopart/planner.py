@@ -67,7 +67,7 @@ from autopart.cost.comm import exposed_before
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 
 # the runtime's reduction and gather bucket, and how many reduction buckets it holds at once: priced as run
-from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT
+from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_limit
 from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
@@ -230,7 +230,7 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
                     scatter_grad: bool = False, chained: bool = False) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
     parameter whose gradient all-reduce shares a bucket with the others (priced by bandwidth and its share of one
-    bucket's latency, its bytes over ``BUCKET_BYTES``, and in full here: the ILP scales that part by the share
+    bucket's latency, its bytes over ``bucket_bytes``, and in full here: the ILP scales that part by the share
     backward does not hide, ``grad_reduction_shares``, through ``transition_parts``; ``gradient_reduction`` prices
     it in the plan's step).
     ``regather``: a ZeRO-3 parameter its consumer keeps for backward (``saves_input``), gathered again there.
@@ -249,9 +249,11 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
 
 def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
                      param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
-                     scatter_grad: bool = False, chained: bool = False) -> tuple[float, float, tuple[int, ...]]:
+                     scatter_grad: bool = False, chained: bool = False,
+                     buckets: dict | None = None) -> tuple[float, float, tuple[int, ...]]:
     """``transition_time`` in two parts: (seconds of everything but a bucketed gradient's data-parallel reduction,
-    seconds of that reduction, the mesh axes it sums over (ascending; empty without one))."""
+    seconds of that reduction, the mesh axes it sums over (ascending; empty without one)). ``buckets``: bucket
+    bytes per set of summed axes (``ilp_bucket_bytes``; absent: the links' ``bucket_bytes``)."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -281,7 +283,8 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
     if not summed:
         return total, 0.0, ()
     axes = tuple(sorted(a for a, _ in summed))
-    return total, grad_reduction_share(max(b for _, b in summed), axes, scatter_grad, cluster), axes
+    return total, grad_reduction_share(max(b for _, b in summed), axes, scatter_grad, cluster,
+                                       (buckets or {}).get(axes)), axes
 
 
 def tp_overlap_on(opts: PlanOptions, cluster: Cluster) -> bool:
@@ -356,15 +359,83 @@ def tp_overlap_hidden(val: torch.Tensor, src, dst, split: tuple[bool, ...], need
     return hidden_behind(tp_overlap_comms(val, src, dst, split, needs_grad, cluster, into), compute)
 
 
-def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster) -> float:
+# A gradient-reduction or ZeRO gather bucket over some mesh axes holds at least ``BUCKET_BYTES`` (DDP's 25 MiB), more
+# where one collective's latency over those axes would be more than this share of its transfer time: a ring's latency
+# grows with its ranks ((n - 1) hops), so at DDP's size a 48-rank ring across nodes (10 us a hop, 50 GB/s per GPU)
+# spends as long on latency as on bytes. Megatron-Core sizes its buckets for the same reason, max(40M, 1M x dp)
+# parameters ("larger DP sizes need larger buckets to ensure collectives do not become latency-bound",
+# ``DistributedDataParallelConfig.bucket_size``); at 48 ranks this rule gives 192 MB, Megatron's 48M fp32 gradients.
+BUCKET_LATENCY_SHARE = 0.125
+BUCKET_CAP = 2**30  # at most 1 GiB a bucket: the buckets in flight are held in memory (``REDUCE_IN_FLIGHT``)
+# and at most 1/MIN_BUCKETS of the bytes reduced over the axes (never below BUCKET_BYTES): backward hides the chain
+# of buckets but the last, launched when it ends, so a model of one bucket would hide none of its reduction
+MIN_BUCKETS = 8
+_BUCKET_BYTES: dict = {}
+
+
+def bucket_bytes(axes, cluster: Cluster, total: float | None = None) -> int:
+    """Bytes a gradient-reduction bucket (``runtime/grads.py``) or a ZeRO-1/2 gather bucket (``runtime/zero1.py``)
+    over mesh ``axes`` holds at most: ``BUCKET_BYTES``, or, where a reduce-scatter over those axes' links
+    (``hierarchical_time``) would spend more than ``BUCKET_LATENCY_SHARE`` of its bandwidth time on latency, the size
+    at which it spends that share (rounded up to a MiB, at most ``BUCKET_CAP``); with the ``total`` bytes reduced
+    over those axes given, at most ``total / MIN_BUCKETS`` of it (not below ``BUCKET_BYTES``). The planner records
+    the sizes above ``BUCKET_BYTES`` in the plan (``plan.options["bucket_bytes"]``, ``plan_bucket_bytes``), which
+    the runtime fills its buckets to and the plan's record prices."""
+    mesh = cluster.mesh_shape
+    axes = tuple(sorted((a for a in axes if mesh[a] > 1), reverse=True))
+    key = (axes, mesh, tuple(cluster.link(a) for a in axes), BUCKET_BYTES)
+    hit = _BUCKET_BYTES.get(key)
+    if hit is None:
+        latency = hierarchical_time("reduce_scatter", 0.0, [(mesh[a], cluster.link(a)) for a in axes])
+        per_byte = hierarchical_time("reduce_scatter", float(2**30), [(mesh[a], cluster.link(a).without_latency())
+                                                                       for a in axes]) / 2**30
+        hit = BUCKET_BYTES
+        if latency > 0 and per_byte > 0:
+            want = latency / (BUCKET_LATENCY_SHARE * per_byte)
+            hit = int(min(BUCKET_CAP, max(BUCKET_BYTES, math.ceil(want / 2**20) * 2**20)))
+        if len(_BUCKET_BYTES) > 256:
+            _BUCKET_BYTES.clear()
+        _BUCKET_BYTES[key] = hit
+    if total is not None:
+        hit = min(hit, max(BUCKET_BYTES, math.ceil(total / MIN_BUCKETS / 2**20) * 2**20))
+    return hit
+
+
+def _limit(axes, cluster: Cluster, sizes: dict[str, int] | None) -> int:
+    """A bucket's size over ``axes``: the plan's record ``sizes`` (``plan_bucket_bytes``, as the runtime reads it),
+    or before there is one the links' ``bucket_bytes``."""
+    return bucket_bytes(axes, cluster) if sizes is None else bucket_limit(axes, sizes)
+
+
+def largest_bucket_bytes(cluster: Cluster) -> int:
+    """The largest ``bucket_bytes`` over any set of ``cluster``'s mesh axes: what the memory rows hold per bucket in
+    flight before the shardings (and so the reduced axes) are known."""
+    n = len(cluster.mesh_shape)
+    return max(bucket_bytes(axes, cluster) for r in range(1, n + 1) for axes in itertools.combinations(range(n), r))
+
+
+def plan_bucket_bytes(totals: dict[tuple, float], cluster: Cluster) -> dict[str, int]:
+    """The ``plan.options["bucket_bytes"]`` record: per set of mesh axes the plan reduces gradients or gathers
+    ZeRO-1/2 parameters over, as ``"0,1"``, its ``bucket_bytes`` for the ``totals`` bytes reduced (else gathered)
+    over them, where larger than ``BUCKET_BYTES`` (the runtime's default for the rest)."""
+    out = {}
+    for axes, total in sorted(totals.items()):
+        b = bucket_bytes(axes, cluster, total)
+        if axes and b > BUCKET_BYTES:
+            out[",".join(map(str, sorted(axes)))] = b
+    return out
+
+
+def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster, bucket: int | None = None) -> float:
     """One parameter's share of its gradient bucket's reduction (``grad_reduction_time``): its ``nbytes`` over the
-    links and through the bucket's copies, and the bucket's latency in proportion to its bytes (``BUCKET_BYTES``
-    a bucket; a parameter larger than that pays the latency once)."""
+    links and through the bucket's copies, and the bucket's latency in proportion to its bytes (``bucket_bytes``
+    a bucket, or ``bucket``; a parameter larger than that pays the latency once)."""
     mesh = cluster.mesh_shape
     kind = "reduce_scatter" if zero1 else "all_reduce"
     axes = sorted(axes, reverse=True)
     return hierarchical_time(kind, nbytes, [(mesh[a], cluster.link(a).without_latency()) for a in axes]) + \
-        min(1.0, nbytes / BUCKET_BYTES) * hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a)) for a in axes]) + \
+        min(1.0, nbytes / (bucket or bucket_bytes(axes, cluster))) * \
+        hierarchical_time(kind, 0.0, [(mesh[a], cluster.link(a)) for a in axes]) + \
         grad_bucket_copy_time(nbytes, zero1, math.prod(mesh[a] for a in axes), cluster.device)
 
 
@@ -907,6 +978,23 @@ def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], floa
     return before, clock, bwd
 
 
+def ilp_bucket_bytes(info: Graphinfo, cluster: Cluster) -> dict[tuple[int, ...], int]:
+    """Per set of mesh axes (ascending, each of more than one rank), the ``bucket_bytes`` the ILP prices a gradient's
+    share of a bucket's latency with, before the shardings are chosen: for every trainable parameter reduced over
+    them in its smallest layout replicated there (sharded on every other axis), as ``grad_reduction_shares``
+    estimates the chain."""
+    mesh = cluster.mesh_shape
+    whole = sum(value_of(n).numel() * value_of(n).element_size() for n in info.nodes
+                if info.kind[n.name] == "param" and info.needs_grad[n.name])
+    multi = [i for i, k in enumerate(mesh) if k > 1]
+    out = {}
+    for r in range(1, len(multi) + 1):
+        for axes in itertools.combinations(multi, r):
+            others = math.prod(mesh[i] for i in range(len(mesh)) if i not in axes)
+            out[axes] = bucket_bytes(axes, cluster, whole / others)
+    return out
+
+
 def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
                           micro_batches: int = 1) -> dict[tuple[str, tuple[int, ...]], float]:
     """Per parameter node and set of mesh axes its gradient is summed over, the share of its bucketed reduction's
@@ -940,9 +1028,10 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
     for r in range(1, len(multi) + 1):
         for axes in itertools.combinations(multi, r):
             others = math.prod(mesh[i] for i in range(len(mesh)) if i not in axes)
-            chain = sorted((ready[n.name], grad_reduction_share(
-                value_of(n).numel() * value_of(n).element_size() / others, axes, False, cluster), n.name)
-                for n in params)
+            size = {n.name: value_of(n).numel() * value_of(n).element_size() / others for n in params}
+            bucket = bucket_bytes(axes, cluster, sum(size.values()))  # = ilp_bucket_bytes' for these axes
+            chain = sorted((ready[n.name], grad_reduction_share(size[n.name], axes, False, cluster, bucket), n.name)
+                           for n in params)
             ends, end = [], 0.0
             for rd, c, _ in chain:
                 end = max(end, rd) + c
@@ -974,7 +1063,7 @@ def zero1_gather_shares(info: Graphinfo, cluster: Cluster, micro_batches: int = 
     ``micro_batches`` only the first micro-batch's forward (1/m of the traced one) hides the gather.
 
     The chain holds each parameter's share of its bucket's latency beside its bandwidth (its gathered bytes over
-    ``BUCKET_BYTES``, at most one bucket's: ``zero1_bucket_latency``), as the record's chain does
+    ``bucket_bytes``, at most one bucket's: ``zero1_bucket_latency``), as the record's chain does
     (``param_gather``); the ILP prices the bandwidth alone (``zero1_gather_time(latency=False)``), so a share can
     exceed 1 where latency is exposed. Without it a mesh axis across many nodes (96 ranks: ~1 ms a bucket) hid a
     chain the record found exposed (Megatron 16B on (96, 2) H100s: 0.037 s exposed, 0.001 s priced)."""
@@ -992,13 +1081,15 @@ def zero1_gather_shares(info: Graphinfo, cluster: Cluster, micro_batches: int = 
                 axes, _, gathered = zero1_gather_entry(value_of(n), o.output, mesh)
                 bw = zero1_gather_time(value_of(n), o.output, cluster, latency=False)
                 if bw < cheapest.get(axes, (math.inf, 0.0))[0]:
-                    cheapest[axes] = (bw, min(1.0, gathered / BUCKET_BYTES) * zero1_bucket_latency(axes, cluster))
+                    cheapest[axes] = (bw, gathered)
         first = min((before[u.name] for u in n.users if u.name in before), default=clock) / micro_batches
-        for axes, (bw, lat) in cheapest.items():
+        for axes, (bw, gathered) in cheapest.items():
             if bw > 0:
-                chains[axes].append((n.name, bw, lat, first))
+                chains[axes].append((n.name, bw, gathered, first))
     shares = {}
     for axes, chain in chains.items():  # a layout family at a time: gathering over more axes hides less
+        bucket = bucket_bytes(axes, cluster, sum(c[2] for c in chain))
+        chain = [(name, bw, min(1.0, g / bucket) * zero1_bucket_latency(axes, cluster), e) for name, bw, g, e in chain]
         chain.sort(key=lambda c: c[3])
         done, worst = 0.0, 0.0
         for name, bw, lat, e in chain:
@@ -1023,16 +1114,17 @@ def zero1_bucket_latency(axes, cluster: Cluster) -> float:
     return sum(collective_time("all_gather", 0.0, cluster.mesh_shape[i], cluster.link(i)) for i in axes)
 
 
-def zero1_buckets(entries) -> list[tuple[tuple[int, ...], list[int]]]:
+def zero1_buckets(entries, cluster: Cluster, sizes: dict[str, int] | None = None) -> list[tuple[tuple[int, ...],
+                                                                                                 list[int]]]:
     """ZeRO-1/2's after-step gather buckets as ``runtime/zero1.py`` fills them, in its launch order: per set of
-    axes and dtype, parameters in the order given (the runtime's: forward's first use), at most ``BUCKET_BYTES``
-    gathered bytes (a larger parameter alone). ``entries``: each parameter's ``zero1_gather_entry``. Returned:
-    (axes, entry indices) per bucket."""
+    axes and dtype, parameters in the order given (the runtime's: forward's first use), at most ``bucket_bytes``
+    gathered bytes (``_limit``: the plan's ``sizes``; a larger parameter alone). ``entries``: each parameter's
+    ``zero1_gather_entry``. Returned: (axes, entry indices) per bucket."""
     out: list[tuple[tuple[int, ...], list[int]]] = []
     open_: dict[tuple, tuple[list[int], float]] = {}
     for i, (axes, dtype, nbytes) in enumerate(entries):
         b, used = open_.get((axes, dtype), (None, 0.0))
-        if b is None or used + nbytes > BUCKET_BYTES:
+        if b is None or used + nbytes > _limit(axes, cluster, sizes):
             b, used = [], 0.0
             out.append((axes, b))
         b.append(i)
@@ -1040,19 +1132,19 @@ def zero1_buckets(entries) -> list[tuple[tuple[int, ...], list[int]]]:
     return out
 
 
-def zero1_gather_latency(entries, cluster: Cluster) -> float:
+def zero1_gather_latency(entries, cluster: Cluster, sizes: dict[str, int] | None = None) -> float:
     """Seconds ZeRO-1/2's bucketed parameter all-gather after the step adds to the bandwidth the ILP prices per
     parameter (``zero1_gather_time(latency=False)``): the latency, once per bucket per axis (``zero1_buckets``)."""
-    return sum(zero1_bucket_latency(axes, cluster) for axes, _ in zero1_buckets(entries))
+    return sum(zero1_bucket_latency(axes, cluster) for axes, _ in zero1_buckets(entries, cluster, sizes))
 
 
-def zero1_latency_shares(entries, cluster: Cluster) -> list[float]:
+def zero1_latency_shares(entries, cluster: Cluster, sizes: dict[str, int] | None = None) -> list[float]:
     """Per entry (``zero1_gather_entry``, in the runtime's order), its share of its bucket's latency
     (``zero1_buckets``), by gathered bytes: they sum to ``zero1_gather_latency``. What a pipeline stage's units add
     to each parameter's bandwidth: parameters smaller than a bucket but too large to share one (two 16 MiB blocks
     of a 25 MiB bucket) pay a whole bucket each, as the runtime gathers them."""
     out = [0.0] * len(entries)
-    for axes, idx in zero1_buckets(entries):
+    for axes, idx in zero1_buckets(entries, cluster, sizes):
         lat = zero1_bucket_latency(axes, cluster)
         nbytes = sum(entries[i][2] for i in idx)
         for i in idx:
@@ -1061,7 +1153,7 @@ def zero1_latency_shares(entries, cluster: Cluster) -> list[float]:
 
 
 def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster,
-                 micro_batches: int = 1) -> tuple[float, float]:
+                 micro_batches: int = 1, sizes: dict[str, int] | None = None) -> tuple[float, float]:
     """(total, exposed) seconds of ZeRO-1/2's parameter all-gather after the step, from the plan's node records
     ``nodes`` (``fwd_s``, ``op``) and ``gathered``: per ZeRO-1/2 parameter, in the order forward first uses them
     (the runtime's bucket order), (its node, its ``zero1_gather_entry``, seconds of its bandwidth).
@@ -1075,7 +1167,7 @@ def param_gather(traced: Traced, nodes: dict, gathered: list, cluster: Cluster,
     ``virtual_layers``) share their node's first use, which counts them exposed sooner than their layers would.
     With gradient accumulation over ``micro_batches`` only the first micro-batch's forward (1/m of the traced
     batch's) hides it: the later ones find every bucket gathered."""
-    buckets = zero1_buckets([e for _, e, _ in gathered])
+    buckets = zero1_buckets([e for _, e, _ in gathered], cluster, sizes)
     cost = [zero1_bucket_latency(axes, cluster) + sum(gathered[i][2] for i in idx) for axes, idx in buckets]
     total = sum(cost)
     if not cluster.device.comm_overlap or not buckets:
@@ -1117,18 +1209,33 @@ def grad_bucket_copy_time(nbytes: float, zero1: bool, ways: int, device: Device)
     return moved / device.mem_bandwidth
 
 
+def reduction_totals(traced: Traced, nodes: dict, reduced: dict, mesh) -> dict[tuple, float]:
+    """Bytes of gradients the plan reduces over each set of mesh axes (``reduced``: FQN -> axes; each gradient its
+    local size, from its node's ``output`` spec in ``nodes``), keyed by the sorted axes."""
+    node_of = {}
+    for ph, fqn in traced.params.items():
+        node_of.setdefault(fqn, ph)
+    graph = {n.name: n for n in traced.graph.nodes}
+    out: dict[tuple, float] = defaultdict(float)
+    for fqn, axes in reduced.items():
+        n = graph[node_of[fqn]]
+        out[tuple(sorted(axes))] += _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
+    return dict(out)
+
+
 def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster,
-                       micro_batches: int = 1) -> tuple[float, float]:
+                       micro_batches: int = 1, sizes: dict[str, int] | None = None) -> tuple[float, float]:
     """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
     axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
     As the runtime runs it: per set of reduced axes, gradients in backward order (a parameter's is final when
-    backward reaches its first user) in buckets of ``BUCKET_BYTES``, each one collective per axis
+    backward reaches its first user) in buckets of ``bucket_bytes``, each one collective per axis
     (``grad_reduction_time``: its latency too) launched as its last gradient is produced. Where the device overlaps
     communication with compute (``Device.comm_overlap``) the buckets run behind the backward compute still to come
     (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is.
     With gradient accumulation over ``micro_batches`` the buckets launch from the last micro-batch's backward
-    (``runtime/module.py``): only its backward, 1/m of the traced batch's, hides them."""
+    (``runtime/module.py``): only its backward, 1/m of the traced batch's, hides them. ``sizes``: the plan's bucket
+    sizes (``plan_bucket_bytes``; None: the links' ``bucket_bytes``)."""
     graph = [n for n in traced.graph.nodes if n.name in nodes]
     order = {n.name: i for i, n in enumerate(graph)}
     bwd = [(nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]) / micro_batches
@@ -1151,9 +1258,10 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     for (axes, zero1), grads in by_set.items():
         grads.sort()
         start = 0
-        while start < len(grads):  # at most BUCKET_BYTES per bucket, as the runtime fills them
+        limit = _limit(axes, cluster, sizes)
+        while start < len(grads):  # at most bucket_bytes per bucket, as the runtime fills them
             end, nb = start, 0.0
-            while end < len(grads) and (end == start or nb + grads[end][1] <= BUCKET_BYTES):
+            while end < len(grads) and (end == start or nb + grads[end][1] <= limit):
                 nb += grads[end][1]
                 end += 1
             launches.append((grads[end - 1][0], grad_reduction_time(nb, axes, zero1, cluster)))
@@ -1369,17 +1477,20 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
 def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption], vopts: list[OpOption], g: bool,
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
                  saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True,
-                 fused: tuple[bool, np.ndarray] | None = None, reduction_share: dict | None = None):
+                 fused: tuple[bool, np.ndarray] | None = None, reduction_share: dict | None = None,
+                 buckets: dict | None = None):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
     None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
     ``saved``: the consumer keeps it for backward (``saves_input``: under ZeRO-3, gathered again there).
     ``fused``: (into, forward seconds of the linear per option) where the edge's collective runs as a collective
     matmul with the consumer (into) or producer linear (``tp_overlap_hidden``). ``reduction_share``: per set of
-    summed axes, the share of a bucketed gradient's reduction priced (``grad_reduction_shares``; 1 where absent)."""
+    summed axes, the share of a bucketed gradient's reduction priced (``grad_reduction_shares``; 1 where absent).
+    ``buckets``: a bucketed gradient's bucket bytes per set of summed axes (``ilp_bucket_bytes``)."""
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
-    vkey = (tuple(val.shape), val.dtype, g, bucketed, saved)
+    vkey = (tuple(val.shape), val.dtype, g, bucketed, saved, tuple(sorted(buckets.items())) if bucketed and buckets
+            else ())
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
     srcs = [output_spec(ao, idx) for ao in uopts]
     src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
@@ -1413,7 +1524,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
             if parts is None:
                 parts = known[sk] = transition_parts(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                      regather=regathers[ai] and saved, scatter_grad=scatters[ai],
-                                                     chained=regathers[ai])
+                                                     chained=regathers[ai], buckets=buckets if bucketed else None)
             t = parts[0] + parts[1] * (reduction_share.get(parts[2], 1.0) if reduction_share else 1.0)
             if fused is not None:
                 into, lin_fwd = fused
@@ -1475,6 +1586,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     gather_share = zero1_gather_shares(info, cluster, opts.micro_batches)
     # the gradient reduction: what backward does not hide
     reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster, opts.micro_batches)
+    buckets = ilp_bucket_bytes(info, cluster)
     share_axes = sorted({ax for _, ax in reduction_shares})
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
     fwd_once = []  # forward seconds per option of one member of each group (what a collective matmul hides behind)
@@ -1580,12 +1692,13 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 share = {axes: float(np.mean([reduction_shares.get((m, axes), 1.0) for m in groups[gu]]))
                          for axes in share_axes}
             ekey = ("edge", id(traced.gm), v.name, j, tuple(map(id, uopts)), tuple(map(id, vopts)),
-                    tuple(fixed_axes), tuple(data_axes), fused is not None, tuple(sorted((share or {}).items())))
+                    tuple(fixed_axes), tuple(data_axes), fused is not None, tuple(sorted((share or {}).items())),
+                    tuple(sorted(buckets.items())) if bucketed else ())
             hit = cache.get(ekey)
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids, saves_input(v, j), fused, share))
+                    cluster, cache, spec_ids, saves_input(v, j), fused, share, buckets))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -1660,14 +1773,15 @@ def optimizer_temporaries(prob: Problem, opts: PlanOptions, offload: frozenset, 
     return out
 
 
-def zero1_gather_bytes(entries, mesh) -> float:
+def zero1_gather_bytes(entries, cluster: Cluster, sizes: dict[str, int] | None = None) -> float:
     """Bytes ZeRO-1/2's bucketed all-gather after the step holds at once, buckets filled as ``zero1_buckets``
     fills them (from ``zero1_gather_entry`` per parameter) and gathered in that order:
     ``GATHER_IN_FLIGHT`` consecutive buckets, each its gathered buffer ``G``, the packed slices ``G / N`` (N ranks
     over its axes) and, over several axes, the last-but-one gather's output and its re-packed copy, ``G / n`` each
     (n the outermost axis, gathered last: ``runtime/zero1.gather_bucket``). The step launches the first
     ``GATHER_IN_FLIGHT`` and forward launches each next one as it consumes one, so any such window is live."""
-    buckets = [(axes, sum(entries[i][2] for i in idx)) for axes, idx in zero1_buckets(entries)]
+    mesh = cluster.mesh_shape
+    buckets = [(axes, sum(entries[i][2] for i in idx)) for axes, idx in zero1_buckets(entries, cluster, sizes)]
     held = [g + g / math.prod(mesh[i] for i in axes) + (2 * g / mesh[axes[0]] if len(axes) > 1 else 0.0)
             for axes, g in buckets]
     return max((sum(held[max(0, i + 1 - GATHER_IN_FLIGHT): i + 1]) for i in range(len(held))), default=0.0)
@@ -1688,7 +1802,7 @@ def zero1_gather_entries(prob: Problem, choice, mesh) -> list[tuple]:
     return out
 
 
-def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], mesh) -> float:
+def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], cluster: Cluster) -> float:
     """What the optimizer row's linear terms (``memory_rows``: states, gradients, temporaries) miss for ``choice``:
     after the step the ZeRO-1/2 gradients are freed and their gather buckets are in flight, which weigh more than
     those gradients and the temporaries when few parameters are sliced (ZeRO-2: the gradients are slices already);
@@ -1697,13 +1811,14 @@ def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], mesh) -> 
     zero_grads = sum(float(prob.grad_memory[g][c]) for g, c in enumerate(choice)
                      if prob.info.options[prob.groups[g][0]][c].tag in ("zero1", "zero2"))
     temp = sum(float(t[c]) for t, c in zip(temps, choice))
-    return max(0.0, zero1_gather_bytes(zero1_gather_entries(prob, choice, mesh), mesh) - zero_grads - temp)
+    return max(0.0, zero1_gather_bytes(zero1_gather_entries(prob, choice, cluster.mesh_shape), cluster) - zero_grads -
+               temp)
 
 
 def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[float, float]:
     """The gradient reduction's buckets at the end of backward (``runtime/grads.py``), what the end-of-backward
     row adds to the gradients kept, as (flat buckets, what reduce-scattering adds): a bucket of all-reduced
-    gradients (at most ``BUCKET_BYTES``) and one of reduce-scattered ones (ZeRO-1/2), which also holds its
+    gradients (at most ``largest_bucket_bytes``) and one of reduce-scattered ones (ZeRO-1/2), which also holds its
     reduce-scatter output (the slices: 1/N of it, N the ranks they span) and, on a CPU cluster, gloo's copy of the
     flat input, alive as long as the collective's work (measured: an ``aten.split`` of the flat's size). At most
     ``REDUCE_IN_FLIGHT`` buckets of each kind: the runtime finishes the oldest launched bucket beyond that many
@@ -1717,9 +1832,10 @@ def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[flo
             slices += b / zero1_ways(o.output, cluster.mesh_shape)
         else:
             reduced += b
-    held = min(REDUCE_IN_FLIGHT * BUCKET_BYTES, scattered)
+    cap = REDUCE_IN_FLIGHT * largest_bucket_bytes(cluster)
+    held = min(cap, scattered)
     extra = held * (1.0 if cluster.device.name == "cpu" else 0.0) + (slices * held / scattered if held else 0.0)
-    return min(REDUCE_IN_FLIGHT * BUCKET_BYTES, reduced) + held, extra
+    return min(cap, reduced) + held, extra
 
 
 def bucket_rows(prob: Problem, cluster: Cluster) -> list[np.ndarray] | None:
@@ -2196,7 +2312,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             rows, emem = memory_model(modes, offload, mem)
             temps = optimizer_temporaries(prob, opts, offload, cluster)
             base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0,
-                             0.0 if sol0 is None else optimizer_row_base(prob, sol0.choice, temps, cluster.mesh_shape)])
+                             0.0 if sol0 is None else optimizer_row_base(prob, sol0.choice, temps, cluster)])
             base[0] += working  # forward-only: the live inputs and output of the largest op (nothing is saved)
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
@@ -2211,7 +2327,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                                        memory_limit=float(limit) if bounded else None, memory_base=base,
                                        hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
                 need = np.array([recompute_of(sol.choice), buckets_of(sol.choice)[1],
-                                 optimizer_row_base(prob, sol.choice, temps, cluster.mesh_shape)])
+                                 optimizer_row_base(prob, sol.choice, temps, cluster)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
                 base = np.maximum(base, need)
@@ -2238,7 +2354,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     bucket0 = buckets_of(sol0.choice)[0]
     rows0 = (sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
              np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
-                 prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster.mesh_shape)]))
+                 prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster)]))
     row0 = max(rows0)
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
@@ -2465,20 +2581,27 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     position = {n.name: i for i, n in enumerate(info.nodes)}
     zero_gathers.sort(key=lambda g: min((position[u.name] for u in node_by_name[g[0]].users if u.name in position),
                                         default=len(position)))  # the runtime's bucket order: forward's first use
-    gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster)
+    # the buckets' sizes, per set of axes, for the bytes reduced (else gathered) over them: what the runtime fills
+    red_totals = reduction_totals(traced, nodes, reduced, mesh)
+    totals = dict(red_totals)
+    for axes, _, gathered in [g[1] for g in zero_gathers]:
+        if axes not in red_totals:
+            totals[axes] = totals.get(axes, 0.0) + gathered
+    sizes = plan_bucket_bytes(totals, cluster)
+    gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster, sizes)
     # each parameter's share of its bucket's latency, what pipeline units sum (a stand-in's mean: one instance's)
     latency_of: dict[str, list[float]] = defaultdict(list)
-    for g, lat in zip(zero_gathers, zero1_latency_shares([g[1] for g in zero_gathers], cluster)):
+    for g, lat in zip(zero_gathers, zero1_latency_shares([g[1] for g in zero_gathers], cluster, sizes)):
         latency_of[g[0]].append(lat)
     for name, lats in latency_of.items():
         nodes[name]["gather_latency_s"] = sum(lats) / len(lats)
-    gather_total, gather_exposed = param_gather(traced, nodes, [g[:3] for g in zero_gathers], cluster)
+    gather_total, gather_exposed = param_gather(traced, nodes, [g[:3] for g in zero_gathers], cluster, 1, sizes)
     gather_priced = sum(g[3] for g in zero_gathers)
     comm_total += gather_exposed - gather_priced
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1/2), overlapped with backward where the
     # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
     # the exposed part, ``grad_reduction_s`` all of it
-    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, 1, sizes)
     comm_total += exposed
     hidden = reduction - exposed
     out_specs = {}
@@ -2518,7 +2641,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
     # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
     memory["optimizer_temporaries"] = max(temporaries.values())
-    memory["gather_in_flight"] = zero1_gather_bytes([g[1] for g in zero_gathers], mesh)
+    memory["gather_in_flight"] = zero1_gather_bytes([g[1] for g in zero_gathers], cluster, sizes)
     memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
                                                                   memory["gather_in_flight"] - zero_grads)
     memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
@@ -2535,14 +2658,15 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         m, batch = opts.micro_batches, _batch_of(traced)
         accumulation = {"micro_batches": m, "micro_batch_size": batch // m, "batch": batch}
         predicted = accumulated(predicted, m, traced, nodes, collectives, reduced, zero,
-                                [g[:3] for g in zero_gathers], cluster)
+                                [g[:3] for g in zero_gathers], cluster, sizes)
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),
         axis_names=tuple(axis_names),
         cluster=cluster.to_json(),
         options={"roles": dict(opts.roles), "pins": dict(opts.pins), "local_batch": opts.local_batch,
-                 "memory_limit": limit, "tp_comm_overlap": overlap},
+                 "memory_limit": limit, "tp_comm_overlap": overlap,
+                 "bucket_bytes": sizes},
         nodes=nodes,
         params=params,
         inputs=inputs,
@@ -2574,7 +2698,7 @@ def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> t
 
 
 def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collectives: list[dict], reduced: dict,
-                zero: dict, gathered: list, cluster: Cluster) -> dict:
+                zero: dict, gathered: list, cluster: Cluster, sizes: dict[str, int] | None = None) -> dict:
     """``predicted`` (a one-pass record of the traced batch, its memory already one micro-batch's:
     ``one_micro_batch``) for ``m`` gradient-accumulation micro-batches run one after another, as the runtime runs
     them (``ParallelModule.forward_backward``): the batch-proportional time is the same in all, what each
@@ -2584,8 +2708,8 @@ def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collective
     ``micro_batches``). On GPU presets (no per-op latency) accumulation costs only that less-hidden communication.
     ``predicted["accumulation"]`` says how the step is made up."""
     comp, comm = per_micro_batch_s(nodes, collectives, cluster.device)
-    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m)
-    _, gather = param_gather(traced, nodes, gathered, cluster, m)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m, sizes)
+    _, gather = param_gather(traced, nodes, gathered, cluster, m, sizes)
     exposed_1 = predicted["grad_reduction_s"] - predicted["hidden_comm_s"]
     extra_comm = (m - 1) * comm + (exposed - exposed_1) + (gather - predicted["param_gather_s"])
     out = dict(predicted)

@@ -1,7 +1,9 @@
 """Data-parallel gradient reduction: flat buckets launched from backward, overlapped with the rest of it.
 
 The gradients the plan marks as reduced (``plan.reduced``: a parameter replicated on a mesh axis whose users split
-the batch there) are summed over those axes in flat buckets of at most ``BUCKET_BYTES``. Buckets follow backward
+the batch there) are summed over those axes in flat buckets of at most ``BUCKET_BYTES`` (DDP's 25 MiB), or the
+plan's larger size for axes whose links would make a bucket that size latency-bound (``bucket_limit``: a 48-rank
+ring across nodes pays 47 hops of latency a bucket; ``planner.bucket_bytes``). Buckets follow backward
 order (the reverse of each parameter's first use in forward) and hold parameters reduced over the same axes the
 same way. Outside pipelines a bucket is launched (``async_op=True``) from the post-accumulate-grad hook of its last
 parameter, so it runs while backward computes the rest; the end of backward waits for all of them (a callback
@@ -126,14 +128,22 @@ def _groups_over(meshes: list[torch.Tensor], axes_sets) -> dict[tuple[int, ...],
     return out
 
 
+def bucket_limit(axes, sizes: dict[str, int]) -> int:
+    """Bytes a bucket over mesh ``axes`` holds at most: the plan's size for them (``plan.options["bucket_bytes"]``,
+    keyed ``"0,1"``: larger where the links make a collective latency-bound, ``planner.bucket_bytes``), else
+    ``BUCKET_BYTES``."""
+    return int(sizes.get(",".join(map(str, sorted(axes))), BUCKET_BYTES))
+
+
 class GradReducer:
     """The reduction of one module's gradients (see the module docstring). ``overlap``: launch from backward on
     dedicated groups; otherwise ``post_backward`` reduces on ``groups`` (the mesh's, one per axis)."""
 
     def __init__(self, params: dict[str, nn.Parameter], reduced: dict[str, tuple[int, ...]], zero: dict[str, int],
                  first_use: list[str], groups: list, coords: list[int], sizes: list[int], dm=None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, bucket_bytes: dict[str, int] | None = None) -> None:
         self._groups, self._coords, self._sizes = groups, coords, sizes
+        self._bucket_bytes = dict(bucket_bytes or {})  # the plan's sizes per set of axes (``bucket_limit``)
         order = {k: i for i, k in enumerate(reversed(first_use))}  # backward order: reverse of first use
         # ZeRO-2 parameters whose gradient needs no sum (the graph reduced it already) only keep their slice
         keys = [k for k in params if (k in reduced or zero.get(k) == 2) and params[k].requires_grad]
@@ -224,7 +234,8 @@ class GradReducer:
     # ---- buckets -------------------------------------------------------------------------------------------
     def _build(self) -> list[_Bucket]:
         """Buckets in the order their last gradient arrives; each entry joins the open bucket of its kind (axes,
-        all-reduce or reduce-scatter over the same slice axes), closed when the next would pass BUCKET_BYTES."""
+        all-reduce or reduce-scatter over the same slice axes), closed when the next would pass its axes'
+        ``bucket_limit``."""
         open_: dict[tuple, _Bucket] = {}
         done: list[tuple[int, _Bucket]] = []
         size: dict[tuple, int] = {}
@@ -233,7 +244,7 @@ class GradReducer:
                     self._chunk_of.get(e.key))
             nbytes = _local(e.param).nbytes
             b = open_.get(kind)
-            if b is not None and size[kind] + nbytes > BUCKET_BYTES:
+            if b is not None and size[kind] + nbytes > bucket_limit(e.axes, self._bucket_bytes):
                 done.append((b.entries[-1].order, b))
                 b = None
             if b is None:

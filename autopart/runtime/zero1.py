@@ -24,11 +24,12 @@ storage, so the optimizer updates the parameter in place; no copy of the weights
 
 The after-step gather runs in buckets as Megatron's distributed optimizer does: parameters replicated over the same
 mesh axes (and of one dtype) are packed, in the order forward first uses them (not the module's: a tied embedding
-registered as the head would hold every bucket back), into flat buckets of at most ``grads.BUCKET_BYTES``
-*gathered* bytes, and each bucket takes one ``all_gather_into_tensor`` per axis instead of one per parameter: the
+registered as the head would hold every bucket back), into flat buckets of at most ``grads.bucket_limit``
+*gathered* bytes (``grads.BUCKET_BYTES``, or the plan's larger size for axes whose links make it latency-bound),
+and each bucket takes one ``all_gather_into_tensor`` per axis instead of one per parameter: the
 latency is paid per bucket (on 48 ranks 47 ring steps per collective). The size counts the gathered parameters,
 not the slices, because that is the buffer the gather allocates: one bucket in flight stays at most
-``BUCKET_BYTES`` whatever the number of ranks, as the gradient's reduce-scatter bucket (measured on the whole
+that limit whatever the number of ranks, as the gradient's reduce-scatter bucket (measured on the whole
 gradients it reduces, ``runtime/grads.py``). The slice layout (``zero1_slice``) is the per-parameter one; packing
 only concatenates the padded slices, so state_dicts and the reduce-scatter agree with it.
 
@@ -123,9 +124,10 @@ def unpack_into(flat: torch.Tensor, block: torch.Tensor) -> None:
         flat[rows * w:].copy_(block[rows, :rem])
 
 
-def _buckets(slices: list[_Slice], sizes: list[int], limit: int) -> list[list[_Slice]]:
+def _buckets(slices: list[_Slice], sizes: list[int], limits: dict[str, int]) -> list[list[_Slice]]:
     """The slices in gather buckets: per set of axes and dtype, in the given order, closed when the next parameter
-    would take the bucket's gathered bytes past ``limit`` (a larger parameter gets a bucket of its own). Every rank
+    would take the bucket's gathered bytes past its axes' ``grads.bucket_limit`` (the plan's ``limits``; a larger
+    parameter gets a bucket of its own). Every rank
     of a group holds the same parameters with the same local shapes (replicated over its axes), so the ranks
     agree."""
     out: list[list[_Slice]] = []
@@ -134,7 +136,7 @@ def _buckets(slices: list[_Slice], sizes: list[int], limit: int) -> list[list[_S
         key = (tuple(s.axes), s.leaf.dtype)
         nbytes = s.size * math.prod(sizes[a] for a in s.axes) * s.leaf.element_size()
         b, used = open_.get(key, (None, 0))
-        if b is None or used + nbytes > limit:
+        if b is None or used + nbytes > _grads.bucket_limit(s.axes, limits):
             b, used = [], 0
             out.append(b)
         b.append(s)
@@ -283,7 +285,7 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
     scattered = {id(s) for k, s in by_key.items() if module._grads.scattered(k)}
     first = {k: i for i, k in enumerate(module._first_use)}
     order = sorted(by_key, key=lambda k: first.get(k, len(first)))  # forward's order: a tied embedding first
-    buckets = _buckets([by_key[k] for k in order], sizes, _grads.BUCKET_BYTES)
+    buckets = _buckets([by_key[k] for k in order], sizes, module._grads._bucket_bytes)
     axes = sorted({a for s in slices for a in s.axes})
     if module._grads.overlap:  # the reduction's dedicated groups, plus any axis it does not reduce over
         own = dict(module._grads._own)

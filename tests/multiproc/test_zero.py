@@ -257,3 +257,41 @@ def test_pipeline_zero1_parity():
     assert plan.pipeline["degree"] == 2 and set(plan.zero.values()) == {1}, (plan.pipeline, plan.zero)
     for *_, stats, launched in results:
         assert launched >= 1 and stats == {"launched_in_backward": len(batches()) * launched, "launched_at_end": 0}
+
+
+def _plan_bucket_sizes_run(floor: int, planned: int):
+    import autopart
+    from autopart.runtime import grads, zero1
+
+    grads.BUCKET_BYTES = floor  # the runtime's default: several buckets on the tiny model
+    model = make_model("gpt")
+    mesh = autopart.mesh((2,), ("dp",))
+    ids0 = batches()[0]
+    kw = dict(roles={"dp": "dp"}, zero=1)
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, **kw)
+    pm.optimizer(torch.optim.AdamW, **OPT)
+    default = (len(pm._grads.buckets()), len(pm._param_gather.buckets))
+    plan = pm.plan
+    plan.options["bucket_bytes"] = {"0": planned}  # as the planner records a latency-bound axis' larger size
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, plan=plan, **kw)
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    zero1.STATS["all_gathers"] = 0
+    sizes = [sum(grads._local(e.param).nbytes for e in b.entries) for b in pm._grads.buckets()]
+    losses, full = train(pm, opt)
+    return (losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), default, sizes,
+            opt.autopart_zero1_buckets, zero1.STATS["all_gathers"])
+
+
+def test_plan_bucket_sizes_fill_the_runtime_buckets():
+    """The plan's bucket size for an axis (``plan.options["bucket_bytes"]``, what ``planner.bucket_bytes`` records
+    where the links make the default latency-bound) is what the runtime fills to, for the gradient reduce-scatter and
+    ZeRO-1's after-step gather alike, over the default (``grads.BUCKET_BYTES``): fewer buckets, none past the size but
+    a parameter larger alone, parity with one process over 3 AdamW steps."""
+    floor, planned = 8 * 2**10, 48 * 2**10
+    results = run_ranks(2, _plan_bucket_sizes_run, floor, planned)
+    ref = reference("gpt")
+    check("gpt", [r[:5] for r in results], ref)
+    for *_, default, sizes, gather_buckets, gathers in results:
+        assert len(sizes) < default[0] and len(gather_buckets) < default[1], (sizes, gather_buckets, default)
+        assert max(sizes) > floor and all(s <= planned for s in sizes), sizes
+        assert gathers == len(batches()) * len(gather_buckets), (gathers, gather_buckets)

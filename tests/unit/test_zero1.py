@@ -102,7 +102,8 @@ def test_unpack_into_drops_only_the_padding(numel, width):
 
 def test_gather_latency_once_per_bucket():
     """The record's latency term fills buckets as the runtime does: per set of axes and dtype, in order, at most
-    BUCKET_BYTES gathered bytes (a larger parameter alone), each bucket one all-gather per axis."""
+    BUCKET_BYTES gathered bytes (a larger parameter alone), each bucket one all-gather per axis. (The plan's sizes
+    ``{}``: the runtime's default everywhere; ``tests/unit/test_buckets.py`` has the links' larger ones.)"""
     import autopart
     from autopart.planner import BUCKET_BYTES, zero1_gather_latency
 
@@ -114,8 +115,8 @@ def test_gather_latency_once_per_bucket():
         [((1,), torch.float32, mib)]
     # (1,) bf16: 10+10 | 10+10 | 10: 3 buckets over 8 ranks; (0, 1): one bucket, over both axes; (1,) fp32: one
     expected = 3 * 7 * alpha[1] + (1 * alpha[0] + 7 * alpha[1]) + 7 * alpha[1]
-    assert zero1_gather_latency(entries, cluster) == pytest.approx(expected, rel=1e-12)
-    assert zero1_gather_latency([], cluster) == 0.0
+    assert zero1_gather_latency(entries, cluster, {}) == pytest.approx(expected, rel=1e-12)
+    assert zero1_gather_latency([], cluster, {}) == 0.0
 
 
 def test_gather_latency_shares_follow_the_buckets():
@@ -131,10 +132,10 @@ def test_gather_latency_shares_follow_the_buckets():
         [((0,), torch.bfloat16, 64 * mib)]
     one = zero1_bucket_latency((0,), cluster)
     assert one == pytest.approx(47 * cluster.link(0).for_collective("all_gather").alpha, rel=1e-12)
-    shares = zero1_latency_shares(entries, cluster)
+    shares = zero1_latency_shares(entries, cluster, {})  # the default 25 MiB buckets
     # 16 | 16 | 16 + 5 | 5 | 64: the first 5 MiB joins the third 16 MiB bucket, the second opens a fourth
     assert shares == pytest.approx([one, one, one * 16 / 21, one * 5 / 21, one, one], rel=1e-12)
-    assert sum(shares) == pytest.approx(zero1_gather_latency(entries, cluster), rel=1e-12)
+    assert sum(shares) == pytest.approx(zero1_gather_latency(entries, cluster, {}), rel=1e-12)
 
 
 def _zero1_plan():
