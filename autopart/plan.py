@@ -193,8 +193,13 @@ class Plan:
         if self.reduced:
             axes = Counter(tuple(self.axis_names[i] for i in v) for v in self.reduced.values())
             lines.append("")
+            sizes = self.options.get("bucket_bytes", {})
             lines.append("gradient reduction after backward (bucketed): " + ", ".join(
-                f"{n} parameters over {'+'.join(k)}" for k, n in axes.items()))
+                f"{n} parameters over {'+'.join(k)}" for k, n in axes.items()) + (
+                "; buckets " + ", ".join(f"{_fmt_bytes(b)} over "
+                                         f"{'+'.join(self.axis_names[int(i)] for i in a.split(','))}"
+                                         for a, b in sizes.items()) + " (latency-bound at the default 25 MiB)"
+                if sizes else ""))
         if self.unsupported_ops:
             lines.append("ops without a sharding rule (replicated): " + ", ".join(self.unsupported_ops))
         if self.pipeline:

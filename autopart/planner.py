@@ -426,6 +426,36 @@ def plan_bucket_bytes(totals: dict[tuple, float], cluster: Cluster) -> dict[str,
     return out
 
 
+def choose_bucket_bytes(traced: Traced, nodes: dict, reduced: dict, zero: dict, gathered: list,
+                        totals: dict[tuple, float], cluster: Cluster, micro_batches: int = 1) -> dict[str, int]:
+    """The plan's bucket sizes (``plan.options["bucket_bytes"]``): per set of axes, of ``BUCKET_BYTES`` doubled up to
+    the links' ``bucket_bytes`` for its ``totals``, the size whose step exposes least of the gradient reduction and
+    ZeRO-1/2's gather as the record prices them (``gradient_reduction``, ``param_gather``; the smaller on a tie). A
+    larger bucket pays fewer latencies but holds back more of the last one, which only the end of backward launches
+    (the links' size alone made Megatron 32B's own plan 1% slower). One pass over the sets, each with the others'
+    sizes chosen so far."""
+    sizes = plan_bucket_bytes(totals, cluster)
+
+    def exposed(trial: dict[str, int]) -> float:
+        return gradient_reduction(traced, nodes, reduced, zero, cluster, micro_batches, trial)[1] + \
+            param_gather(traced, nodes, gathered, cluster, micro_batches, trial)[1]
+
+    for axes, total in sorted(totals.items()):
+        key = ",".join(map(str, sorted(axes)))
+        top = bucket_bytes(axes, cluster, total)
+        if not axes or top <= BUCKET_BYTES:
+            continue
+        ladder = [BUCKET_BYTES * 2**k for k in range(64) if BUCKET_BYTES * 2**k < top] + [top]
+        best = None
+        for size in ladder:
+            trial = {k: v for k, v in sizes.items() if k != key} | ({key: size} if size > BUCKET_BYTES else {})
+            t = exposed(trial)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, trial)
+        sizes = best[1]
+    return sizes
+
+
 def grad_reduction_share(nbytes: float, axes, zero1: bool, cluster: Cluster, bucket: int | None = None) -> float:
     """One parameter's share of its gradient bucket's reduction (``grad_reduction_time``): its ``nbytes`` over the
     links and through the bucket's copies, and the bucket's latency in proportion to its bytes (``bucket_bytes``
@@ -2587,7 +2617,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     for axes, _, gathered in [g[1] for g in zero_gathers]:
         if axes not in red_totals:
             totals[axes] = totals.get(axes, 0.0) + gathered
-    sizes = plan_bucket_bytes(totals, cluster)
+    sizes = choose_bucket_bytes(traced, nodes, reduced, zero, [g[:3] for g in zero_gathers], totals, cluster,
+                                opts.micro_batches)
     gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster, sizes)
     # each parameter's share of its bucket's latency, what pipeline units sum (a stand-in's mean: one instance's)
     latency_of: dict[str, list[float]] = defaultdict(list)
