@@ -2617,8 +2617,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     for axes, _, gathered in [g[1] for g in zero_gathers]:
         if axes not in red_totals:
             totals[axes] = totals.get(axes, 0.0) + gathered
-    sizes = choose_bucket_bytes(traced, nodes, reduced, zero, [g[:3] for g in zero_gathers], totals, cluster,
-                                opts.micro_batches)
+    # a pipeline stage's reduction runs from the schedule's last micro-batches, which its own record does not see
+    # (the pipeline model prices it, ``pipelining``): the links' sizes there; elsewhere the step's best
+    sizes = plan_bucket_bytes(totals, cluster) if opts.stage else choose_bucket_bytes(
+        traced, nodes, reduced, zero, [g[:3] for g in zero_gathers], totals, cluster, opts.micro_batches)
     gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster, sizes)
     # each parameter's share of its bucket's latency, what pipeline units sum (a stand-in's mean: one instance's)
     latency_of: dict[str, list[float]] = defaultdict(list)
