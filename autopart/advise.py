@@ -351,7 +351,7 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
     """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1's reduce-scatter), all of it, overlapped
     or not (``plan.predicted["hidden_comm_s"]`` says how much backward hides): the planner's buckets
     (``planner.gradient_reduction``); the bytes per set of reduced axes."""
-    from autopart.planner import gradient_reduction
+    from autopart.planner import gradient_reduction, reduce_scale
 
     mesh = cluster.mesh_shape
     node_of = {}
@@ -361,14 +361,15 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
     buckets: dict[tuple, float] = defaultdict(float)
     for fqn, axes in plan.reduced.items():
         val = nodes[node_of[fqn]].meta["val"]
-        buckets[(tuple(axes), plan.zero.get(fqn) in (1, 2))] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh)
+        buckets[(tuple(axes), plan.zero.get(fqn) in (1, 2))] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh) \
+            * reduce_scale(val.dtype, plan.options.get("reduce_dtype"))  # summed in PlanOptions.reduce_dtype
     nbytes = 0.0
     for (axes, zero1), size in buckets.items():
         for i in sorted(axes):
             nbytes += _bus_bytes("reduce_scatter" if zero1 else "all_reduce", size, mesh[i])
             size = size / mesh[i] if zero1 else size
     secs, _ = gradient_reduction(traced, plan.nodes, plan.reduced, plan.zero, cluster, 1,
-                                 plan.options.get("bucket_bytes", {}))
+                                 plan.options.get("bucket_bytes", {}), plan.options.get("reduce_dtype"))
     return secs, nbytes
 
 
@@ -707,14 +708,16 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
            cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int = 8, batch: int | None = None,
            seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
-           traced=None, recipes: bool = True, views: bool = True, **overrides: int | None) -> Advice:
+           traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
+           **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
     ``heads``, ``kv_heads``, ``vocab``, ``ffn``, ``experts``, ``top_k``; or ``factory`` ("module:function" or a
     callable returning an ``nn.Module`` or ``(module, inputs, kwargs)``). ``batch`` is the global batch in
     sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param`` optimizer bytes (12:
-    Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO). ``max_plan_s`` caps the
+    Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO); ``reduce_dtype``: the
+    gradient reduction's (``autopart.plan``). ``max_plan_s`` caps the
     planning time (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
     returns ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
     (``mesh_views``: tensor parallelism of any divisor of the node, data parallelism over all GPUs as one axis) and
@@ -762,7 +765,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                 try:
                     plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
                                          cluster=cl.with_mesh(shape), traced=traced, time_limit_s=time_limit_s,
-                                         optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes)
+                                         optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
+                                         reduce_dtype=reduce_dtype)
                 except (ValueError, SolverTimeout) as e:  # this mesh does not fit, or was not solved in time
                     err = e if err is None or isinstance(err, SolverTimeout) else err
                     tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})

@@ -222,7 +222,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
     a = adv_mod.advise(args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
                        nodes=args.nodes, gpus_per_node=args.gpus_per_node, batch=args.batch, seq=args.seq or 2048,
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
-                       max_plan_s=args.max_plan_s, views=not args.physical_mesh, **overrides)
+                       max_plan_s=args.max_plan_s, views=not args.physical_mesh,
+                       reduce_dtype={"fp32": "float32", "bf16": "bfloat16", None: None}[args.reduce_dtype],
+                       **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -282,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     a.add_argument("--optimizer-bytes", type=float, default=12.0, help="optimizer bytes per parameter (12: Adam "
                                                                         "with an fp32 master copy)")
+    a.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
+                   help="sum the data-parallel gradient reduction in this dtype (fp32: Megatron-LM's default with "
+                        "bf16 weights); default: the gradients' own")
     a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
     a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
     a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "

@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
-from autopart.planner import _local_bytes, grad_reduction_share
+from autopart.planner import _local_bytes, grad_reduction_share, reduce_scale
 from autopart.runtime.grads import (
     OVERLAP_IN_PIPELINE,  # pipelines reduce from the last micro-batch's backward
     bucket_limit,
@@ -202,11 +202,14 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
             u.time_s += c["time_s"]
             u.block_time_s += c["time_s"] * own
     fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
+    by_name = {n.name: n for n in order}
     for fqn, axes in plan.reduced.items():
         ph = fqn_node.get(fqn)
         if ph is None or ph not in unit_of:
             continue
-        nbytes = nodes[ph].get("grad_bytes", 0.0)
+        val = by_name[ph].meta.get("val") if ph in by_name else None
+        nbytes = nodes[ph].get("grad_bytes", 0.0) * (reduce_scale(val.dtype, plan.options.get("reduce_dtype"))
+                                                     if val is not None else 1.0)  # summed in the reduce dtype
         # its share of the runtime's bucket, not a collective of its own: per-parameter latencies priced pp2xdp2's
         # gradient reduction at 6x the sharding plan's. One several blocks use (a tied embedding and head, on the
         # first and the last stage) is reduced after the schedule, once those stages summed it

@@ -124,8 +124,19 @@ class PlanOptions:
     # over m micro-batches of batch/m one after another, the data-parallel reduction once, from the last one's
     # backward (``runtime/module.py``). The ILP holds one micro-batch's activations; ``_record`` prices the rest
     micro_batches: int = 1
+    # the dtype the data-parallel gradient reduction sums in (its buckets and collectives), e.g. "float32" for bf16
+    # gradients as Megatron-LM (``accumulate_allreduce_grads_in_fp32``) and FSDP2's ``reduce_dtype``; the reduced
+    # gradient is cast back to its own dtype. None: each gradient's own dtype
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reduce_dtype is not None:
+            if isinstance(self.reduce_dtype, torch.dtype):  # as a string: plans save it as JSON
+                object.__setattr__(self, "reduce_dtype", str(self.reduce_dtype).removeprefix("torch."))
+            dt = getattr(torch, str(self.reduce_dtype), None)
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: give a floating dtype such as 'float32' or "
+                                 f"torch.float32 (the gradient reduction sums in it), or None (each gradient's own)")
         for axis, role in self.roles.items():
             if role not in ("dp", "tp", "pp"):
                 raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp', 'pp'")
@@ -146,6 +157,13 @@ class PlanOptions:
                                  "of gradient-accumulation micro-batches the batch is split into)")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches!r}: give a whole number >= 1")
+
+
+def reduce_scale(dtype: torch.dtype, reduce_dtype: str | None) -> float:
+    """Bytes a gradient of ``dtype`` takes in the reduction (``PlanOptions.reduce_dtype``) per byte of its own."""
+    if reduce_dtype is None or not dtype.is_floating_point:
+        return 1.0
+    return getattr(torch, reduce_dtype).itemsize / dtype.itemsize
 
 
 class Pruned(Exception):
@@ -250,10 +268,12 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
 def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
                      param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
                      scatter_grad: bool = False, chained: bool = False,
-                     buckets: dict | None = None) -> tuple[float, float, tuple[int, ...]]:
+                     buckets: dict | None = None,
+                     reduce_dtype: str | None = None) -> tuple[float, float, tuple[int, ...]]:
     """``transition_time`` in two parts: (seconds of everything but a bucketed gradient's data-parallel reduction,
     seconds of that reduction, the mesh axes it sums over (ascending; empty without one)). ``buckets``: bucket
-    bytes per set of summed axes (``ilp_bucket_bytes``; absent: the links' ``bucket_bytes``)."""
+    bytes per set of summed axes (``ilp_bucket_bytes``; absent: the links' ``bucket_bytes``); ``reduce_dtype``: the
+    dtype it is summed in (``PlanOptions.reduce_dtype``)."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -283,8 +303,8 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
     if not summed:
         return total, 0.0, ()
     axes = tuple(sorted(a for a, _ in summed))
-    return total, grad_reduction_share(max(b for _, b in summed), axes, scatter_grad, cluster,
-                                       (buckets or {}).get(axes)), axes
+    return total, grad_reduction_share(max(b for _, b in summed) * reduce_scale(val.dtype, reduce_dtype), axes,
+                                       scatter_grad, cluster, (buckets or {}).get(axes)), axes
 
 
 def tp_overlap_on(opts: PlanOptions, cluster: Cluster) -> bool:
@@ -427,7 +447,8 @@ def plan_bucket_bytes(totals: dict[tuple, float], cluster: Cluster) -> dict[str,
 
 
 def choose_bucket_bytes(traced: Traced, nodes: dict, reduced: dict, zero: dict, gathered: list,
-                        totals: dict[tuple, float], cluster: Cluster, micro_batches: int = 1) -> dict[str, int]:
+                        totals: dict[tuple, float], cluster: Cluster, micro_batches: int = 1,
+                        reduce_dtype: str | None = None) -> dict[str, int]:
     """The plan's bucket sizes (``plan.options["bucket_bytes"]``): per set of axes, of ``BUCKET_BYTES`` doubled up to
     the links' ``bucket_bytes`` for its ``totals``, the size whose step exposes least of the gradient reduction and
     ZeRO-1/2's gather as the record prices them (``gradient_reduction``, ``param_gather``; the smaller on a tie). A
@@ -437,7 +458,7 @@ def choose_bucket_bytes(traced: Traced, nodes: dict, reduced: dict, zero: dict, 
     sizes = plan_bucket_bytes(totals, cluster)
 
     def exposed(trial: dict[str, int]) -> float:
-        return gradient_reduction(traced, nodes, reduced, zero, cluster, micro_batches, trial)[1] + \
+        return gradient_reduction(traced, nodes, reduced, zero, cluster, micro_batches, trial, reduce_dtype)[1] + \
             param_gather(traced, nodes, gathered, cluster, micro_batches, trial)[1]
 
     for axes, total in sorted(totals.items()):
@@ -1008,14 +1029,14 @@ def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], floa
     return before, clock, bwd
 
 
-def ilp_bucket_bytes(info: Graphinfo, cluster: Cluster) -> dict[tuple[int, ...], int]:
+def ilp_bucket_bytes(info: Graphinfo, cluster: Cluster, reduce_dtype: str | None = None) -> dict[tuple[int, ...], int]:
     """Per set of mesh axes (ascending, each of more than one rank), the ``bucket_bytes`` the ILP prices a gradient's
     share of a bucket's latency with, before the shardings are chosen: for every trainable parameter reduced over
     them in its smallest layout replicated there (sharded on every other axis), as ``grad_reduction_shares``
     estimates the chain."""
     mesh = cluster.mesh_shape
-    whole = sum(value_of(n).numel() * value_of(n).element_size() for n in info.nodes
-                if info.kind[n.name] == "param" and info.needs_grad[n.name])
+    whole = sum(value_of(n).numel() * value_of(n).element_size() * reduce_scale(value_of(n).dtype, reduce_dtype)
+                for n in info.nodes if info.kind[n.name] == "param" and info.needs_grad[n.name])
     multi = [i for i, k in enumerate(mesh) if k > 1]
     out = {}
     for r in range(1, len(multi) + 1):
@@ -1025,8 +1046,8 @@ def ilp_bucket_bytes(info: Graphinfo, cluster: Cluster) -> dict[tuple[int, ...],
     return out
 
 
-def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
-                          micro_batches: int = 1) -> dict[tuple[str, tuple[int, ...]], float]:
+def grad_reduction_shares(info: Graphinfo, cluster: Cluster, micro_batches: int = 1,
+                          reduce_dtype: str | None = None) -> dict[tuple[str, tuple[int, ...]], float]:
     """Per parameter node and set of mesh axes its gradient is summed over, the share of its bucketed reduction's
     seconds (``grad_reduction_share``) the ILP prices: 1 where a second more of it would end the step a second
     later, 0 where backward hides it. Empty (all of it) where the device does not overlap communication with
@@ -1058,7 +1079,8 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster,
     for r in range(1, len(multi) + 1):
         for axes in itertools.combinations(multi, r):
             others = math.prod(mesh[i] for i in range(len(mesh)) if i not in axes)
-            size = {n.name: value_of(n).numel() * value_of(n).element_size() / others for n in params}
+            size = {n.name: value_of(n).numel() * value_of(n).element_size() / others *
+                    reduce_scale(value_of(n).dtype, reduce_dtype) for n in params}
             bucket = bucket_bytes(axes, cluster, sum(size.values()))  # = ilp_bucket_bytes' for these axes
             chain = sorted((ready[n.name], grad_reduction_share(size[n.name], axes, False, cluster, bucket), n.name)
                            for n in params)
@@ -1239,9 +1261,10 @@ def grad_bucket_copy_time(nbytes: float, zero1: bool, ways: int, device: Device)
     return moved / device.mem_bandwidth
 
 
-def reduction_totals(traced: Traced, nodes: dict, reduced: dict, mesh) -> dict[tuple, float]:
+def reduction_totals(traced: Traced, nodes: dict, reduced: dict, mesh,
+                     reduce_dtype: str | None = None) -> dict[tuple, float]:
     """Bytes of gradients the plan reduces over each set of mesh axes (``reduced``: FQN -> axes; each gradient its
-    local size, from its node's ``output`` spec in ``nodes``), keyed by the sorted axes."""
+    local size, from its node's ``output`` spec in ``nodes``, in the reduction's dtype), keyed by the sorted axes."""
     node_of = {}
     for ph, fqn in traced.params.items():
         node_of.setdefault(fqn, ph)
@@ -1249,12 +1272,14 @@ def reduction_totals(traced: Traced, nodes: dict, reduced: dict, mesh) -> dict[t
     out: dict[tuple, float] = defaultdict(float)
     for fqn, axes in reduced.items():
         n = graph[node_of[fqn]]
-        out[tuple(sorted(axes))] += _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
+        out[tuple(sorted(axes))] += _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh) * \
+            reduce_scale(value_of(n).dtype, reduce_dtype)
     return dict(out)
 
 
 def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, cluster: Cluster,
-                       micro_batches: int = 1, sizes: dict[str, int] | None = None) -> tuple[float, float]:
+                       micro_batches: int = 1, sizes: dict[str, int] | None = None,
+                       reduce_dtype: str | None = None) -> tuple[float, float]:
     """(total, exposed) seconds of the data-parallel gradient reduction of the parameters in ``reduced`` (FQN ->
     axes), from the plan's node records ``nodes`` (``compute_s``, ``fwd_s``, ``output``) and ``zero`` levels.
 
@@ -1265,7 +1290,8 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     (``autopart.cost.comm.exposed_after``); what is left when backward ends is exposed. Otherwise all of it is.
     With gradient accumulation over ``micro_batches`` the buckets launch from the last micro-batch's backward
     (``runtime/module.py``): only its backward, 1/m of the traced batch's, hides them. ``sizes``: the plan's bucket
-    sizes (``plan_bucket_bytes``; None: the links' ``bucket_bytes``)."""
+    sizes (``plan_bucket_bytes``; None: the links' ``bucket_bytes``); ``reduce_dtype``: the dtype the buckets sum in
+    (``PlanOptions.reduce_dtype``; None: each gradient's own)."""
     graph = [n for n in traced.graph.nodes if n.name in nodes]
     order = {n.name: i for i, n in enumerate(graph)}
     bwd = [(nodes[n.name]["compute_s"] - nodes[n.name]["fwd_s"]) / micro_batches
@@ -1282,7 +1308,8 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
         n = node_of[node_by_fqn[fqn]]
         users = [order[u.name] for u in n.users if u.name in order]
         ready = float(after[min(users)]) if users else window
-        nbytes = _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh)
+        nbytes = _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh) * \
+            reduce_scale(value_of(n).dtype, reduce_dtype)
         by_set[(tuple(axes), zero.get(fqn) in (1, 2))].append((ready, nbytes))  # ZeRO-1/2: reduce-scatter
     launches = []
     for (axes, zero1), grads in by_set.items():
@@ -1497,7 +1524,8 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
                 icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False)
             grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
             if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
-                bucket[a] = local if info.needs_grad[rep.name] else 0.0  # summed in a flat bucket, whole
+                # summed in a flat bucket, whole, in the reduction's dtype
+                bucket[a] = local * reduce_scale(val.dtype, opts.reduce_dtype) if info.needs_grad[rep.name] else 0.0
     elif info.kind[rep.name] in ("buffer", "constant"):
         for a, o in enumerate(opts_r):
             mem[a] = _local_bytes(val, o.output, mesh)
@@ -1508,7 +1536,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
                  saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True,
                  fused: tuple[bool, np.ndarray] | None = None, reduction_share: dict | None = None,
-                 buckets: dict | None = None):
+                 buckets: dict | None = None, reduce_dtype: str | None = None):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
     None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
@@ -1520,7 +1548,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
     vkey = (tuple(val.shape), val.dtype, g, bucketed, saved, tuple(sorted(buckets.items())) if bucketed and buckets
-            else ())
+            else (), reduce_dtype if bucketed else None)
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
     srcs = [output_spec(ao, idx) for ao in uopts]
     src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
@@ -1554,7 +1582,8 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
             if parts is None:
                 parts = known[sk] = transition_parts(val, srcs[ai], dst, split, g, cluster, bucketed=bucketed,
                                                      regather=regathers[ai] and saved, scatter_grad=scatters[ai],
-                                                     chained=regathers[ai], buckets=buckets if bucketed else None)
+                                                     chained=regathers[ai], buckets=buckets if bucketed else None,
+                                                     reduce_dtype=reduce_dtype)
             t = parts[0] + parts[1] * (reduction_share.get(parts[2], 1.0) if reduction_share else 1.0)
             if fused is not None:
                 into, lin_fwd = fused
@@ -1615,8 +1644,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     # ZeRO-1/2's after-step gather: what forward does not hide
     gather_share = zero1_gather_shares(info, cluster, opts.micro_batches)
     # the gradient reduction: what backward does not hide
-    reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster, opts.micro_batches)
-    buckets = ilp_bucket_bytes(info, cluster)
+    reduction_shares = {} if opts.stage else grad_reduction_shares(info, cluster, opts.micro_batches,
+                                                                   opts.reduce_dtype)
+    buckets = ilp_bucket_bytes(info, cluster, opts.reduce_dtype)
     share_axes = sorted({ax for _, ax in reduction_shares})
     node_cost, compute_cost, node_memory, fwd_compute, region, grad_memory, bucket_memory = [], [], [], [], [], [], []
     fwd_once = []  # forward seconds per option of one member of each group (what a collective matmul hides behind)
@@ -1648,7 +1678,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         # session on this mesh: ``_analyzed``), the data axes and two options: problems that differ elsewhere (roles
         # on other nodes, the ZeRO level of parameters, budgets) share them
         nkey = ("node", id(traced.gm), rep.name, tuple(map(id, opts_r)), tuple(dp_axes),
-                opts.optimizer_bytes_per_param, opts.kv_cache_tokens)
+                opts.optimizer_bytes_per_param, opts.kv_cache_tokens, opts.reduce_dtype)
         hit = cache.get(nkey)
         if hit is None:
             hit = cache[nkey] = (opts_r, *_node_prices(rep, opts_r, val, info, cluster, opts, dp_axes, saving_users,
@@ -1723,12 +1753,12 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                          for axes in share_axes}
             ekey = ("edge", id(traced.gm), v.name, j, tuple(map(id, uopts)), tuple(map(id, vopts)),
                     tuple(fixed_axes), tuple(data_axes), fused is not None, tuple(sorted((share or {}).items())),
-                    tuple(sorted(buckets.items())) if bucketed else ())
+                    tuple(sorted(buckets.items())) if bucketed else (), opts.reduce_dtype if bucketed else None)
             hit = cache.get(ekey)
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids, saves_input(v, j), fused, share, buckets))
+                    cluster, cache, spec_ids, saves_input(v, j), fused, share, buckets, opts.reduce_dtype))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -2612,7 +2642,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     zero_gathers.sort(key=lambda g: min((position[u.name] for u in node_by_name[g[0]].users if u.name in position),
                                         default=len(position)))  # the runtime's bucket order: forward's first use
     # the buckets' sizes, per set of axes, for the bytes reduced (else gathered) over them: what the runtime fills
-    red_totals = reduction_totals(traced, nodes, reduced, mesh)
+    red_totals = reduction_totals(traced, nodes, reduced, mesh, opts.reduce_dtype)
     totals = dict(red_totals)
     for axes, _, gathered in [g[1] for g in zero_gathers]:
         if axes not in red_totals:
@@ -2620,7 +2650,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # a pipeline stage's reduction runs from the schedule's last micro-batches, which its own record does not see
     # (the pipeline model prices it, ``pipelining``): the links' sizes there; elsewhere the step's best
     sizes = plan_bucket_bytes(totals, cluster) if opts.stage else choose_bucket_bytes(
-        traced, nodes, reduced, zero, [g[:3] for g in zero_gathers], totals, cluster, opts.micro_batches)
+        traced, nodes, reduced, zero, [g[:3] for g in zero_gathers], totals, cluster, opts.micro_batches,
+        opts.reduce_dtype)
     gather_latency = zero1_gather_latency([g[1] for g in zero_gathers], cluster, sizes)
     # each parameter's share of its bucket's latency, what pipeline units sum (a stand-in's mean: one instance's)
     latency_of: dict[str, list[float]] = defaultdict(list)
@@ -2634,7 +2665,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # data-parallel gradient reduction (all-reduce; reduce-scatter for ZeRO-1/2), overlapped with backward where the
     # device overlaps communication: ``hidden`` of it runs behind backward compute; ``comm_s`` (in the step) holds
     # the exposed part, ``grad_reduction_s`` all of it
-    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, 1, sizes)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, 1, sizes, opts.reduce_dtype)
     comm_total += exposed
     hidden = reduction - exposed
     out_specs = {}
@@ -2691,7 +2722,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         m, batch = opts.micro_batches, _batch_of(traced)
         accumulation = {"micro_batches": m, "micro_batch_size": batch // m, "batch": batch}
         predicted = accumulated(predicted, m, traced, nodes, collectives, reduced, zero,
-                                [g[:3] for g in zero_gathers], cluster, sizes)
+                                [g[:3] for g in zero_gathers], cluster, sizes, opts.reduce_dtype)
     return Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),
@@ -2699,7 +2730,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         cluster=cluster.to_json(),
         options={"roles": dict(opts.roles), "pins": dict(opts.pins), "local_batch": opts.local_batch,
                  "memory_limit": limit, "tp_comm_overlap": overlap,
-                 "bucket_bytes": sizes},
+                 "bucket_bytes": sizes, "reduce_dtype": opts.reduce_dtype},
         nodes=nodes,
         params=params,
         inputs=inputs,
@@ -2731,7 +2762,8 @@ def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> t
 
 
 def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collectives: list[dict], reduced: dict,
-                zero: dict, gathered: list, cluster: Cluster, sizes: dict[str, int] | None = None) -> dict:
+                zero: dict, gathered: list, cluster: Cluster, sizes: dict[str, int] | None = None,
+                reduce_dtype: str | None = None) -> dict:
     """``predicted`` (a one-pass record of the traced batch, its memory already one micro-batch's:
     ``one_micro_batch``) for ``m`` gradient-accumulation micro-batches run one after another, as the runtime runs
     them (``ParallelModule.forward_backward``): the batch-proportional time is the same in all, what each
@@ -2741,7 +2773,7 @@ def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collective
     ``micro_batches``). On GPU presets (no per-op latency) accumulation costs only that less-hidden communication.
     ``predicted["accumulation"]`` says how the step is made up."""
     comp, comm = per_micro_batch_s(nodes, collectives, cluster.device)
-    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m, sizes)
+    reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m, sizes, reduce_dtype)
     _, gather = param_gather(traced, nodes, gathered, cluster, m, sizes)
     exposed_1 = predicted["grad_reduction_s"] - predicted["hidden_comm_s"]
     extra_comm = (m - 1) * comm + (exposed - exposed_1) + (gather - predicted["param_gather_s"])

@@ -16,7 +16,8 @@ parameters all-gathered after the step) and with zero=0, beside autopart's own p
 batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8), nothing pinned). Reported per score: the data-parallel gradient
 reduction (all of it, and what backward does not hide) and ZeRO-1's parameter all-gather after the step (what the
 next forward does not hide, and all of it: the runtime waits for each bucket before its parameters' first use, as
-Megatron's --overlap-param-gather), per rank.
+Megatron's --overlap-param-gather), per rank. Gradients are reduced in fp32 (``--reduce-dtype``), as Megatron-LM does
+with bf16 weights (``accumulate_allreduce_grads_in_fp32``).
 TFLOP/s per GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
 """
 
@@ -129,7 +130,8 @@ def megatron(args) -> list[dict]:
         t = trace(model, (ids,), {"labels": ids})
         export_s = time.perf_counter() - t0
         flops = megatron_flops(batch, layers, h)
-        common = dict(cluster=args.cluster, traced=t, optimizer_bytes_per_param=12.0)
+        rd = None if args.reduce_dtype == "none" else args.reduce_dtype
+        common = dict(cluster=args.cluster, traced=t, optimizer_bytes_per_param=12.0, reduce_dtype=rd)
         rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
                "published_tflops": published, "export_s": export_s}
         for zero in (1, 0):
@@ -150,7 +152,8 @@ def megatron(args) -> list[dict]:
         # 1, 2, 4 or 8 inside a node), the fastest kept
         t0 = time.perf_counter()
         adv = advise_mod.advise(built=(name, model, (ids,), {"labels": ids}, cfg), traced=t, cluster=args.cluster,
-                                nodes=gpus // 8, gpus_per_node=8, batch=batch, seq=SEQ, optimizer_bytes_per_param=12.0)
+                                nodes=gpus // 8, gpus_per_node=8, batch=batch, seq=SEQ, optimizer_bytes_per_param=12.0,
+                                reduce_dtype=rd)
         if adv.fits:
             rec["own_step_s"] = adv.step_time_s
             rec["own_pred_tflops"] = flops / adv.step_time_s / gpus / 1e12
@@ -184,6 +187,8 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="megatron: comma-separated model names (default: all)")
     ap.add_argument("--cluster", default="h100-80gb", help="megatron: the preset (or cluster file) the rows are "
                     "priced on, e.g. benchmarks/clusters/h100-xla-gemms.toml")
+    ap.add_argument("--reduce-dtype", default="float32", help="megatron: the dtype the gradient reduction sums in "
+                    "(float32: Megatron-LM's accumulate_allreduce_grads_in_fp32 with bf16; none: the gradients' own)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = planning(args) if args.what == "planning" else megatron(args)

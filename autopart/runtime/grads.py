@@ -141,8 +141,12 @@ class GradReducer:
 
     def __init__(self, params: dict[str, nn.Parameter], reduced: dict[str, tuple[int, ...]], zero: dict[str, int],
                  first_use: list[str], groups: list, coords: list[int], sizes: list[int], dm=None,
-                 overlap: bool = True, bucket_bytes: dict[str, int] | None = None) -> None:
+                 overlap: bool = True, bucket_bytes: dict[str, int] | None = None,
+                 reduce_dtype: str | torch.dtype | None = None) -> None:
         self._groups, self._coords, self._sizes = groups, coords, sizes
+        # the dtype the buckets sum in (``PlanOptions.reduce_dtype``: fp32 for bf16 gradients, as Megatron-LM and
+        # FSDP2's ``reduce_dtype``); the sums are cast back to each gradient's dtype. None: the gradients' own
+        self._reduce_dtype = getattr(torch, reduce_dtype) if isinstance(reduce_dtype, str) else reduce_dtype
         self._bucket_bytes = dict(bucket_bytes or {})  # the plan's sizes per set of axes (``bucket_limit``)
         order = {k: i for i, k in enumerate(reversed(first_use))}  # backward order: reverse of first use
         # ZeRO-2 parameters whose gradient needs no sum (the graph reduced it already) only keep their slice
@@ -359,7 +363,9 @@ class GradReducer:
             return
         if not b.scatter:
             grads = [P.dtensor_local(e.param.grad) for e in entries]
-            b.flat = torch.cat([g.reshape(-1) for g in grads])
+            rd = self._reduce_dtype
+            b.flat = torch.cat([g.reshape(-1) if rd is None or not g.is_floating_point() else g.reshape(-1).to(rd)
+                                for g in grads])
             b.grads = list(zip(entries, grads))
             if async_op:
                 b.work = dist.all_reduce(b.flat, group=self._own[b.axes], async_op=True)
@@ -372,7 +378,7 @@ class GradReducer:
         red = list(b.axes)
         n_red = math.prod(self._sizes[a] for a in red)
         per = sum(e.slice.size for e in entries)
-        b.flat = flat = torch.zeros(n_red * per, dtype=_local(entries[0].param).dtype,
+        b.flat = flat = torch.zeros(n_red * per, dtype=self._reduce_dtype or _local(entries[0].param).dtype,
                                     device=_local(entries[0].param).device)
         ranks = []  # per block r: the slice index (mixed radix over the slice axes) it holds
         for r in range(n_red):
@@ -423,7 +429,8 @@ class GradReducer:
                 s = e.slice
                 part = b.out[off: off + s.end - s.start]
                 off += s.size
-                if e.level == 2:
+                if e.level == 2:  # (the sum cast back from the reduction's dtype)
+                    part = part.to(s.leaf.dtype)
                     s.leaf.grad = part.clone() if s.leaf.grad is None else s.leaf.grad.add_(part)
                 else:  # ZeRO-1: the reduced slice back into the whole gradient buffer
                     P.dtensor_local(e.param.grad).view(-1)[s.start:s.end].copy_(part)

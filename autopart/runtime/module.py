@@ -175,7 +175,7 @@ class ParallelModule(nn.Module):
             dict(self._params.items()), {self._key_of[f]: axes for f, axes in self._reduced.items()},
             {self._key_of[f]: lvl for f, lvl in plan.zero.items() if f in self._key_of}, first_use, self._groups,
             self._coords, self._sizes, dm, overlap=self.overlap_grads and G.OVERLAP_WITH_BACKWARD,
-            bucket_bytes=plan.options.get("bucket_bytes"))
+            bucket_bytes=plan.options.get("bucket_bytes"), reduce_dtype=plan.options.get("reduce_dtype"))
         self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
                                                      input_names)}
         self._make_program = make_program

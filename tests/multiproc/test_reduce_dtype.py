@@ -1,0 +1,79 @@
+"""The data-parallel gradient reduction in another dtype (``PlanOptions.reduce_dtype``) on real gloo processes:
+bf16 gradients summed in fp32, as Megatron-LM (``accumulate_allreduce_grads_in_fp32``) and FSDP2's ``reduce_dtype``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.harness import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 4
+SHAPES = [(3, 257), (1000,), (17, 9)]
+
+
+def _grad(rank: int, i: int) -> torch.Tensor:
+    """Rank ``rank``'s bf16 gradient of parameter ``i``: spread over 2^-12 .. 2^4, where bf16's 8-bit mantissa
+    rounds the partial sums of a bf16 ring."""
+    g = torch.Generator().manual_seed(1000 * i + rank)
+    x = torch.randn(SHAPES[i], generator=g) * torch.exp2(torch.randint(-12, 5, SHAPES[i], generator=g).float())
+    return x.to(torch.bfloat16)
+
+
+def _reduce_run(reduce_dtype, zero: int):
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+
+    from autopart.runtime.grads import GradReducer
+    from autopart.runtime.zero1 import _Slice, zero1_slice
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (WORLD,))
+
+    def dt(t):  # the runtime's parameters and gradients are DTensors, replicated on the data-parallel axis
+        return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+
+    params = {f"p{i}": nn.Parameter(dt(torch.zeros(s, dtype=torch.bfloat16))) for i, s in enumerate(SHAPES)}
+    keys = list(params)
+    red = GradReducer(params, {k: (0,) for k in keys}, {k: zero for k in keys} if zero else {}, keys,
+                      [dist.group.WORLD], [rank], [WORLD], dm=None, overlap=False, reduce_dtype=reduce_dtype)
+    slices = {}
+    if zero:
+        for k, p in params.items():
+            start, end, size = zero1_slice(p.numel(), [rank], [WORLD], [0])
+            leaf = nn.Parameter(p.to_local().detach().view(-1)[start:end])
+            slices[k] = _Slice(p, leaf, start, end, size, [0])
+        red.attach(slices)
+    for i, k in enumerate(keys):
+        params[k].grad = dt(_grad(rank, i))
+    red.post_backward()
+    if zero == 2:  # only this rank's slice of the sum stays
+        return {k: (s.start, s.end, s.leaf.grad.clone()) for k, s in slices.items()}
+    if zero == 1:  # the reduced slice in the whole gradient buffer
+        return {k: (s.start, s.end, params[k].grad.to_local().view(-1)[s.start:s.end].clone())
+                for k, s in slices.items()}
+    return {k: (0, p.numel(), p.grad.to_local().view(-1).clone()) for k, p in params.items()}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2], ids=["all-reduce", "zero1-reduce-scatter", "zero2-reduce-scatter"])
+def test_bf16_gradients_summed_in_fp32(zero):
+    """With ``reduce_dtype="float32"`` every rank's reduced bf16 gradient (all-reduced, or its ZeRO-1/2 slice of a
+    reduce-scatter) is the fp32 sum of the 4 ranks' bf16 gradients rounded once to bf16: exactly, element for
+    element. Summed in bf16 (no reduce dtype) the ring's partial sums round, and some elements differ."""
+    exact = [sum(_grad(r, i).float() for r in range(WORLD)).to(torch.bfloat16).view(-1) for i in range(len(SHAPES))]
+    for reduce_dtype, want_exact in (("float32", True), (None, False)):
+        results = run_ranks(WORLD, _reduce_run, reduce_dtype, zero)
+        mismatched = 0
+        for res in results:
+            for i, (start, end, got) in enumerate(res.values()):
+                assert got.dtype == torch.bfloat16
+                ref = exact[i][start:end]
+                if want_exact:
+                    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+                else:
+                    mismatched += int((got != ref).sum())
+        if not want_exact:
+            assert mismatched > 0, "a bf16 ring summed these exactly: the test cannot tell the dtypes apart"
