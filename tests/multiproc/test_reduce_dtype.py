@@ -77,3 +77,31 @@ def test_bf16_gradients_summed_in_fp32(zero):
                     mismatched += int((got != ref).sum())
         if not want_exact:
             assert mismatched > 0, "a bf16 ring summed these exactly: the test cannot tell the dtypes apart"
+
+
+def _parallelize_run(zero: int):
+    import autopart
+    from tests.multiproc.parity import OPT, batches, make_model, train
+
+    model = make_model("gpt")
+    mesh = autopart.mesh((2,), ("dp",))
+    ids0 = batches()[0]
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"dp": "dp"}, zero=zero,
+                              reduce_dtype=torch.float64)
+    losses, full = train(pm, pm.optimizer(torch.optim.AdamW, **OPT))
+    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), pm._grads._reduce_dtype
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_parallelize_reduces_in_the_plans_dtype(zero):
+    """``parallelize(..., reduce_dtype=torch.float64)`` on dp2 (all-reduce; ZeRO-1's reduce-scatter): the plan
+    records it, the module's reducer sums in it, and training matches one process over 3 AdamW steps (fp32 model:
+    the sums cast back)."""
+    from autopart.plan import Plan
+    from tests.multiproc.parity import check, reference
+
+    results = run_ranks(2, _parallelize_run, zero)
+    check("gpt", [r[:5] for r in results], reference("gpt"))
+    for r in results:
+        assert Plan.from_json(r[3]).options["reduce_dtype"] == "float64"
+        assert r[5] == torch.float64
