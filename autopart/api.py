@@ -334,6 +334,9 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     make_program = _program_maker(model, stage_mesh, pins, micro_kw)
     margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), int(pipe["micro_batch_size"]))
     prog = make_program(margs, mkw, dict(plan.params))
+    # the buckets the pipelined plan was priced with (its reduction runs from the schedule's last micro-batches),
+    # not the micro-batch re-solve's own choice
+    prog.plan.options["bucket_bytes"] = dict(plan.options.get("bucket_bytes", {}))
     # which chunks use each parameter (a tied embedding/head: the first and the last)
     from autopart.pipelining import assign_stages
 
