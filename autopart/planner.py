@@ -1875,10 +1875,12 @@ def optimizer_row_base(prob: Problem, choice, temps: list[np.ndarray], cluster: 
                temp)
 
 
-def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[float, float]:
+def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster,
+                           bucket: int | None = None) -> tuple[float, float]:
     """The gradient reduction's buckets at the end of backward (``runtime/grads.py``), what the end-of-backward
     row adds to the gradients kept, as (flat buckets, what reduce-scattering adds): a bucket of all-reduced
-    gradients (at most ``largest_bucket_bytes``) and one of reduce-scattered ones (ZeRO-1/2), which also holds its
+    gradients (at most ``bucket``, the plan's largest, or before there is a plan ``largest_bucket_bytes``) and one of
+    reduce-scattered ones (ZeRO-1/2), which also holds its
     reduce-scatter output (the slices: 1/N of it, N the ranks they span) and, on a CPU cluster, gloo's copy of the
     flat input, alive as long as the collective's work (measured: an ``aten.split`` of the flat's size). At most
     ``REDUCE_IN_FLIGHT`` buckets of each kind: the runtime finishes the oldest launched bucket beyond that many
@@ -1892,7 +1894,7 @@ def reduction_bucket_bytes(prob: Problem, choice, cluster: Cluster) -> tuple[flo
             slices += b / zero1_ways(o.output, cluster.mesh_shape)
         else:
             reduced += b
-    cap = REDUCE_IN_FLIGHT * largest_bucket_bytes(cluster)
+    cap = REDUCE_IN_FLIGHT * (bucket or largest_bucket_bytes(cluster))
     held = min(cap, scattered)
     extra = held * (1.0 if cluster.device.name == "cpu" else 0.0) + (slices * held / scattered if held else 0.0)
     return min(cap, reduced) + held, extra
@@ -2701,7 +2703,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
         memory.get("kv_cache", 0.0)
     memory["peak_forward"] += recompute
-    memory["peak_backward"] = states + memory["gradients"] + sum(reduction_bucket_bytes(prob, sol.choice, cluster))
+    memory["peak_backward"] = states + memory["gradients"] + sum(reduction_bucket_bytes(
+        prob, sol.choice, cluster, max([BUCKET_BYTES, *sizes.values()])))
     # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
     # ZeRO-1/2 gradients are freed and their gather buckets are in flight (``optimizer_row_base``)
     memory["optimizer_temporaries"] = max(temporaries.values())
