@@ -2167,7 +2167,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
     cand, tried, errors = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
                                             allow_checkpoint=ck in (None, "selective"))
     wall = time.perf_counter() - t0
-    base, base_err, base_bound = None, None, None
+    base, base_err, base_bound, cand_note = None, None, None, ""
     no_pp = dataclasses.replace(opts, pipeline="off")
     if not pp_axes and "stages" not in forced:
         # the fastest plan without stages, memory ignored: when it fits it is the plan without stages; if not, it
@@ -2196,14 +2196,27 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                 base_bound = min(free.solver["objective"], free.predicted["step_time_s"]) if reduced is None \
                     else free.solver["objective"]
     if base is None and base_bound is not None and (cand is None or cand.step_s >= base_bound):
+        from autopart.solver.ilp import SolverTimeout
+
         try:  # where it needs recompute or offload to fit, also with gradient accumulation (one more solve)
             base = _accumulated_plan(traced, cluster, axis_names, no_pp,
                                      search=opts.checkpoint is None and opts.offload is None and "stages" not in forced)
         except ValueError as e:
             base_err = e
+        except SolverTimeout as e:
+            # a pipeline plan is in hand: the plan without stages, which fits only with recompute or offload, could
+            # not be solved in time, and the answer is the pipeline (its bound says it might have been faster); a
+            # timeout there had failed the whole plan (Llama-405B on (512, 8) H100s: no plan for the mesh)
+            if cand is None:
+                raise
+            base_err = e
+            cand_note = f"the plan without stages was not solved in time ({e}); its bound {base_bound:.4g} s"
     p1 = base.predicted["step_time_s"] if base is not None else base_bound
     if cand is not None and (base is None or cand.step_s < base.predicted["step_time_s"] * (1 - 1e-9)):
-        return pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1, bound=base is None)
+        out = pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1, bound=base is None)
+        if cand_note:
+            out.solver["unsolved"] = cand_note
+        return out
     if base is not None:
         base.solver["pipeline_search_s"] = wall
         base.solver["pipeline_candidates"] = sorted(tried, key=lambda r: r["step_time_s"])[:8]

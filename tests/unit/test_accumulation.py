@@ -103,3 +103,29 @@ def test_planner_accumulates_where_activations_do_not_fit(pinned):
     assert p.predicted["step_time_s"] < tried["one_pass_step_time_s"]
     # nothing said and it fits in one pass: no accumulation
     assert "accumulation_tried" not in free.solver
+
+
+def test_plan_without_stages_timing_out_keeps_the_pipeline(monkeypatch):
+    """Where the plan without stages fits only with recompute or offload, the pipeline search solves it once more
+    (with accumulation); when that solve times out (``SolverTimeout``) and a pipeline plan is in hand, the answer
+    is the pipeline plan, noting what was not solved (it had failed the whole plan: Llama-405B on (512, 8) H100s)."""
+    import autopart.planner as planner
+    from autopart.solver.ilp import SolverTimeout
+
+    model, ids = _gpt()
+    mesh = autopart.mesh((2,), ("dp",))
+    free = autopart.plan(model, mesh, (ids,), {"labels": ids}, cluster="h100-80gb")
+    budget = 0.5 * free.predicted["memory_bytes"]["total"] / (1 - autopart.api.MEMORY_MODEL_MARGIN)
+    calls = []
+    original = planner._accumulated_plan
+
+    def timeout(*args, **kw):
+        if "search" not in kw:  # the recipes' and pipeline-off plans: solved as usual
+            return original(*args, **kw)
+        calls.append(1)  # the pipeline search's plan without stages (it passes search= by name)
+        raise SolverTimeout("highs found no solution within 0 s (test)")
+
+    monkeypatch.setattr(planner, "_accumulated_plan", timeout)
+    p = autopart.plan(model, mesh, (ids,), {"labels": ids}, cluster="h100-80gb", memory_budget=budget)
+    assert calls and p.pipeline["degree"] == 2, p.pipeline
+    assert "not solved in time" in p.solver["unsolved"]
