@@ -889,7 +889,8 @@ def compare(plan_advice: Advice, recipe_advice: Advice) -> dict[str, Any]:
 
 
 def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: dict, time_limit_s: float,
-                    optimizer_bytes_per_param: float, max_plan_s: float | None) -> Advice:
+                    optimizer_bytes_per_param: float, max_plan_s: float | None,
+                    reduce_dtype: str | torch.dtype | None = None) -> Advice:
     import autopart
 
     _, module, inputs, kwargs, _ = built
@@ -898,7 +899,8 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
         with _Cap(max_plan_s):
             plan = autopart.evaluate(module, base["gpus"], inputs, kwargs, cluster=cluster, tp=rec.tp, pp=rec.pp,
                                      micro_batches=rec.micro_batches, zero=None, offload=None, traced=traced,
-                                     time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param)
+                                     time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                                     reduce_dtype=reduce_dtype)
     except (ValueError, PlanTimeout) as e:
         return Advice(fits=False, binding=str(e).strip().splitlines()[0], plan_s=time.perf_counter() - t0, **base)
     return read_plan(plan, traced, base, time.perf_counter() - t0)
@@ -907,12 +909,14 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
 def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ...] = SWEEP_GPUS,
           cluster: str | Cluster = "h100-80gb", gpus_per_node: int = 8, seq: int = 4096, batch_per_gpu: int = 1,
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
-          views: bool = True, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+          views: bool = True, log: Callable[[str], None] | None = None,
+          reduce_dtype: str | torch.dtype | None = None) -> list[dict[str, Any]]:
     """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
     GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
     strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
     Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
-    deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``)."""
+    deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``).
+    ``reduce_dtype``: the gradient reduction's, for the plans and practice's recipes alike (``autopart.plan``)."""
     from autopart.trace import trace
 
     rows = []
@@ -942,7 +946,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 traced.export_seconds = time.perf_counter() - t0
                 adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
-                             optimizer_bytes_per_param=optimizer_bytes_per_param, views=views)
+                             optimizer_bytes_per_param=optimizer_bytes_per_param, views=views,
+                             reduce_dtype=reduce_dtype)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
             shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
             rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,
@@ -966,7 +971,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                     rec_adv = evaluate_recipe(rec, built, traced, cl, {k: getattr(adv, k) for k in (
                         "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
                         "memory_budget", "peak_tflops_per_gpu", "trace_s")}, time_limit_s,
-                        optimizer_bytes_per_param, max_plan_s)
+                        optimizer_bytes_per_param, max_plan_s, reduce_dtype)
                     row["comparison"] = compare(adv, rec_adv)
                     gain = row["comparison"].get("recipe_step_s", math.inf) - adv.step_time_s
                     if 0 <= gain <= TIE * adv.step_time_s:  # practice's recipe is as fast: its conclusion stands

@@ -10,6 +10,9 @@ import sys
 DEMO_STEPS = 20
 
 
+
+_REDUCE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", None: None}  # --reduce-dtype -> PlanOptions.reduce_dtype
+
 def _demo_model():
     import torch
 
@@ -195,7 +198,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
                              batch_per_gpu=args.batch_per_gpu, time_limit_s=args.time_limit,
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
                              views=not args.physical_mesh,
-                             log=None if args.json else lambda line: console.print(line, highlight=False))
+                             log=None if args.json else lambda line: console.print(line, highlight=False),
+                             reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype])
         md = adv_mod.sweep_markdown(rows)
         diff = adv_mod.sweep_diff_markdown(rows)
         if diff:
@@ -223,7 +227,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                        nodes=args.nodes, gpus_per_node=args.gpus_per_node, batch=args.batch, seq=args.seq or 2048,
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
-                       reduce_dtype={"fp32": "float32", "bf16": "bfloat16", None: None}[args.reduce_dtype],
+                       reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
                        **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))

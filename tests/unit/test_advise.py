@@ -80,13 +80,15 @@ def test_cli_advise_json_small_model(capsys) -> None:
 
 def test_cli_advise_table_and_plan_file(capsys, tmp_path) -> None:
     out = tmp_path / "plan.json"
-    rc = main(["advise", "--model", "llama", "--size", "1b", "--layers", "2", "--seq", "128", "--out", str(out)])
+    rc = main(["advise", "--model", "llama", "--size", "1b", "--layers", "2", "--seq", "128", "--out", str(out),
+               "--reduce-dtype", "fp32"])
     assert rc == 0
     text = capsys.readouterr().out
     for word in ("strategy", "MFU", "memory per GPU", "communication per GPU per step", "optimizer_states"):
         assert word in text
     saved = autopart.Plan.load(str(out))  # a pipelined plan's mesh is its stage mesh: stages x stage mesh = 8 GPUs
     assert math.prod(saved.mesh_shape) * int(saved.pipeline.get("degree", 1)) == 8, (saved.mesh_shape, saved.pipeline)
+    assert saved.options["reduce_dtype"] == "float32"  # --reduce-dtype fp32: the reduction sums bf16 gradients in fp32
 
 
 def test_communication_reprices_the_recorded_collectives() -> None:
