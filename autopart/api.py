@@ -225,19 +225,19 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                         example_signature=example_sig,
                         make_program=_program_maker(model, m, pins, {**plan_kw, "pipeline": "off"}, factor))
     if int(plan.accumulation.get("micro_batches", 1)) > 1:
-        if local_batch:
-            raise NotImplementedError("local_batch=True with gradient accumulation (plan.accumulation): pass the "
-                                      "global batch (every rank the same), or plan without micro_batches")
-        _add_micro_batch_program(pm, model, m, plan, example_inputs, example_kwargs or {}, pins, plan_kw)
+        _add_micro_batch_program(pm, model, m, plan, example_inputs, example_kwargs or {}, pins, plan_kw, factor)
     return pm
 
 
 def _add_micro_batch_program(pm, model, m: Mesh, plan: Plan, example_inputs: tuple, example_kwargs: dict, pins,
-                             plan_kw: dict) -> None:
+                             plan_kw: dict, local: int = 1) -> None:
     """Gradient accumulation: the program of one micro-batch, as for pipeline stages (re-traced at the micro-batch
     size, its shardings re-solved with every parameter pinned to the plan's placement and the plan's
     checkpointing). Its gradients must be the ones the module's reducer was built for (the same parameters reduced
-    over the same axes, the same ZeRO levels): otherwise a clear error rather than a silently wrong reduction."""
+    over the same axes, the same ZeRO levels): otherwise a clear error rather than a silently wrong reduction.
+    ``local``: with ``local_batch=True``, the ranks the data loader splits the batch over (``example_inputs`` are
+    the global batch): each rank's micro-batch is 1/``local`` of the global one, and the program is registered
+    under that local signature, which ``forward_backward`` cuts the rank's slice into."""
     from autopart.runtime.module import signature
     from autopart.runtime.pipeline import first_micro_batch
 
@@ -250,6 +250,13 @@ def _add_micro_batch_program(pm, model, m: Mesh, plan: Plan, example_inputs: tup
         raise RuntimeError("gradient accumulation: the micro-batch's re-solved plan reduces gradients differently "
                            f"from the plan (reduced {prog.plan.reduced} vs {plan.reduced}; ZeRO {prog.plan.zero} vs "
                            f"{plan.zero}); pass zero=<level> and roles={{'<axis>': 'dp'}} explicitly so both agree")
+    size = int(acc["micro_batch_size"])
+    if local > 1:
+        if size % local:
+            raise ValueError(f"gradient accumulation with local_batch=True: a micro-batch of {size} sequences does not "
+                             f"split over the {local} ranks that load the data; plan micro_batches so that the global "
+                             f"batch {acc['batch']} / micro_batches is a multiple of {local}")
+        margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), size // local)
     pm._programs[signature(margs, mkw)] = prog
 
 
