@@ -67,7 +67,7 @@ from autopart.cost.comm import exposed_before
 from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
 
 # the runtime's reduction and gather bucket, and how many reduction buckets it holds at once: priced as run
-from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_limit
+from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_key, bucket_limit
 from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
@@ -442,7 +442,7 @@ def plan_bucket_bytes(totals: dict[tuple, float], cluster: Cluster) -> dict[str,
     for axes, total in sorted(totals.items()):
         b = bucket_bytes(axes, cluster, total)
         if axes and b > BUCKET_BYTES:
-            out[",".join(map(str, sorted(axes)))] = b
+            out[bucket_key(axes)] = b
     return out
 
 
@@ -462,7 +462,7 @@ def choose_bucket_bytes(traced: Traced, nodes: dict, reduced: dict, zero: dict, 
             param_gather(traced, nodes, gathered, cluster, micro_batches, trial)[1]
 
     for axes, total in sorted(totals.items()):
-        key = ",".join(map(str, sorted(axes)))
+        key = bucket_key(axes)
         top = bucket_bytes(axes, cluster, total)
         if not axes or top <= BUCKET_BYTES:
             continue
@@ -1074,26 +1074,23 @@ def grad_reduction_shares(info: Graphinfo, cluster: Cluster, micro_batches: int 
     window = clock
     params = [n for n in info.nodes if info.kind[n.name] == "param" and info.needs_grad[n.name]]
     ready = {n.name: max((after[u.name] for u in n.users if u.name in after), default=window) for n in params}
-    multi = [i for i, k in enumerate(mesh) if k > 1]
     shares: dict[tuple[str, tuple[int, ...]], float] = {}
-    for r in range(1, len(multi) + 1):
-        for axes in itertools.combinations(multi, r):
-            others = math.prod(mesh[i] for i in range(len(mesh)) if i not in axes)
-            size = {n.name: value_of(n).numel() * value_of(n).element_size() / others *
-                    reduce_scale(value_of(n).dtype, reduce_dtype) for n in params}
-            bucket = bucket_bytes(axes, cluster, sum(size.values()))  # = ilp_bucket_bytes' for these axes
-            chain = sorted((ready[n.name], grad_reduction_share(size[n.name], axes, False, cluster, bucket), n.name)
-                           for n in params)
-            ends, end = [], 0.0
-            for rd, c, _ in chain:
-                end = max(end, rd) + c
-                ends.append(end)
-            exposed = end > window
-            busy = True  # no wait for a gradient after this one
-            for k in range(len(chain) - 1, -1, -1):
-                shares[chain[k][2], axes] = 1.0 if exposed and busy else 0.0
-                if k > 0 and ends[k - 1] < chain[k][0]:
-                    busy = False
+    for axes, bucket in ilp_bucket_bytes(info, cluster, reduce_dtype).items():
+        others = math.prod(mesh[i] for i in range(len(mesh)) if i not in axes)
+        size = {n.name: value_of(n).numel() * value_of(n).element_size() / others *
+                reduce_scale(value_of(n).dtype, reduce_dtype) for n in params}
+        chain = sorted((ready[n.name], grad_reduction_share(size[n.name], axes, False, cluster, bucket), n.name)
+                       for n in params)
+        ends, end = [], 0.0
+        for rd, c, _ in chain:
+            end = max(end, rd) + c
+            ends.append(end)
+        exposed = end > window
+        busy = True  # no wait for a gradient after this one
+        for k in range(len(chain) - 1, -1, -1):
+            shares[chain[k][2], axes] = 1.0 if exposed and busy else 0.0
+            if k > 0 and ends[k - 1] < chain[k][0]:
+                busy = False
     return shares
 
 

@@ -128,11 +128,16 @@ def _groups_over(meshes: list[torch.Tensor], axes_sets) -> dict[tuple[int, ...],
     return out
 
 
+def bucket_key(axes) -> str:
+    """The key of a set of mesh axes in ``plan.options["bucket_bytes"]``: ``"0,1"``."""
+    return ",".join(map(str, sorted(axes)))
+
+
 def bucket_limit(axes, sizes: dict[str, int]) -> int:
     """Bytes a bucket over mesh ``axes`` holds at most: the plan's size for them (``plan.options["bucket_bytes"]``,
-    keyed ``"0,1"``: larger where the links make a collective latency-bound, ``planner.bucket_bytes``), else
+    keyed by ``bucket_key``: larger where the links make a collective latency-bound, ``planner.bucket_bytes``), else
     ``BUCKET_BYTES``."""
-    return int(sizes.get(",".join(map(str, sorted(axes))), BUCKET_BYTES))
+    return int(sizes.get(bucket_key(axes), BUCKET_BYTES))
 
 
 class GradReducer:
