@@ -1332,7 +1332,8 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
     """Host offload (ZeRO-Offload style), priced with the device-host link:
 
     * ``optimizer``: optimizer states live on the host and the optimizer steps there: device memory loses the
-      states; each step moves the gradient down and the parameter back up (2 x local parameter bytes);
+      states; each step moves the gradient down and the parameter back up (2 x local parameter bytes; with
+      ZeRO-1/2, 2 x this rank's slice: DeepSpeed's ZeRO-Offload);
     * ``activations``: tensors saved for backward go to the host in forward and come back in backward
       (``torch.autograd.graph.save_on_cpu``): device activation memory is dropped, 2 x their bytes cross the link.
     On a CPU cluster the host is the device: the memory moves nowhere, so offload only costs time there.
@@ -1352,11 +1353,13 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
             pairs = [param_state_bytes(val, o.output, mesh, opts, o.tag, prob.info.needs_grad[members[0]])
                      for o in popts]
             n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
-            local = np.array([p for p, _ in pairs]) * n
             states = np.array([s for _, s in pairs]) * n
-            # the runtime's host-offload optimizer steps whole local parameters: no ZeRO-1/2 slices with it
-            zero1 = np.array([o.tag in ("zero1", "zero2") for o in popts])
-            cost[gid] = np.where(zero1, np.inf, cost[gid] + 2 * local / bw)
+            # what crosses the link: the gradient down and the updated parameter up, of the whole local shard, or
+            # under ZeRO-1/2 of this rank's slice only (the all-gather after the step spreads the slices)
+            moved = np.array([param_grad_bytes(val, o.output, mesh, "zero2") if o.tag in ("zero1", "zero2") else
+                              p for o, (p, _) in zip(popts, pairs)]) * n
+            if prob.info.needs_grad[members[0]]:  # a frozen parameter has no optimizer step
+                cost[gid] = cost[gid] + 2 * moved / bw
             if not on_cpu:
                 mem[gid] = mem[gid] - states
         elif kind == "op" and "activations" in offload:

@@ -152,7 +152,7 @@ class GradReducer:
         # the dtype the buckets sum in (``PlanOptions.reduce_dtype``: fp32 for bf16 gradients, as Megatron-LM and
         # FSDP2's ``reduce_dtype``); the sums are cast back to each gradient's dtype. None: the gradients' own
         self._reduce_dtype = getattr(torch, reduce_dtype) if isinstance(reduce_dtype, str) else reduce_dtype
-        self._bucket_bytes = dict(bucket_bytes or {})  # the plan's sizes per set of axes (``bucket_limit``)
+        self.bucket_bytes = dict(bucket_bytes or {})  # the plan's sizes per set of axes (``bucket_limit``)
         order = {k: i for i, k in enumerate(reversed(first_use))}  # backward order: reverse of first use
         # ZeRO-2 parameters whose gradient needs no sum (the graph reduced it already) only keep their slice
         keys = [k for k in params if (k in reduced or zero.get(k) == 2) and params[k].requires_grad]
@@ -253,7 +253,7 @@ class GradReducer:
                     self._chunk_of.get(e.key))
             nbytes = _local(e.param).nbytes
             b = open_.get(kind)
-            if b is not None and size[kind] + nbytes > bucket_limit(e.axes, self._bucket_bytes):
+            if b is not None and size[kind] + nbytes > bucket_limit(e.axes, self.bucket_bytes):
                 done.append((b.entries[-1].order, b))
                 b = None
             if b is None:

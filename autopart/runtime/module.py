@@ -78,30 +78,49 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-class HostOffloadOptimizer:
-    """Optimizer states in host memory (ZeRO-Offload): ``step`` copies each shard's gradient to a host copy of the
-    shard, steps ``cls`` there and copies the parameter back. Clip gradients on the module's parameters before."""
+class HostOffloadOptimizer(torch.optim.Optimizer):
+    """Optimizer states in host memory (ZeRO-Offload): ``step`` copies each tensor's gradient to a host copy of the
+    tensor, steps ``cls`` there and copies the updated tensor back. ``params``: the tensors the optimizer owns, a
+    list or torch-style parameter groups (``[{"params": [...]}, ...]``): a module's local shards, or ZeRO-1/2's
+    slices of its parameters (``runtime/zero1.py``: each rank then moves and steps only its slice, as DeepSpeed's
+    ``offload_optimizer`` with stages 1 and 2). A ``torch.optim.Optimizer`` whose ``param_groups`` and ``state``
+    are the host optimizer's: LR schedulers, step hooks and ``state_dict`` work as on any optimizer. Clip gradients
+    on the module's parameters before."""
 
-    def __init__(self, params: list[nn.Parameter], cls: type, **kwargs) -> None:
-        self.params = params
+    def __init__(self, params: list, cls: type, **kwargs) -> None:
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         pin = torch.cuda.is_available()
-        self.host = []
-        for p in params:
-            local = p.detach()._local_tensor if isinstance(p, DTensor) else p.detach()
-            h = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
-            h.copy_(local)
-            self.host.append(nn.Parameter(h, requires_grad=p.requires_grad))
-        self.inner = cls(self.host, **kwargs)
-        self.param_groups = self.inner.param_groups
+        self.params: list[torch.Tensor] = []
+        self.host: list[nn.Parameter] = []
+        host_groups = []
+        for group in groups:
+            hs = []
+            for p in group["params"]:
+                local = self._local(p.detach())
+                h = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+                h.copy_(local)
+                self.params.append(p)
+                self.host.append(nn.Parameter(h, requires_grad=p.requires_grad))
+                hs.append(self.host[-1])
+            host_groups.append({**group, "params": hs})
+        self.inner = cls(host_groups, **kwargs)
+        super().__init__(self.host, self.inner.defaults)  # the hooks' and schedulers' machinery
+        self.param_groups = self.inner.param_groups  # ... over the host optimizer's groups and state
+        self.state = self.inner.state
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
         return t._local_tensor if isinstance(t, DTensor) else t
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise NotImplementedError("HostOffloadOptimizer.step takes no closure: the host copies would not see "
+                                      "the gradients it computes; run forward and backward before step()")
         for p, h in zip(self.params, self.host):
-            if p.grad is not None:
+            if p.grad is None:
+                h.grad = None
+            else:
                 g = self._local(p.grad)
                 h.grad = g.to("cpu", copy=True) if h.grad is None else h.grad.copy_(g)
         self.inner.step()
@@ -431,19 +450,17 @@ class ParallelModule(nn.Module):
         (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound); when the
         plan shards optimizer states ZeRO-1/2 style, ``cls`` over this rank's slices of those parameters
         (``runtime/zero1.py``; their gradients are then reduce-scattered into the slices); when it offloads
-        optimizer states, the same optimizer stepping on host copies."""
+        optimizer states, the same optimizer stepping on host copies (of those slices, with ZeRO-1/2)."""
         zero1 = any(level in (1, 2) for level in self.plan.zero.values())
-        if "optimizer" in self.plan.offload:
-            if zero1:
-                raise NotImplementedError("a plan with both optimizer offload and ZeRO-1/2 parameters: the host-offload"
-                                          " optimizer steps whole local parameters; plan with zero=3 or offload='none'")
-            return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+        host = "optimizer" in self.plan.offload
         if "foreach" in inspect.signature(cls).parameters:
             kwargs.setdefault("foreach", True)  # one kernel per group instead of a DTensor dispatch per parameter
         if zero1:  # optimizer states of ZeRO-1 parameters: this rank's flat slice only (runtime/zero1.py)
             from autopart.runtime.zero1 import sharded_state_optimizer
 
-            return sharded_state_optimizer(self, cls, **kwargs)
+            return sharded_state_optimizer(self, cls, host=host, **kwargs)
+        if host:
+            return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
         return cls(self.parameters(), **kwargs)
 
     def program(self) -> str:

@@ -250,9 +250,12 @@ def mark_param_uses(gm: fx.GraphModule, key_of_placeholder: dict[str, str]) -> f
     return fx.GraphModule(gm, g)
 
 
-def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimizer:
+def sharded_state_optimizer(module, cls: type, host: bool = False, **kwargs) -> torch.optim.Optimizer:
     """``cls`` over ``module``'s parameters with the plan's ZeRO-1/2 parameters replaced by this rank's slices;
-    the module's gradient reduction reduce-scatters their gradients into the slices from then on."""
+    the module's gradient reduction reduce-scatters their gradients into the slices from then on. ``host``: the
+    optimizer states live in host memory (``HostOffloadOptimizer``, the plan's ``offload`` "optimizer"): each step
+    moves only this rank's gradient slices to the host and the updated slices back, which the after-step gather
+    then spreads (DeepSpeed's ZeRO-Offload with stages 1 and 2)."""
     zero = module.plan.zero
     groups = module._groups
     coords, sizes = module._coords, module._sizes
@@ -278,14 +281,19 @@ def sharded_state_optimizer(module, cls: type, **kwargs) -> torch.optim.Optimize
         param_groups.append({"params": plain})
     if slices:  # a group of its own: foreach kernels do not mix DTensor and plain tensors
         param_groups.append({"params": [s.leaf for s in slices]})
-    opt = cls(param_groups, **kwargs)  # kwargs as ParallelModule.optimizer defaults them (foreach)
+    if host:
+        from autopart.runtime.module import HostOffloadOptimizer
+
+        opt = HostOffloadOptimizer(param_groups, cls, **kwargs)
+    else:
+        opt = cls(param_groups, **kwargs)  # kwargs as ParallelModule.optimizer defaults them (foreach)
     if not slices:
         return opt
     module._grads.attach(by_key)
     scattered = {id(s) for k, s in by_key.items() if module._grads.scattered(k)}
     first = {k: i for i, k in enumerate(module._first_use)}
     order = sorted(by_key, key=lambda k: first.get(k, len(first)))  # forward's order: a tied embedding first
-    buckets = _buckets([by_key[k] for k in order], sizes, module._grads._bucket_bytes)
+    buckets = _buckets([by_key[k] for k in order], sizes, module._grads.bucket_bytes)
     axes = sorted({a for s in slices for a in s.axes})
     if module._grads.overlap:  # the reduction's dedicated groups, plus any axis it does not reduce over
         own = dict(module._grads._own)

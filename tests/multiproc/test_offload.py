@@ -19,20 +19,32 @@ def _offload_run(name: str, offload: str, zero):
 
     mesh = autopart.mesh((2,), ("dp",))
     ids0 = batches()[0]
-    pm = autopart.parallelize(make_model(name), mesh, (ids0,), {"labels": ids0}, roles={"dp": "dp"},
+    model = make_model(name)  # alive: the forward without labels below traces it again
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"dp": "dp"},
                               offload=offload, zero=zero)
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     assert isinstance(opt, HostOffloadOptimizer) == (offload in ("optimizer", "both"))
     C.REGATHER_STATS["offloaded"] = 0
     losses, full = train(pm, opt)
-    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), C.REGATHER_STATS["offloaded"]
+    host = sum(h.numel() for h in opt.host) if isinstance(opt, HostOffloadOptimizer) else 0
+    whole = sum(p.numel() for p in model.parameters())
+    return (losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), C.REGATHER_STATS["offloaded"],
+            host, whole, dict(pm.plan.zero))
 
 
-@pytest.mark.parametrize("offload,zero", [("optimizer", None), ("activations", None), ("both", 3)])
+@pytest.mark.parametrize("offload,zero", [("optimizer", None), ("activations", None), ("both", 3), ("optimizer", 1),
+                                          ("optimizer", 2)])
 def test_offload_parity(offload, zero):
+    """Each mechanism trains as one process does (3 AdamW steps). With ZeRO-1/2 (DeepSpeed's ZeRO-Offload) the
+    host holds, and each step moves, only this rank's slice of every parameter: half the model on 2 ranks."""
     results = run_ranks(2, _offload_run, "gpt", offload, zero)
     check("gpt", [r[:5] for r in results], reference("gpt"))
     if offload in ("activations", "both"):
         assert results[0][5] > 0, "no activation went to host memory"
     else:
         assert results[0][5] == 0
+    if zero in (1, 2):
+        _, _, _, _, _, _, host, whole, levels = results[0]
+        assert set(levels.values()) == {zero}
+        assert whole / 2 <= host <= whole / 2 + len(levels), (host, whole)  # slices rounded up to whole elements
+        assert sum(r[6] for r in results) >= whole

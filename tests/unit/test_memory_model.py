@@ -185,3 +185,28 @@ def test_optimizer_step_after_zero2_gather_and_with_host_offload():
     mem = off.predicted["memory_bytes"]
     assert mem["optimizer_states"] == 0 and mem["optimizer_temporaries"] == 0 and mem["gather_in_flight"] == 0
     assert mem["peak_optimizer"] == pytest.approx(mem["parameters"] + mem["gradients"] + mem["buffers"], rel=1e-9)
+
+
+def test_zero_offload_moves_and_keeps_slices_only():
+    """ZeRO-1/2 with the optimizer on the host (DeepSpeed's ZeRO-Offload): the device keeps no optimizer state and
+    no step temporaries, and each step moves this rank's slice of the gradients down and of the parameters up:
+    over 4 ranks, a quarter of what offloading whole parameters moves (2 x the model's bytes over the host link)."""
+    traced = _meta_gpt(256, 4, layers=2, s=64, dropout=0.0, dtype=torch.float32)
+    psi = sum(v.meta["val"].numel() for v in traced.graph.nodes if v.op == "placeholder" and v.name in traced.params)
+    cluster = autopart.preset("a100-80gb", (4,))
+    bw = cluster.device.host_bandwidth
+    opts = dict(roles={"dp": "dp"}, memory_limit=1e15, pipeline="off", checkpoint="none")
+
+    def plan(zero: int, offload: str):
+        return make_plan(traced, cluster, ("dp",), PlanOptions(zero=zero, offload=offload, **opts))
+
+    for zero in (1, 2):
+        on, off = plan(zero, "optimizer"), plan(zero, "none")
+        assert set(on.zero.values()) == {zero} and on.offload == ["optimizer"]
+        mem = on.predicted["memory_bytes"]
+        assert mem["optimizer_states"] == 0 and mem["optimizer_temporaries"] == 0
+        assert off.predicted["memory_bytes"]["optimizer_states"] > 0
+        moved = on.predicted["step_time_s"] - off.predicted["step_time_s"]
+        assert moved == pytest.approx(2 * 4 * psi / 4 / bw, rel=0.01)
+    whole = plan(0, "optimizer").predicted["step_time_s"] - plan(0, "none").predicted["step_time_s"]
+    assert whole == pytest.approx(2 * 4 * psi / bw, rel=0.01)
