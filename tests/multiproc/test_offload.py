@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopart.plan import Plan
 from tests.multiproc.harness import run_ranks
 from tests.multiproc.parity import OPT, batches, check, make_model, reference, train
 
@@ -48,3 +49,27 @@ def test_offload_parity(offload, zero):
         assert set(levels.values()) == {zero}
         assert whole / 2 <= host <= whole / 2 + len(levels), (host, whole)  # slices rounded up to whole elements
         assert sum(r[6] for r in results) >= whole
+
+
+def _pipelined_run(zero: int):
+    import autopart
+    from autopart.runtime.module import HostOffloadOptimizer
+
+    mesh = autopart.mesh((2, 2), ("pp", "dp"))
+    ids0 = batches()[0]
+    model = make_model("gpt", 4)
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"pp": "pp", "dp": "dp"}, zero=zero,
+                              offload="optimizer", pipeline={"schedule": "1f1b", "micro_batches": 2})
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    assert isinstance(opt, HostOffloadOptimizer)
+    losses, full = train(pm, opt)
+    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach()
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_pipelined_zero_offload_parity(zero):
+    """pp2 x dp2, 1F1B: each stage's ranks step their ZeRO slices of that stage's parameters on the host."""
+    results = run_ranks(4, _pipelined_run, zero)
+    check("gpt", results, reference("gpt", 4))
+    plan = Plan.from_json(results[0][3])
+    assert plan.pipeline and plan.offload == ["optimizer"] and set(plan.zero.values()) == {zero}
