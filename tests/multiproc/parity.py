@@ -73,9 +73,10 @@ def reference(name: str, layers: int = 2):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
-def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5) -> tuple[list[float], torch.nn.Module]:
-    """One process, gradients clipped to ``max_norm``: per step the loss then the global gradient norm before
-    clipping, and the trained model."""
+def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5,
+                      norm_type: float = 2.0) -> tuple[list[float], torch.nn.Module]:
+    """One process, gradients clipped to ``max_norm``: per step the loss then the global gradient norm (of
+    ``norm_type``) before clipping, and the trained model."""
     model = make_model(name, layers)
     opt = torch.optim.AdamW(model.parameters(), **OPT)
     out = []
@@ -83,7 +84,8 @@ def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5) -> tupl
         loss = loss_of(model(ids, labels=ids))
         loss.backward()
         out.append(loss.item())
-        out.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm)))
+        out.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm,
+                                                                norm_type=norm_type)))
         opt.step()
         opt.zero_grad()
     return out, model

@@ -68,36 +68,42 @@ def test_pipeline_chosen_by_the_solver() -> None:
     assert pp["degree"] == 2 and pp["micro_batches"] >= 1 and pp["schedule"] in ("gpipe", "1f1b", "interleaved")
 
 
-def _clipped_run() -> tuple[list[float], dict]:
+def _clipped_run(axes: tuple[str, str] = ("pp", "tp"), zero: int | None = None, norm_type: float = 2.0):
     import torch
 
     import autopart
     from tests.multiproc.parity import OPT, batches, make_model
 
     model = make_model("gpt", LAYERS)
-    mesh = autopart.mesh((2, 2), ("pp", "tp"))
+    mesh = autopart.mesh((2, 2), axes)
     ids0 = batches()[0]
-    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"pp": "pp", "tp": "tp"},
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={a: a for a in axes}, zero=zero,
                               pipeline={"schedule": "1f1b", "micro_batches": 2})
-    opt = torch.optim.AdamW(pm.parameters(), **OPT)
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
     out = []
     for ids in batches():
         out.append(pm.forward_backward(ids, labels=ids).item())
-        out.append(float(pm.clip_grad_norm_(0.5)))
+        out.append(float(pm.clip_grad_norm_(0.5, norm_type=norm_type)))
         opt.step()
         opt.zero_grad()
-    return out, {k: v.clone() for k, v in pm.full_state_dict().items()}
+    return out, {k: v.clone() for k, v in pm.full_state_dict().items()}, dict(pm.plan.zero)
 
 
-def test_pipeline_grad_clipping() -> None:
-    """``pm.clip_grad_norm_`` clips by the norm over every stage (the tied embedding/head counted once)."""
+@pytest.mark.parametrize("axes,zero,norm_type", [(("pp", "tp"), None, 2.0), (("pp", "tp"), None, math.inf),
+                                                  (("pp", "dp"), 1, 2.0), (("pp", "dp"), 2, 2.0),
+                                                  (("pp", "dp"), 2, math.inf)])
+def test_pipeline_grad_clipping(axes, zero, norm_type) -> None:
+    """``pm.clip_grad_norm_`` clips by the norm over every stage (the tied embedding/head counted once), of
+    tensor-parallel shards and of ZeRO-1/2 gradient slices (each summed only on its slice's rank), 2-norm and
+    max-norm: losses, norms and parameters as one process clipping its gradients, over 3 AdamW steps."""
     import torch
 
     from tests.multiproc.parity import reference_clipped
 
-    results = run_ranks(4, _clipped_run)
-    ref, model = reference_clipped("gpt", LAYERS)
-    for out, params in results:
+    results = run_ranks(4, _clipped_run, axes, zero, norm_type)
+    ref, model = reference_clipped("gpt", LAYERS, norm_type=norm_type)
+    for out, params, levels in results:
+        assert set(levels.values()) == ({zero} if zero else {0}) or not zero and not levels, levels
         assert out == pytest.approx(ref, abs=1e-5), (out, ref)  # losses and global gradient norms
         for k, v in model.named_parameters():
             torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)
