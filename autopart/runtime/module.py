@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,13 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             p.grad = None
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
+    def sync_from_device(self) -> None:
+        """Copy the device tensors into the host copies: after weights were loaded into the module (its
+        ``load_state_dict`` calls this on the optimizers it built), the next step must start from them."""
+        for p, h in zip(self.params, self.host):
+            h.copy_(self._local(p.detach()))
+
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
@@ -201,6 +209,10 @@ class ParallelModule(nn.Module):
         self._param_gather = None  # zero1.ParamGather of the ZeRO-1/2 optimizer, set by it
         self._marked: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}  # id(gm) -> (gm, zero1.mark_param_uses)
         self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._finish_param_gathers())
+        # and before loading weights: a gather still running would overwrite them with the slices it carries
+        self.register_load_state_dict_pre_hook(lambda module, *args: module._finish_param_gathers())
+        self._host_optimizers: list[weakref.ref] = []  # HostOffloadOptimizers built by self.optimizer
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_host_optimizers())
 
     # ---- parameters ----------------------------------------------------------------------------------------
     def _key(self, fqn: str) -> str:
@@ -229,6 +241,14 @@ class ParallelModule(nn.Module):
             else:
                 p.grad.requires_grad_(False)
                 p.grad.zero_()
+
+    def _sync_host_optimizers(self) -> None:
+        """After weights were loaded: the host-offload optimizers' copies take them (else their next step would
+        write back the weights they held)."""
+        for ref in self._host_optimizers:
+            opt = ref()
+            if opt is not None:
+                opt.sync_from_device()
 
     def _finish_param_gathers(self) -> None:
         """Complete the ZeRO-1/2 after-step all-gathers still running (``runtime/zero1.py``): every read of the
@@ -458,10 +478,30 @@ class ParallelModule(nn.Module):
         if zero1:  # optimizer states of ZeRO-1 parameters: this rank's flat slice only (runtime/zero1.py)
             from autopart.runtime.zero1 import sharded_state_optimizer
 
-            return sharded_state_optimizer(self, cls, host=host, **kwargs)
-        if host:
-            return HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
-        return cls(self.parameters(), **kwargs)
+            opt = sharded_state_optimizer(self, cls, host=host, **kwargs)
+        elif host:
+            opt = HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+        else:
+            return cls(self.parameters(), **kwargs)
+        if isinstance(opt, HostOffloadOptimizer):
+            self._host_optimizers.append(weakref.ref(opt))
+        return opt
+
+    def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict:
+        """``opt``'s state (built by ``self.optimizer``) keyed by parameter name, every per-element state a DTensor
+        (ZeRO-1/2 slices included), for ``torch.distributed.checkpoint``: ``dcp.save({"model": pm.state_dict(),
+        "optim": pm.optimizer_state_dict(opt)}, ...)``; to resume, ``dcp.load`` the same structure into a fresh
+        module's dicts, then ``pm.load_state_dict`` and ``pm.load_optimizer_state_dict``. A fresh optimizer gets
+        its zero states first (one step at learning rate 0), for DCP to load into (``runtime/optim_state.py``)."""
+        from autopart.runtime.optim_state import optimizer_state_dict
+
+        return optimizer_state_dict(self, opt)
+
+    def load_optimizer_state_dict(self, opt: torch.optim.Optimizer, state: dict) -> None:
+        """Load into ``opt`` what ``optimizer_state_dict`` gave, after ``dcp.load`` filled it."""
+        from autopart.runtime.optim_state import load_optimizer_state_dict
+
+        load_optimizer_state_dict(self, opt, state)
 
     def program(self) -> str:
         """This rank's program (for the planned signature) as Python."""

@@ -329,5 +329,6 @@ def sharded_state_optimizer(module, cls: type, host: bool = False, **kwargs) -> 
     opt.register_step_pre_hook(pre_step)
     opt.register_step_post_hook(post_step)
     opt.autopart_zero1_slices = len(slices)
+    opt.autopart_zero1_slice_list = slices  # named by runtime/optim_state.py
     opt.autopart_zero1_buckets = [(tuple(b[0].axes), len(b)) for b in buckets]  # (axes, parameters) per bucket
     return opt
