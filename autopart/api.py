@@ -210,11 +210,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
     if plan is None:
         plan = _shared_plan(model, m, t, pins=pins, pipeline=pipeline, **plan_kw)
     if plan.pipeline:
-        if local_batch:
-            raise NotImplementedError("local_batch=True with a pipelined plan: pass the global batch (every rank "
-                                      "the same), or plan with pipeline='off'")
         return _parallelize_pipelined(model, m, plan, t, example_inputs, example_kwargs or {}, loss_fn, pins,
-                                      plan_kw)
+                                      plan_kw, local_axes, factor)
     if tuple(plan.mesh_shape) != m.shape:
         raise ValueError(f"plan was made for mesh {plan.mesh_shape}, this mesh is {m.shape}")
     gm = run_passes(t, plan, needs_grad_map(t))
@@ -304,9 +301,12 @@ def _repeat_batch(x: Any, factor: int) -> Any:
 
 
 def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs: tuple, example_kwargs: dict,
-                           loss_fn, pins, plan_kw):
+                           loss_fn, pins, plan_kw, local_axes: tuple[int, ...] = (), local: int = 1):
     """A pipelined plan: re-trace one micro-batch, re-solve its shardings on the stage mesh with every parameter
-    pinned to the plan's placement (and the plan's per-layer checkpointing), and run it as stages."""
+    pinned to the plan's placement (and the plan's per-layer checkpointing), and run it as stages. With
+    ``local_batch=True`` (``local_axes``, over ``local`` ranks; ``example_inputs`` are the global batch) each rank
+    passes its slice of the batch, the same on every stage: its micro-batches are 1/``local`` of the plan's, and
+    the micro-batch program is registered under that local signature."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -318,6 +318,15 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     if world != m.shape:
         raise ValueError(f"plan was made for mesh {world}, this mesh is {m.shape}")
     axis, p = int(pipe["axis"]), int(pipe["degree"])
+    if axis in local_axes:
+        raise ValueError(f"local_batch=True: the plan's pipeline stages are cut from mesh axis {m.names[axis]!r}, "
+                         "which the data loader splits the batch over; name a separate pipeline axis "
+                         "(roles={'<axis>': 'pp'}) or pass the global batch (local_batch=False)")
+    size = int(pipe["micro_batch_size"])
+    if size % local:
+        raise ValueError(f"local_batch=True: a pipeline micro-batch of {size} sequences does not split over the "
+                         f"{local} ranks that load the data; plan micro_batches so that the global batch "
+                         f"{pipe['batch']} / micro_batches is a multiple of {local}")
     layout = world_layout(world, axis, p)
     pp_name = "pp" if "pp" not in m.names else "_pp"
     _, device = backend_for_device()
@@ -338,8 +347,9 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     stage_roles = {a: r for a, r in (plan_kw.get("roles") or {}).items() if r != "pp"}
     micro_kw = dict(plan_kw, roles=stage_roles, memory_budget=float("inf"), pipeline="off",
                     checkpoint=dict(plan.checkpoint), cluster=Cluster.from_json(plan.cluster))
-    make_program = _program_maker(model, stage_mesh, pins, micro_kw)
-    margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), int(pipe["micro_batch_size"]))
+    make_program = _program_maker(model, stage_mesh, pins, micro_kw, local)
+    # this rank's micro-batch (the global one unless local_batch); make_program traces the global micro-batch
+    margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), size // local)
     prog = make_program(margs, mkw, dict(plan.params))
     # the buckets the pipelined plan was priced with (its reduction runs from the schedule's last micro-batches),
     # not the micro-batch re-solve's own choice
@@ -364,6 +374,7 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     pm = PipelinedModule(prog.gm, prog.plan, model, stage_mesh, params=prog.params, buffers=prog.buffers,
                          constants=prog.constants, tied=prog.tied, user_inputs=prog.user_inputs,
                          input_names=prog.input_names, aliases=t.aliases, loss_fn=loss_fn,
+                         local_batch_axes=local_axes,
                          example_signature=signature(margs, mkw), make_program=make_program, owned=owned,
                          pipeline=pipe, pp_group=pp_group, p2p_group=p2p_group, pp_rank=pp_rank,
                          stage_of_layer=pipe["stage_of_layer"],

@@ -226,12 +226,14 @@ class PipelinedModule(ParallelModule):
     # ---- running ---------------------------------------------------------------------------------------------
     def _micro(self, args: tuple, kwargs: dict) -> tuple[Program, int, list[torch.Tensor]]:
         """The program of one micro-batch for these inputs, the number of micro-batches, the flat inputs."""
-        b = int(self.pipeline["micro_batch_size"])
+        # with local_batch=True, this rank's share of each micro-batch (the ranks of the data axes split it)
+        b = int(self.pipeline["micro_batch_size"]) // math.prod(self._sizes[i] for i in self.local_batch_axes)
         batch = next((a.shape[0] for a in list(args) + list(kwargs.values())
                       if isinstance(a, torch.Tensor) and a.dim() > 0), None)
         if batch is None or batch % b:
-            raise ValueError(f"the pipeline runs micro-batches of {b} (plan: {self.pipeline['micro_batches']} of "
-                             f"batch {self.pipeline['batch']}); got a batch of {batch}, not a multiple of {b}")
+            local = " (this rank's slice: local_batch=True)" if self.local_batch_axes else ""
+            raise ValueError(f"the pipeline runs micro-batches of {b}{local} (plan: {self.pipeline['micro_batches']} "
+                             f"of batch {self.pipeline['batch']}); got a batch of {batch}, not a multiple of {b}")
         margs, mkw = first_micro_batch(args, kwargs, batch, b)
         prog = self._program(margs, mkw)
         return prog, batch // b, [t.to(self._device) for t in self._user_tensors(prog, args, kwargs)]

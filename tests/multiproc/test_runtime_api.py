@@ -201,3 +201,35 @@ def test_resume_from_a_checkpoint_with_optimizer_state(tmp_path, config):
     world = 4 if len(shape) == 2 else 2
     results = run_ranks(world, _resume_run, str(tmp_path / "ckpt"), shape, names, roles, zero, offload, pipeline)
     check("gpt", results, reference("gpt", 4))
+
+
+def _pipelined_local_batch_run(zero: int, schedule: str) -> tuple[list[float], dict]:
+    import autopart
+
+    model = make_model("gpt", 4)
+    mesh = autopart.mesh((2, 2), ("pp", "dp"))
+    dp = mesh.device_mesh.get_local_rank("dp")
+    local = [b.chunk(2)[dp] for b in batches()]  # a distributed data loader: one slice per dp rank, every stage
+    pm = autopart.parallelize(model, mesh, (local[0],), {"labels": local[0]}, roles={"pp": "pp", "dp": "dp"},
+                              local_batch=True, zero=zero, pipeline={"schedule": schedule, "micro_batches": 2})
+    assert pm.plan.pipeline["micro_batch_size"] == 2  # the global micro-batch: one sequence per dp rank
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    out = []
+    for ids in local:
+        out.append(pm.forward_backward(ids, labels=ids).item())
+        out.append(float(pm.clip_grad_norm_(0.5)))
+        opt.step()
+        opt.zero_grad()
+    return out, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("zero,schedule", [(0, "1f1b"), (1, "gpipe")])
+def test_pipelined_local_batch(zero, schedule):
+    """pp2 x dp2 with local_batch=True: each dp rank's stages take its half of the batch (two micro-batches of
+    one sequence); losses, global gradient norms and parameters as one process over 3 clipped AdamW steps."""
+    results = run_ranks(4, _pipelined_local_batch_run, zero, schedule)
+    ref, model = reference_clipped("gpt", 4)
+    for losses, params in results:
+        assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)
