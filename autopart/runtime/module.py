@@ -79,34 +79,44 @@ def signature(args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-class HostOffloadOptimizer(torch.optim.Optimizer):
-    """Optimizer states in host memory (ZeRO-Offload): ``step`` copies each tensor's gradient to a host copy of the
-    tensor, steps ``cls`` there and copies the updated tensor back. ``params``: the tensors the optimizer owns, a
-    list or torch-style parameter groups (``[{"params": [...]}, ...]``): a module's local shards, or ZeRO-1/2's
-    slices of its parameters (``runtime/zero1.py``: each rank then moves and steps only its slice, as DeepSpeed's
-    ``offload_optimizer`` with stages 1 and 2). A ``torch.optim.Optimizer`` whose ``param_groups`` and ``state``
-    are the host optimizer's: LR schedulers, step hooks and ``state_dict`` work as on any optimizer. Clip gradients
-    on the module's parameters before."""
+class ShadowOptimizer(torch.optim.Optimizer):
+    """An optimizer that steps copies of the tensors it owns (their "shadows") on another device or in another
+    dtype: ``step`` copies each gradient to its shadow (cast to the shadow's dtype), steps ``cls`` over the shadows
+    and copies them back (cast to the tensor's dtype).
 
-    def __init__(self, params: list, cls: type, **kwargs) -> None:
+    * master weights (``dtype``): bf16 parameters with fp32 copies that the optimizer updates, so that updates
+      smaller than a bf16 step accumulate (Megatron-LM's ``--bf16`` optimizer, FSDP2's fp32 sharded parameters
+      under a bf16 ``param_dtype``; ``pm.optimizer(cls, master_dtype=torch.float32)``);
+    * host offload (``device="cpu"``, ``HostOffloadOptimizer``): ZeRO-Offload.
+
+    ``params``: the tensors the optimizer owns, a list or torch-style parameter groups (``[{"params": [...]},
+    ...]``): a module's local shards, or ZeRO-1/2's slices of its parameters (``runtime/zero1.py``: each rank then
+    keeps, moves and steps only its slice, as Megatron's distributed optimizer keeps fp32 copies of its shard and
+    DeepSpeed's ``offload_optimizer`` with stages 1 and 2). A ``torch.optim.Optimizer`` whose ``param_groups`` and
+    ``state`` are the inner optimizer's: LR schedulers, step hooks and ``state_dict`` work as on any optimizer.
+    Clip gradients on the module's parameters before."""
+
+    def __init__(self, params: list, cls: type, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, **kwargs) -> None:
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-        pin = torch.cuda.is_available()
         self.params: list[torch.Tensor] = []
-        self.host: list[nn.Parameter] = []
-        host_groups = []
+        self.host: list[nn.Parameter] = []  # the shadows (named for the host offload they first served)
+        shadow_groups = []
         for group in groups:
             hs = []
             for p in group["params"]:
                 local = self._local(p.detach())
-                h = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+                where = torch.device(device) if device is not None else local.device
+                pin = where.type == "cpu" and torch.cuda.is_available()
+                h = torch.empty(local.shape, dtype=dtype or local.dtype, device=where, pin_memory=pin)
                 h.copy_(local)
                 self.params.append(p)
                 self.host.append(nn.Parameter(h, requires_grad=p.requires_grad))
                 hs.append(self.host[-1])
-            host_groups.append({**group, "params": hs})
-        self.inner = cls(host_groups, **kwargs)
+            shadow_groups.append({**group, "params": hs})
+        self.inner = cls(shadow_groups, **kwargs)
         super().__init__(self.host, self.inner.defaults)  # the hooks' and schedulers' machinery
-        self.param_groups = self.inner.param_groups  # ... over the host optimizer's groups and state
+        self.param_groups = self.inner.param_groups  # ... over the inner optimizer's groups and state
         self.state = self.inner.state
 
     @staticmethod
@@ -116,14 +126,14 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
         if closure is not None:
-            raise NotImplementedError("HostOffloadOptimizer.step takes no closure: the host copies would not see "
-                                      "the gradients it computes; run forward and backward before step()")
+            raise NotImplementedError(f"{type(self).__name__}.step takes no closure: the optimizer's copies would not "
+                                      "see the gradients it computes; run forward and backward before step()")
         for p, h in zip(self.params, self.host):
             if p.grad is None:
                 h.grad = None
             else:
                 g = self._local(p.grad)
-                h.grad = g.to("cpu", copy=True) if h.grad is None else h.grad.copy_(g)
+                h.grad = g.to(h.device, h.dtype, copy=True) if h.grad is None else h.grad.copy_(g)
         self.inner.step()
         for p, h in zip(self.params, self.host):
             self._local(p.data).copy_(h.detach(), non_blocking=True)
@@ -135,16 +145,31 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def sync_from_device(self) -> None:
-        """Copy the device tensors into the host copies: after weights were loaded into the module (its
-        ``load_state_dict`` calls this on the optimizers it built), the next step must start from them."""
+        """After weights were loaded into the module (its ``load_state_dict`` calls this on the optimizers it
+        built): each copy takes its tensor's value where the two differ beyond the tensor's rounding of the copy,
+        so that the next step starts from the loaded weights, and master weights that round to them are kept."""
         for p, h in zip(self.params, self.host):
-            h.copy_(self._local(p.detach()))
+            local = self._local(p.detach())
+            if h.dtype == local.dtype:
+                h.copy_(local)
+                continue
+            stale = h.to(local.dtype).to(local.device) != local
+            if stale.any():
+                h.copy_(torch.where(stale.to(h.device), local.to(h.device, h.dtype), h))
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+
+class HostOffloadOptimizer(ShadowOptimizer):
+    """Optimizer states in host memory (ZeRO-Offload): a ``ShadowOptimizer`` whose copies live on the host, in the
+    tensors' dtype unless ``dtype`` (master weights) says otherwise."""
+
+    def __init__(self, params: list, cls: type, dtype: torch.dtype | None = None, **kwargs) -> None:
+        super().__init__(params, cls, device="cpu", dtype=dtype, **kwargs)
 
 
 class ParallelModule(nn.Module):
@@ -211,7 +236,7 @@ class ParallelModule(nn.Module):
         self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._finish_param_gathers())
         # and before loading weights: a gather still running would overwrite them with the slices it carries
         self.register_load_state_dict_pre_hook(lambda module, *args: module._finish_param_gathers())
-        self._host_optimizers: list[weakref.ref] = []  # HostOffloadOptimizers built by self.optimizer
+        self._host_optimizers: list[weakref.ref] = []  # ShadowOptimizers built by self.optimizer
         self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_host_optimizers())
 
     # ---- parameters ----------------------------------------------------------------------------------------
@@ -243,8 +268,8 @@ class ParallelModule(nn.Module):
                 p.grad.zero_()
 
     def _sync_host_optimizers(self) -> None:
-        """After weights were loaded: the host-offload optimizers' copies take them (else their next step would
-        write back the weights they held)."""
+        """After weights were loaded: the copies of the shadow optimizers (host offload, master weights) take
+        them (else their next step would write back the weights they held)."""
         for ref in self._host_optimizers:
             opt = ref()
             if opt is not None:
@@ -465,12 +490,15 @@ class ParallelModule(nn.Module):
         g = self._params[key].grad
         return None if g is None else dtensor_local(g).view(-1)[s.start:s.end]
 
-    def optimizer(self, cls: type = torch.optim.AdamW, **kwargs) -> Any:
+    def optimizer(self, cls: type = torch.optim.AdamW, master_dtype: torch.dtype | None = None, **kwargs) -> Any:
         """The optimizer the plan asks for over this rank's parameters: ``cls(self.parameters(), **kwargs)``
         (``foreach=True`` unless given: on DTensor parameters the per-parameter loop is dispatch-bound); when the
         plan shards optimizer states ZeRO-1/2 style, ``cls`` over this rank's slices of those parameters
         (``runtime/zero1.py``; their gradients are then reduce-scattered into the slices); when it offloads
-        optimizer states, the same optimizer stepping on host copies (of those slices, with ZeRO-1/2)."""
+        optimizer states, the same optimizer stepping on host copies (of those slices, with ZeRO-1/2).
+        ``master_dtype`` (``torch.float32`` for bf16 parameters): the optimizer updates copies of this rank's
+        parameters (or slices) in that dtype, cast back after each step (``ShadowOptimizer``); plan such a model
+        with ``optimizer_bytes_per_param=12`` (the copy and Adam's two fp32 states), as Megatron-LM's ``--bf16``."""
         zero1 = any(level in (1, 2) for level in self.plan.zero.values())
         host = "optimizer" in self.plan.offload
         if "foreach" in inspect.signature(cls).parameters:
@@ -478,12 +506,14 @@ class ParallelModule(nn.Module):
         if zero1:  # optimizer states of ZeRO-1 parameters: this rank's flat slice only (runtime/zero1.py)
             from autopart.runtime.zero1 import sharded_state_optimizer
 
-            opt = sharded_state_optimizer(self, cls, host=host, **kwargs)
+            opt = sharded_state_optimizer(self, cls, host=host, master_dtype=master_dtype, **kwargs)
         elif host:
-            opt = HostOffloadOptimizer(list(self.parameters()), cls, **kwargs)
+            opt = HostOffloadOptimizer(list(self.parameters()), cls, dtype=master_dtype, **kwargs)
+        elif master_dtype is not None:
+            opt = ShadowOptimizer(list(self.parameters()), cls, dtype=master_dtype, **kwargs)
         else:
             return cls(self.parameters(), **kwargs)
-        if isinstance(opt, HostOffloadOptimizer):
+        if isinstance(opt, ShadowOptimizer):
             self._host_optimizers.append(weakref.ref(opt))
         return opt
 

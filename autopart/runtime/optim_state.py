@@ -12,7 +12,9 @@ silently start from wrong moments. ``optimizer_state_dict`` instead keys states 
   is sharded over (``Shard(0)`` there: one row per distinct local tensor), ``D`` the ranks it is replicated over
   and ``S`` the slice length (``Shard(1)`` there, outer axis first, as ``zero1_slice`` numbers the slices); a
   rank's local block is its slice, zero-padded to ``S``;
-* scalars (Adam's ``step``) as they are: the same on every rank.
+* scalars (Adam's ``step``) as they are: the same on every rank;
+* master weights (``pm.optimizer(cls, master_dtype=...)``) as one more state, ``master_weight``, laid out as the
+  others.
 
 Each rank holds distinct blocks of each DTensor, so DCP saves every slice once and loads each back to its rank.
 A checkpoint resumes the same plan on the same mesh (the slices' layout is the plan's); the model's weights go
@@ -29,6 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+# the state name master weights are saved under (``ShadowOptimizer`` with a ``dtype``): finer than the module's
+# weights, so a resumed run continues from them rather than from their rounding
+MASTER = "master_weight"
+
 
 @dataclass
 class _Entry:
@@ -40,13 +46,13 @@ class _Entry:
 
 def _entries(module, opt) -> list[list[_Entry]]:
     """Per parameter group of ``opt``, its parameters in order, named."""
-    from autopart.runtime.module import HostOffloadOptimizer
+    from autopart.runtime.module import ShadowOptimizer
 
     name_of: dict[int, str] = {}
     for fqn, key in module._key_of.items():
         name_of.setdefault(id(module._params[key]), fqn)
     slice_of = {id(s.leaf): s for s in getattr(opt, "autopart_zero1_slice_list", [])}
-    device = iter(opt.params) if isinstance(opt, HostOffloadOptimizer) else None
+    device = iter(opt.params) if isinstance(opt, ShadowOptimizer) else None
     groups = []
     for group in opt.param_groups:
         entries = []
@@ -140,6 +146,8 @@ def optimizer_state_dict(module, opt) -> dict:
             st = opt.state.get(e.key)
             if st:
                 state[e.fqn] = {k: _to_saved(e, v) for k, v in st.items()}
+                if e.key is not e.device and e.key.dtype != e.device.dtype:  # master weights: finer than the module's
+                    state[e.fqn][MASTER] = _to_saved(e, e.key.detach())
     # the groups' hyperparameters, without their parameters' names: DCP writes a non-tensor value once, as if every
     # rank held the same, and the stages of a pipeline hold different parameters
     param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -149,10 +157,10 @@ def optimizer_state_dict(module, opt) -> dict:
 @torch.no_grad()
 def load_optimizer_state_dict(module, opt, sd: dict) -> None:
     """Load what ``optimizer_state_dict`` gave (filled by ``dcp.load``) into ``opt``."""
-    from autopart.runtime.module import HostOffloadOptimizer
+    from autopart.runtime.module import ShadowOptimizer
 
     groups = _entries(module, opt)
-    if isinstance(opt, HostOffloadOptimizer):  # its host copies of the weights: the module's, loaded or not
+    if isinstance(opt, ShadowOptimizer):  # its copies of the weights: the module's, loaded or not (master: below)
         opt.sync_from_device()
     saved_groups = sd["param_groups"]
     missing = [e.fqn for entries in groups for e in entries if e.fqn not in sd["state"] and opt.state.get(e.key)]
@@ -169,6 +177,9 @@ def load_optimizer_state_dict(module, opt, sd: dict) -> None:
                 continue
             st = opt.state[e.key]
             for k, v in saved.items():
+                if k == MASTER:
+                    e.key.data.copy_(_from_saved(e, v, e.key.data))
+                    continue
                 new = _from_saved(e, v, st.get(k))
                 old = st.get(k)
                 if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape:

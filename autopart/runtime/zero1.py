@@ -250,12 +250,15 @@ def mark_param_uses(gm: fx.GraphModule, key_of_placeholder: dict[str, str]) -> f
     return fx.GraphModule(gm, g)
 
 
-def sharded_state_optimizer(module, cls: type, host: bool = False, **kwargs) -> torch.optim.Optimizer:
+def sharded_state_optimizer(module, cls: type, host: bool = False, master_dtype: torch.dtype | None = None,
+                            **kwargs) -> torch.optim.Optimizer:
     """``cls`` over ``module``'s parameters with the plan's ZeRO-1/2 parameters replaced by this rank's slices;
     the module's gradient reduction reduce-scatters their gradients into the slices from then on. ``host``: the
     optimizer states live in host memory (``HostOffloadOptimizer``, the plan's ``offload`` "optimizer"): each step
     moves only this rank's gradient slices to the host and the updated slices back, which the after-step gather
-    then spreads (DeepSpeed's ZeRO-Offload with stages 1 and 2)."""
+    then spreads (DeepSpeed's ZeRO-Offload with stages 1 and 2). ``master_dtype``: the optimizer updates copies
+    of this rank's parameters and slices in that dtype (``ShadowOptimizer``; Megatron's distributed optimizer
+    keeps the fp32 copies of its shard only)."""
     zero = module.plan.zero
     groups = module._groups
     coords, sizes = module._coords, module._sizes
@@ -281,10 +284,11 @@ def sharded_state_optimizer(module, cls: type, host: bool = False, **kwargs) -> 
         param_groups.append({"params": plain})
     if slices:  # a group of its own: foreach kernels do not mix DTensor and plain tensors
         param_groups.append({"params": [s.leaf for s in slices]})
-    if host:
-        from autopart.runtime.module import HostOffloadOptimizer
+    if host or master_dtype is not None:
+        from autopart.runtime.module import HostOffloadOptimizer, ShadowOptimizer
 
-        opt = HostOffloadOptimizer(param_groups, cls, **kwargs)
+        opt = HostOffloadOptimizer(param_groups, cls, dtype=master_dtype, **kwargs) if host else \
+            ShadowOptimizer(param_groups, cls, dtype=master_dtype, **kwargs)
     else:
         opt = cls(param_groups, **kwargs)  # kwargs as ParallelModule.optimizer defaults them (foreach)
     if not slices:

@@ -91,6 +91,30 @@ def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5,
     return out, model
 
 
+def reference_master(name: str, dtype: torch.dtype, layers: int = 2):
+    """``reference`` with the optimizer stepping ``dtype`` copies of the weights (master weights), cast back."""
+    model = make_model(name, layers)
+    params = list(model.parameters())
+    master = [p.detach().to(dtype).requires_grad_() for p in params]
+    opt = torch.optim.AdamW(master, **OPT)
+    losses = []
+    for ids in batches():
+        loss = loss_of(model(ids, labels=ids))
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                m.grad = p.grad.to(dtype)
+            opt.step()
+            for p, m in zip(params, master):
+                p.copy_(m)
+                p.grad = None
+    with torch.no_grad():
+        out = model(batches()[0])
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
+
+
 def train(pm, opt) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``STEPS`` steps of ``pm`` with ``opt`` on ``batches()``: the losses, then the gathered parameters."""
     losses = []

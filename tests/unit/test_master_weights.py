@@ -1,0 +1,40 @@
+"""Master weights (``ShadowOptimizer`` with a dtype): the optimizer updates finer copies of the parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from autopart.runtime.module import ShadowOptimizer
+
+
+def test_updates_below_the_parameters_rounding_accumulate():
+    """bf16 weights of 1.0 and steps of 1e-4 (bf16's spacing at 1.0 is 2^-7 = 0.0078): stepped directly, the
+    weights never move; with fp32 master weights, 100 steps move them by ~0.01, as fp32 weights would."""
+    def run(master: bool) -> float:
+        w = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        opt = ShadowOptimizer([w], torch.optim.SGD, dtype=torch.float32, lr=1e-4) if master else \
+            torch.optim.SGD([w], lr=1e-4)
+        for _ in range(100):
+            w.grad = torch.ones_like(w)
+            opt.step()
+            opt.zero_grad()
+        return float(w.detach().float().mean())
+
+    assert run(master=False) == 1.0
+    assert abs(run(master=True) - (1.0 - 100 * 1e-4)) < 2 ** -8  # within the final bf16 rounding
+
+
+def test_gradients_cast_up_and_weights_cast_down():
+    w = nn.Parameter(torch.zeros(3, dtype=torch.float32))
+    opt = ShadowOptimizer([w], torch.optim.SGD, dtype=torch.float64, lr=1.0)
+    w.grad = torch.tensor([1e-9, 2.0, -3.0])
+    opt.step()
+    assert opt.host[0].dtype == torch.float64 and opt.host[0].grad.dtype == torch.float64
+    assert w.dtype == torch.float32 and w.tolist() == torch.tensor([-1e-9, -2.0, 3.0]).tolist()
+    # weights loaded into the module: the copies take them where they differ beyond rounding, keep the rest
+    opt.host[0].data[0] = -1e-9 + 1e-17  # finer than fp32 can say
+    with torch.no_grad():
+        w[1] = 5.0
+    opt.sync_from_device()
+    assert opt.host[0][0].item() == -1e-9 + 1e-17 and opt.host[0][1].item() == 5.0
