@@ -1327,13 +1327,31 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
 
 
+def optimizer_offload_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, trainable: bool,
+                              cluster: Cluster) -> float:
+    """Seconds one parameter's optimizer step on the host adds (``offload`` "optimizer"), per step: its gradient
+    down and its updated value up the device-host link (the local shard, or under ZeRO-1/2 this rank's slice
+    only: the all-gather after the step spreads the slices, DeepSpeed's ZeRO-Offload), and the step itself, which
+    is memory-bound on the host: the states and the host copy read and written, the gradient read
+    (``Device.host_step_bandwidth``, the host's memory bandwidth per rank; 0 on presets without one: not priced).
+    A frozen parameter has no step."""
+    if not trainable:
+        return 0.0
+    local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, trainable)
+    moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
+    device = cluster.device
+    step = (2 * (states + moved) + moved) / device.host_step_bandwidth if device.host_step_bandwidth else 0.0
+    return 2 * moved / device.host_bandwidth + step
+
+
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
                   cluster: Cluster, opts: PlanOptions) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Host offload (ZeRO-Offload style), priced with the device-host link:
 
     * ``optimizer``: optimizer states live on the host and the optimizer steps there: device memory loses the
       states; each step moves the gradient down and the parameter back up (2 x local parameter bytes; with
-      ZeRO-1/2, 2 x this rank's slice: DeepSpeed's ZeRO-Offload);
+      ZeRO-1/2, 2 x this rank's slice: DeepSpeed's ZeRO-Offload) and runs on the host's memory bandwidth
+      (``optimizer_offload_seconds``);
     * ``activations``: tensors saved for backward go to the host in forward and come back in backward
       (``torch.autograd.graph.save_on_cpu``): device activation memory is dropped, 2 x their bytes cross the link.
     On a CPU cluster the host is the device: the memory moves nowhere, so offload only costs time there.
@@ -1354,12 +1372,8 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
                      for o in popts]
             n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
             states = np.array([s for _, s in pairs]) * n
-            # what crosses the link: the gradient down and the updated parameter up, of the whole local shard, or
-            # under ZeRO-1/2 of this rank's slice only (the all-gather after the step spreads the slices)
-            moved = np.array([param_grad_bytes(val, o.output, mesh, "zero2") if o.tag in ("zero1", "zero2") else
-                              p for o, (p, _) in zip(popts, pairs)]) * n
-            if prob.info.needs_grad[members[0]]:  # a frozen parameter has no optimizer step
-                cost[gid] = cost[gid] + 2 * moved / bw
+            cost[gid] = cost[gid] + n * np.array([optimizer_offload_seconds(
+                val, o, mesh, opts, prob.info.needs_grad[members[0]], cluster) for o in popts])
             if not on_cpu:
                 mem[gid] = mem[gid] - states
         elif kind == "op" and "activations" in offload:

@@ -110,6 +110,10 @@ class Device:
     memory_bytes: int
     host_bandwidth: float  # bytes/s device<->host
     mfu: float = 1.0
+    # bytes/s of host memory one rank's optimizer step moves when the optimizer is offloaded (the node's DRAM
+    # bandwidth shared by its ranks: the step reads and writes the states and the host copy, a memory-bound pass;
+    # ``planner.optimizer_offload_seconds``). 0: the host step is not priced (cpu: the host is the device)
+    host_step_bandwidth: float = 0.0
     # seconds each GEMM kernel takes beyond its FLOPs at ``peak_flops * mfu`` (its launch, prologue and epilogue, the
     # last partial wave of tiles), which a small GEMM cannot amortise: a GEMM of F FLOPs then runs at
     # F / (F / achievable_flops + gemm_latency) (``autopart.cost.compute.roofline_time``). 0: every GEMM at
@@ -152,7 +156,7 @@ class Device:
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         for field in ("gemm_latency", "attention_flops", "math_bandwidth", "op_latency", "param_latency",
-                      "zero3_latency"):
+                      "zero3_latency", "host_step_bandwidth"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -310,7 +314,7 @@ _CPU = Preset(
 _A100 = Preset(
     device=Device(
         "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7,
-        comm_overlap=True,
+        host_step_bandwidth=0.75 * 409.6e9 / 8, comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 300e9),
     inter_node=Link(alpha=10e-6, beta=1 / 25e9, tree=True),
@@ -329,7 +333,8 @@ def fused_attention_rate(forward_flops: float, backward_flops: float) -> float:
 _H100 = Preset(
     device=Device(
         "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65,
-        attention_flops=fused_attention_rate(518e12, 499e12), comm_overlap=True,
+        attention_flops=fused_attention_rate(518e12, 499e12), host_step_bandwidth=0.75 * 614.4e9 / 8,
+        comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 450e9),
     inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True),
@@ -354,7 +359,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "gemm_latency",
-                "attention_flops",
+                "attention_flops", "host_step_bandwidth",
                 "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
                 "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
@@ -387,7 +392,8 @@ def load_preset(path: str) -> str:
         peak_flops = 989e12            # memory_bytes, host_bandwidth (device<->host), mfu (fraction of
         memory_bytes = "80GiB"         # peak large matmuls reach), name, comm_overlap (collectives run
         comm_overlap = true            # concurrently with compute: NCCL on GPUs; false for gloo on CPUs),
-        gemm_latency = 6.4e-6          # gemm_latency (seconds per GEMM kernel beyond its FLOPs at that rate)
+        gemm_latency = 6.4e-6          # gemm_latency (seconds per GEMM kernel beyond its FLOPs at that rate),
+        host_step_bandwidth = "48GB"   # host_step_bandwidth (host memory bytes/s per rank, offloaded steps)
         [intra_node]                   # the link inside a node: alpha (s per message) and
         alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
         bandwidth = 450e9              # library also has a tree all-reduce (NCCL)
@@ -448,7 +454,8 @@ def load_preset(path: str) -> str:
     missing = _DEVICE_KEYS - set(dev)
     if missing:
         raise ValueError(f"cluster file {path!r}: [device] needs {sorted(missing)}")
-    for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "attention_flops", "math_bandwidth"):
+    for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "attention_flops", "math_bandwidth",
+              "host_step_bandwidth"):
         dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
     dev["memory_bytes"] = int(dev["memory_bytes"])
     if not isinstance(dev["comm_overlap"], bool):
@@ -531,6 +538,10 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
     - h200-141gb: HGX H200: the H100 compute and network with 141 GB HBM3e (nvidia-smi 143771 MiB) at 4.8 TB/s
       (H200 datasheet); fused attention at the H100's rate (compute-bound: the faster memory does not change it).
 
+    GPU presets price an offloaded optimizer step on the host (``Device.host_step_bandwidth``) at 3/4 of the node's
+    peak DRAM bandwidth shared by its 8 ranks (a memory-bound pass reaches about that; assumed, not measured here):
+    DGX A100, 2 AMD EPYC 7742 of 8 DDR4-3200 channels, 409.6 GB/s; DGX H100 (and the H200 preset), 2 Xeon
+    Platinum 8480C of 8 DDR5-4800 channels, 614.4 GB/s (the systems' and CPUs' datasheets).
     GPU presets reserve 4 GiB per device for the CUDA context, NCCL buffers and allocator fragmentation. Their
     collectives are NCCL's: all-reduce across nodes takes the lower latency of ring and tree (``Link.tree`` on the
     inter-node link; NCCL's tree is a chain inside a node), and communication
