@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -502,6 +503,12 @@ class ParallelModule(nn.Module):
         with ``optimizer_bytes_per_param=12`` (the copy and Adam's two fp32 states), as Megatron-LM's ``--bf16``."""
         zero1 = any(level in (1, 2) for level in self.plan.zero.values())
         host = "optimizer" in self.plan.offload
+        low = sorted({str(p.dtype) for p in self._params.values() if p.requires_grad and p.dtype in
+                      (torch.bfloat16, torch.float16)})
+        if low and master_dtype is None:
+            warnings.warn(f"pm.optimizer: parameters in {', '.join(low)} stepped directly lose every update below "
+                          "their precision (bf16 keeps 8 bits of mantissa); pass master_dtype=torch.float32 for fp32 "
+                          "master weights, as Megatron-LM and FSDP2 keep them", stacklevel=2)
         accepted = inspect.signature(cls).parameters
         if "foreach" not in kwargs and "fused" not in kwargs:
             if host and "fused" in accepted:  # torch's fused CPU kernel: 8x its foreach AdamW on this repo's CPU

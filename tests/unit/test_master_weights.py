@@ -38,3 +38,28 @@ def test_gradients_cast_up_and_weights_cast_down():
         w[1] = 5.0
     opt.sync_from_device()
     assert opt.host[0][0].item() == -1e-9 + 1e-17 and opt.host[0][1].item() == 5.0
+
+
+def test_bf16_parameters_without_master_weights_warn():
+    """pm.optimizer over bf16 parameters without master_dtype warns (and names the fix); with it, it does not."""
+    from tests.multiproc.harness import run_ranks
+
+    assert run_ranks(1, _bf16_optimizer_warnings) == [(True, False)]
+
+
+def _bf16_optimizer_warnings():
+    import warnings
+
+    import autopart
+    from tests.multiproc.parity import batches, make_model
+
+    model = make_model("gpt").to(torch.bfloat16)
+    ids = batches()[0]
+    pm = autopart.parallelize(model, autopart.mesh((1,), ("dp",)), (ids,), {"labels": ids})
+    out = []
+    for master in (None, torch.float32):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pm.optimizer(torch.optim.AdamW, master_dtype=master, lr=1e-3)
+        out.append(any("master_dtype=torch.float32" in str(w.message) for w in caught))
+    return tuple(out)
