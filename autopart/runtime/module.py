@@ -455,29 +455,55 @@ class ParallelModule(nn.Module):
         if not self._grads.overlap:
             self._grads.post_backward()
 
+    # the process group a pipelined module sums its stages' norms over (``runtime/pipeline.py``); None: one stage
+    _stage_group = None
+
+    def _counts_in_norm(self, fqn: str) -> bool:
+        """Whether this rank's gradient of ``fqn`` counts in the global norm (a pipeline counts a parameter held
+        by several stages once)."""
+        return True
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of the whole model by their global norm; returns the norm before clipping.
-        ``torch.nn.utils.clip_grad_norm_`` over this rank's DTensor parameters computes it, except for ZeRO-1/2
-        parameters with their optimizer, whose gradient is summed only on this rank's slice: their slices' norms
-        are combined over the mesh (every rank holds one slice of each distinct local tensor)."""
+        """Clip the gradients of the whole model by their global norm; returns the norm before clipping (any
+        p-norm, ``inf`` the largest entry). ``torch.nn.utils.clip_grad_norm_`` over this rank's DTensor parameters
+        computes it, except for ZeRO-1/2 parameters with their optimizer, whose gradient is summed only on this
+        rank's slice (under ZeRO-2 the only part kept): their slices' norms are combined over the mesh (every rank
+        holds one slice of each distinct local tensor). A pipelined module sums its stages' parts over the
+        pipeline (``_stage_group``), counting each parameter once (``_counts_in_norm``): torch's function over
+        its parameters would see only the rank's stage."""
         self._finish_param_gathers()
-        plain = [p for k, p in self._params.items() if p.grad is not None and not self._grads.sliced(k)]
-        slices = [g for k in self._params if (g := self._slice_grad(k)) is not None]
-        if not slices:
+        plain, slices, whole, sliced = [], [], [], []
+        for fqn, key in self._key_of.items():
+            is_slice = self._grads.sliced(key)
+            g = self._slice_grad(key) if is_slice else self._params[key].grad
+            if g is None:
+                continue
+            (slices if is_slice else plain).append(g)
+            if self._counts_in_norm(fqn):
+                (sliced if is_slice else whole).append(g)
+        if not slices and self._stage_group is None:
             norm = torch.nn.utils.clip_grad_norm_(plain, max_norm, norm_type=norm_type, foreach=True)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
         norm_type = float(norm_type)
-        total = torch.nn.utils.get_total_norm([p.grad for p in plain], norm_type, foreach=True) if plain else \
-            torch.zeros(())
-        total = (total.full_tensor() if isinstance(total, DTensor) else total).float()
         inf = math.isinf(norm_type)
-        part = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in slices])
-        part = part.max() if inf else (part ** norm_type).sum()
-        for group in self._groups:  # over the whole mesh, axis by axis
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-        total = torch.maximum(total, part) if inf else (total ** norm_type + part) ** (1.0 / norm_type)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        total = torch.nn.utils.get_total_norm(whole, norm_type, foreach=True) if whole else \
+            torch.zeros((), device=self._device)
+        total = (total.full_tensor() if isinstance(total, DTensor) else total).float()
+        part = torch.zeros((), device=self._device)
+        if sliced:
+            part = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in sliced])
+            part = part.max() if inf else (part ** norm_type).sum()
+        if slices:
+            for group in self._groups:  # over the whole mesh, axis by axis
+                dist.all_reduce(part, op=op, group=group)
+        total = torch.maximum(total, part) if inf else total ** norm_type + part
+        if self._stage_group is not None:
+            dist.all_reduce(total, op=op, group=self._stage_group)
+        if not inf:
+            total = total ** (1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in [p.grad for p in plain] + slices:
+        for g in plain + slices:
             g.mul_(float(coef) if isinstance(g, DTensor) else coef.to(g.dtype))
         return total
 

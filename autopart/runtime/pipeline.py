@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from autopart.placement import local_shape, parse_spec
 from autopart.runtime.module import ParallelModule, Program
@@ -303,46 +302,13 @@ class PipelinedModule(ParallelModule):
                 dist.all_reduce(p.grad._local_tensor, group=group)
         self._grads.post_backward(deferred=True)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global gradient norm over every stage (a parameter held by several stages counted once);
-        returns the norm before clipping, on every rank. ``torch.nn.utils.clip_grad_norm_`` on a pipelined
-        module's parameters would see only this stage's. A ZeRO-1/2 parameter's gradient counts by this rank's
-        slice (the only part of it summed here; under ZeRO-2 the only part kept), combined over the stage's mesh
-        as ``ParallelModule.clip_grad_norm_`` does. Any p-norm, ``inf`` the largest entry."""
-        self._finish_param_gathers()
-        norm_type = float(norm_type)
-        inf = math.isinf(norm_type)
-        grads, slices, counted = [], [], []
-        for fqn, key in self._key_of.items():
-            g = self._slice_grad(key) if self._grads.sliced(key) else self._params[key].grad
-            if g is None:
-                continue
-            (slices if self._grads.sliced(key) else grads).append(g)
-            if self._owner_rank[fqn] == self.pp_rank:  # a shared parameter counted once
-                counted.append((g, self._grads.sliced(key)))
+    @property
+    def _stage_group(self):
+        """``ParallelModule.clip_grad_norm_`` sums the stages' norms over the pipeline."""
+        return self.pp_group
 
-        def combine(norms: list[torch.Tensor]) -> torch.Tensor:
-            if not norms:
-                return torch.zeros((), device=self._device, dtype=torch.float32)
-            n = torch.stack(norms)
-            return n.max() if inf else (n ** norm_type).sum()
-
-        whole, sliced = [], []
-        for g, is_slice in counted:
-            n = torch.linalg.vector_norm(g, norm_type)
-            n = n.full_tensor() if isinstance(n, DTensor) else n
-            (sliced if is_slice else whole).append(n.float())
-        part = combine(sliced)
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        for group in self._groups:  # each rank's slices are its own: over the stage's whole mesh
-            dist.all_reduce(part, op=op, group=group)
-        stage = torch.maximum(combine(whole), part) if inf else combine(whole) + part
-        dist.all_reduce(stage, op=op, group=self.pp_group)
-        total = stage if inf else stage ** (1.0 / norm_type)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads + slices:
-            g.mul_(float(coef) if isinstance(g, DTensor) else coef.to(g.dtype))
-        return total
+    def _counts_in_norm(self, fqn: str) -> bool:
+        return self._owner_rank[fqn] == self.pp_rank  # a parameter several stages hold counted once
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of every stage gathered to its full shape on every rank (tied names too)."""
