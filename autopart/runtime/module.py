@@ -101,7 +101,7 @@ class ShadowOptimizer(torch.optim.Optimizer):
                  dtype: torch.dtype | None = None, **kwargs) -> None:
         groups = params if params and isinstance(params[0], dict) else [{"params": params}]
         self.params: list[torch.Tensor] = []
-        self.host: list[nn.Parameter] = []  # the shadows (named for the host offload they first served)
+        self.shadows: list[nn.Parameter] = []
         shadow_groups = []
         for group in groups:
             hs = []
@@ -112,11 +112,11 @@ class ShadowOptimizer(torch.optim.Optimizer):
                 h = torch.empty(local.shape, dtype=dtype or local.dtype, device=where, pin_memory=pin)
                 h.copy_(local)
                 self.params.append(p)
-                self.host.append(nn.Parameter(h, requires_grad=p.requires_grad))
-                hs.append(self.host[-1])
+                self.shadows.append(nn.Parameter(h, requires_grad=p.requires_grad))
+                hs.append(self.shadows[-1])
             shadow_groups.append({**group, "params": hs})
         self.inner = cls(shadow_groups, **kwargs)
-        super().__init__(self.host, self.inner.defaults)  # the hooks' and schedulers' machinery
+        super().__init__(self.shadows, self.inner.defaults)  # the hooks' and schedulers' machinery
         self.param_groups = self.inner.param_groups  # ... over the inner optimizer's groups and state
         self.state = self.inner.state
 
@@ -129,14 +129,14 @@ class ShadowOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise NotImplementedError(f"{type(self).__name__}.step takes no closure: the optimizer's copies would not "
                                       "see the gradients it computes; run forward and backward before step()")
-        for p, h in zip(self.params, self.host):
+        for p, h in zip(self.params, self.shadows):
             if p.grad is None:
                 h.grad = None
             else:
                 g = self._local(p.grad)
                 h.grad = g.to(h.device, h.dtype, copy=True) if h.grad is None else h.grad.copy_(g)
         self.inner.step()
-        for p, h in zip(self.params, self.host):
+        for p, h in zip(self.params, self.shadows):
             self._local(p.data).copy_(h.detach(), non_blocking=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -149,7 +149,7 @@ class ShadowOptimizer(torch.optim.Optimizer):
         """After weights were loaded into the module (its ``load_state_dict`` calls this on the optimizers it
         built): each copy takes its tensor's value where the two differ beyond the tensor's rounding of the copy,
         so that the next step starts from the loaded weights, and master weights that round to them are kept."""
-        for p, h in zip(self.params, self.host):
+        for p, h in zip(self.params, self.shadows):
             local = self._local(p.detach())
             if h.dtype == local.dtype:
                 h.copy_(local)
@@ -171,6 +171,17 @@ class HostOffloadOptimizer(ShadowOptimizer):
 
     def __init__(self, params: list, cls: type, dtype: torch.dtype | None = None, **kwargs) -> None:
         super().__init__(params, cls, device="cpu", dtype=dtype, **kwargs)
+
+
+def build_optimizer(params: list, cls: type, host: bool = False, master_dtype: torch.dtype | None = None,
+                    **kwargs) -> torch.optim.Optimizer:
+    """``cls`` over ``params`` (tensors or parameter groups), or a ``ShadowOptimizer`` stepping copies of them: on
+    the host (``host``: the plan's optimizer offload), in ``master_dtype`` (master weights), or both."""
+    if host:
+        return HostOffloadOptimizer(params, cls, dtype=master_dtype, **kwargs)
+    if master_dtype is not None:
+        return ShadowOptimizer(params, cls, dtype=master_dtype, **kwargs)
+    return cls(params, **kwargs)
 
 
 class ParallelModule(nn.Module):
@@ -237,8 +248,8 @@ class ParallelModule(nn.Module):
         self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module._finish_param_gathers())
         # and before loading weights: a gather still running would overwrite them with the slices it carries
         self.register_load_state_dict_pre_hook(lambda module, *args: module._finish_param_gathers())
-        self._host_optimizers: list[weakref.ref] = []  # ShadowOptimizers built by self.optimizer
-        self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_host_optimizers())
+        self._shadow_optimizers: list[weakref.ref] = []  # ShadowOptimizers built by self.optimizer
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_shadow_optimizers())
 
     # ---- parameters ----------------------------------------------------------------------------------------
     def _key(self, fqn: str) -> str:
@@ -268,10 +279,10 @@ class ParallelModule(nn.Module):
                 p.grad.requires_grad_(False)
                 p.grad.zero_()
 
-    def _sync_host_optimizers(self) -> None:
+    def _sync_shadow_optimizers(self) -> None:
         """After weights were loaded: the copies of the shadow optimizers (host offload, master weights) take
         them (else their next step would write back the weights they held)."""
-        for ref in self._host_optimizers:
+        for ref in self._shadow_optimizers:
             opt = ref()
             if opt is not None:
                 opt.sync_from_device()
@@ -545,14 +556,10 @@ class ParallelModule(nn.Module):
             from autopart.runtime.zero1 import sharded_state_optimizer
 
             opt = sharded_state_optimizer(self, cls, host=host, master_dtype=master_dtype, **kwargs)
-        elif host:
-            opt = HostOffloadOptimizer(list(self.parameters()), cls, dtype=master_dtype, **kwargs)
-        elif master_dtype is not None:
-            opt = ShadowOptimizer(list(self.parameters()), cls, dtype=master_dtype, **kwargs)
         else:
-            return cls(self.parameters(), **kwargs)
+            opt = build_optimizer(list(self.parameters()), cls, host, master_dtype, **kwargs)
         if isinstance(opt, ShadowOptimizer):
-            self._host_optimizers.append(weakref.ref(opt))
+            self._shadow_optimizers.append(weakref.ref(opt))
         return opt
 
     def optimizer_state_dict(self, opt: torch.optim.Optimizer) -> dict:

@@ -39,7 +39,7 @@ MASTER = "master_weight"
 @dataclass
 class _Entry:
     fqn: str
-    key: torch.Tensor  # what ``opt.state`` is keyed by (a host copy under HostOffloadOptimizer)
+    key: torch.Tensor  # what ``opt.state`` is keyed by (the copy a ShadowOptimizer steps)
     device: torch.Tensor  # the module's parameter, or a ZeRO-1/2 slice leaf
     slice: Any  # zero1._Slice, or None
 
@@ -51,7 +51,7 @@ def _entries(module, opt) -> list[list[_Entry]]:
     name_of: dict[int, str] = {}
     for fqn, key in module._key_of.items():
         name_of.setdefault(id(module._params[key]), fqn)
-    slice_of = {id(s.leaf): s for s in getattr(opt, "autopart_zero1_slice_list", [])}
+    slice_of = {id(s.leaf): s for s in getattr(opt, "autopart_zero1_slices", [])}
     device = iter(opt.params) if isinstance(opt, ShadowOptimizer) else None
     groups = []
     for group in opt.param_groups:

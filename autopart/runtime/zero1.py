@@ -284,13 +284,10 @@ def sharded_state_optimizer(module, cls: type, host: bool = False, master_dtype:
         param_groups.append({"params": plain})
     if slices:  # a group of its own: foreach kernels do not mix DTensor and plain tensors
         param_groups.append({"params": [s.leaf for s in slices]})
-    if host or master_dtype is not None:
-        from autopart.runtime.module import HostOffloadOptimizer, ShadowOptimizer
+    from autopart.runtime.module import build_optimizer
 
-        opt = HostOffloadOptimizer(param_groups, cls, dtype=master_dtype, **kwargs) if host else \
-            ShadowOptimizer(param_groups, cls, dtype=master_dtype, **kwargs)
-    else:
-        opt = cls(param_groups, **kwargs)  # kwargs as ParallelModule.optimizer defaults them (foreach)
+    # kwargs as ParallelModule.optimizer defaults them (foreach; fused on host copies)
+    opt = build_optimizer(param_groups, cls, host, master_dtype, **kwargs)
     if not slices:
         return opt
     module._grads.attach(by_key)
@@ -332,7 +329,6 @@ def sharded_state_optimizer(module, cls: type, host: bool = False, master_dtype:
 
     opt.register_step_pre_hook(pre_step)
     opt.register_step_post_hook(post_step)
-    opt.autopart_zero1_slices = len(slices)
-    opt.autopart_zero1_slice_list = slices  # named by runtime/optim_state.py
+    opt.autopart_zero1_slices = slices  # this rank's slices (runtime/optim_state.py names their states)
     opt.autopart_zero1_buckets = [(tuple(b[0].axes), len(b)) for b in buckets]  # (axes, parameters) per bucket
     return opt

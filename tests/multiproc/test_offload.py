@@ -27,7 +27,7 @@ def _offload_run(name: str, offload: str, zero):
     assert isinstance(opt, HostOffloadOptimizer) == (offload in ("optimizer", "both"))
     C.REGATHER_STATS["offloaded"] = 0
     losses, full = train(pm, opt)
-    host = sum(h.numel() for h in opt.host) if isinstance(opt, HostOffloadOptimizer) else 0
+    host = sum(h.numel() for h in opt.shadows) if isinstance(opt, HostOffloadOptimizer) else 0
     whole = sum(p.numel() for p in model.parameters())
     return (losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), C.REGATHER_STATS["offloaded"],
             host, whole, dict(pm.plan.zero))

@@ -251,7 +251,7 @@ def _master_weights_run(shape: tuple, names: tuple, roles: dict, zero: int | Non
     model = make_model("gpt")
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, **kw)
     opt = pm.optimizer(torch.optim.AdamW, master_dtype=torch.float64, **OPT)
-    assert isinstance(opt, ShadowOptimizer) and all(h.dtype == torch.float64 for h in opt.host)
+    assert isinstance(opt, ShadowOptimizer) and all(h.dtype == torch.float64 for h in opt.shadows)
     losses, full = train(pm, opt)
     sd = pm.optimizer_state_dict(opt)
     dcp.save({"model": pm.state_dict(), "optim": sd}, checkpoint_id=path)
@@ -261,7 +261,7 @@ def _master_weights_run(shape: tuple, names: tuple, roles: dict, zero: int | Non
     dcp.load(state, checkpoint_id=path)
     fresh.load_state_dict(state["model"])
     fresh.load_optimizer_state_dict(opt2, state["optim"])
-    same = all(torch.equal(a, b) for a, b in zip(opt.host, opt2.host))
+    same = all(torch.equal(a, b) for a, b in zip(opt.shadows, opt2.shadows))
     return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), same
 
 

@@ -30,14 +30,14 @@ def test_gradients_cast_up_and_weights_cast_down():
     opt = ShadowOptimizer([w], torch.optim.SGD, dtype=torch.float64, lr=1.0)
     w.grad = torch.tensor([1e-9, 2.0, -3.0])
     opt.step()
-    assert opt.host[0].dtype == torch.float64 and opt.host[0].grad.dtype == torch.float64
+    assert opt.shadows[0].dtype == torch.float64 and opt.shadows[0].grad.dtype == torch.float64
     assert w.dtype == torch.float32 and w.tolist() == torch.tensor([-1e-9, -2.0, 3.0]).tolist()
     # weights loaded into the module: the copies take them where they differ beyond rounding, keep the rest
-    opt.host[0].data[0] = -1e-9 + 1e-17  # finer than fp32 can say
+    opt.shadows[0].data[0] = -1e-9 + 1e-17  # finer than fp32 can say
     with torch.no_grad():
         w[1] = 5.0
     opt.sync_from_device()
-    assert opt.host[0][0].item() == -1e-9 + 1e-17 and opt.host[0][1].item() == 5.0
+    assert opt.shadows[0][0].item() == -1e-9 + 1e-17 and opt.shadows[0][1].item() == 5.0
 
 
 def test_bf16_parameters_without_master_weights_warn():

@@ -41,7 +41,8 @@ def test_steps_schedules_and_hooks_as_the_wrapped_optimizer():
     state = off.state_dict()
     again = HostOffloadOptimizer(list(b.parameters()), torch.optim.AdamW, lr=1e-2)
     again.load_state_dict(state)
-    torch.testing.assert_close(again.inner.state[again.host[0]]["exp_avg"], off.inner.state[off.host[0]]["exp_avg"])
+    torch.testing.assert_close(again.inner.state[again.shadows[0]]["exp_avg"],
+                               off.inner.state[off.shadows[0]]["exp_avg"])
 
 
 def test_parameter_groups_and_slices():
