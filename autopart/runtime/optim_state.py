@@ -68,8 +68,8 @@ def _entries(module, opt) -> list[list[_Entry]]:
     return groups
 
 
-def _slice_layout(s, mesh) -> tuple[list, int, int]:
-    """(placements, rows L, slice length S) of a ZeRO-1/2 slice's state DTensor."""
+def _slice_layout(s, mesh) -> tuple[list, int]:
+    """(placements, rows L) of a ZeRO-1/2 slice's state DTensor."""
     sizes = list(mesh.shape)
     placements, rows = [], 1
     for i, pl in enumerate(s.param.placements):
@@ -80,7 +80,7 @@ def _slice_layout(s, mesh) -> tuple[list, int, int]:
             rows *= sizes[i]
         else:
             placements.append(Replicate())
-    return placements, rows, s.size
+    return placements, rows
 
 
 def _to_saved(e: _Entry, t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,8 @@ def _to_saved(e: _Entry, t: torch.Tensor) -> torch.Tensor:
     if e.slice is not None:
         s = e.slice
         mesh = s.param.device_mesh
-        placements, rows, size = _slice_layout(s, mesh)
+        placements, rows = _slice_layout(s, mesh)
+        size = s.size
         ways = math.prod(mesh.shape[i] for i in s.axes)
         local = F.pad(t.detach().reshape(-1), (0, size - t.numel())).view(1, size)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size((rows, ways * size)),
@@ -137,7 +138,7 @@ def _init_state(module, opt, groups: list[list[_Entry]]) -> None:
 
 
 def optimizer_state_dict(module, opt) -> dict:
-    """``{"state": {name: {state: tensor}}, "param_groups": [{..., "params": [names]}]}`` (module docstring)."""
+    """``{"state": {name: {state: tensor}}, "param_groups": [hyperparameters per group]}`` (module docstring)."""
     groups = _entries(module, opt)
     _init_state(module, opt, groups)
     state: dict[str, dict] = {}
@@ -180,8 +181,8 @@ def load_optimizer_state_dict(module, opt, sd: dict) -> None:
                 if k == MASTER:
                     e.key.data.copy_(_from_saved(e, v, e.key.data))
                     continue
-                new = _from_saved(e, v, st.get(k))
                 old = st.get(k)
+                new = _from_saved(e, v, old)
                 if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.shape == new.shape:
                     old.copy_(new)
                 else:
