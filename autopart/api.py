@@ -247,14 +247,20 @@ def _add_micro_batch_program(pm, model, m: Mesh, plan: Plan, example_inputs: tup
         raise RuntimeError("gradient accumulation: the micro-batch's re-solved plan reduces gradients differently "
                            f"from the plan (reduced {prog.plan.reduced} vs {plan.reduced}; ZeRO {prog.plan.zero} vs "
                            f"{plan.zero}); pass zero=<level> and roles={{'<axis>': 'dp'}} explicitly so both agree")
-    size = int(acc["micro_batch_size"])
     if local > 1:
-        if size % local:
-            raise ValueError(f"gradient accumulation with local_batch=True: a micro-batch of {size} sequences does not "
-                             f"split over the {local} ranks that load the data; plan micro_batches so that the global "
-                             f"batch {acc['batch']} / micro_batches is a multiple of {local}")
-        margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), size // local)
+        size = _local_micro_batch(int(acc["micro_batch_size"]), local, int(acc["batch"]), "gradient accumulation")
+        margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), size)
     pm._programs[signature(margs, mkw)] = prog
+
+
+def _local_micro_batch(size: int, local: int, batch: int, what: str) -> int:
+    """With ``local_batch=True``, a rank's share of a micro-batch of ``size`` sequences split over the ``local``
+    ranks that load the data; a clear error where it does not split."""
+    if size % local:
+        raise ValueError(f"{what} with local_batch=True: a micro-batch of {size} sequences does not split over the "
+                         f"{local} ranks that load the data; plan micro_batches so that the global batch {batch} / "
+                         f"micro_batches is a multiple of {local}")
+    return size // local
 
 
 def _shared_plan(model: nn.Module, mesh: Mesh, traced: Traced, **kw) -> Plan:
@@ -322,11 +328,7 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
         raise ValueError(f"local_batch=True: the plan's pipeline stages are cut from mesh axis {m.names[axis]!r}, "
                          "which the data loader splits the batch over; name a separate pipeline axis "
                          "(roles={'<axis>': 'pp'}) or pass the global batch (local_batch=False)")
-    size = int(pipe["micro_batch_size"])
-    if size % local:
-        raise ValueError(f"local_batch=True: a pipeline micro-batch of {size} sequences does not split over the "
-                         f"{local} ranks that load the data; plan micro_batches so that the global batch "
-                         f"{pipe['batch']} / micro_batches is a multiple of {local}")
+    size = _local_micro_batch(int(pipe["micro_batch_size"]), local, int(pipe["batch"]), "a pipeline")
     layout = world_layout(world, axis, p)
     pp_name = "pp" if "pp" not in m.names else "_pp"
     _, device = backend_for_device()
@@ -349,7 +351,7 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
                     checkpoint=dict(plan.checkpoint), cluster=Cluster.from_json(plan.cluster))
     make_program = _program_maker(model, stage_mesh, pins, micro_kw, local)
     # this rank's micro-batch (the global one unless local_batch); make_program traces the global micro-batch
-    margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), size // local)
+    margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), size)
     prog = make_program(margs, mkw, dict(plan.params))
     # the buckets the pipelined plan was priced with (its reduction runs from the schedule's last micro-batches),
     # not the micro-batch re-solve's own choice
