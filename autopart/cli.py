@@ -8,10 +8,8 @@ import subprocess
 import sys
 
 DEMO_STEPS = 20
-
-
-
 _REDUCE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", None: None}  # --reduce-dtype -> PlanOptions.reduce_dtype
+
 
 def _demo_model():
     import torch

@@ -548,7 +548,7 @@ class ParallelModule(nn.Module):
                           "master weights, as Megatron-LM and FSDP2 keep them", stacklevel=2)
         accepted = inspect.signature(cls).parameters
         if "foreach" not in kwargs and "fused" not in kwargs:
-            if host and "fused" in accepted:  # torch's fused CPU kernel: 8x its foreach AdamW on this repo's CPU
+            if host and "fused" in accepted:  # torch's fused CPU kernel: 7x foreach here (bench_offload.py)
                 kwargs["fused"] = True
             elif "foreach" in accepted:
                 kwargs["foreach"] = True  # one kernel per group instead of a DTensor dispatch per parameter
