@@ -144,10 +144,24 @@ def test_local_batch_with_gradient_accumulation(zero):
         assert stats["launched_in_backward"] + stats["launched_at_end"] == len(batches()) * n_buckets, stats
 
 
+def _checkpoint_round_trip(pm, opt, fresh, opt2, path: str, optimizer_first: bool = False) -> None:
+    """``pm``'s weights and ``opt``'s state saved with torch.distributed.checkpoint, loaded into ``fresh`` and
+    ``opt2`` as the README says (the optimizer's state before the weights if ``optimizer_first``)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": pm.state_dict(), "optim": pm.optimizer_state_dict(opt)}, checkpoint_id=path)
+    state = {"model": fresh.state_dict(), "optim": fresh.optimizer_state_dict(opt2)}
+    dcp.load(state, checkpoint_id=path)
+    if optimizer_first:
+        fresh.load_optimizer_state_dict(opt2, state["optim"])
+    fresh.load_state_dict(state["model"])
+    if not optimizer_first:
+        fresh.load_optimizer_state_dict(opt2, state["optim"])
+
+
 def _resume_run(path: str, shape: tuple, names: tuple, roles: dict, zero, offload: str, pipeline):
     """One AdamW step, a DCP checkpoint of weights and optimizer state, a fresh module and optimizer (another
     initialisation) loaded from it, two more steps: as three steps without the interruption."""
-    import torch.distributed.checkpoint as dcp
 
     import autopart
 
@@ -161,21 +175,14 @@ def _resume_run(path: str, shape: tuple, names: tuple, roles: dict, zero, offloa
     losses = [pm.forward_backward(steps[0], labels=steps[0]).item()]
     opt.step()
     opt.zero_grad()
-    dcp.save({"model": pm.state_dict(), "optim": pm.optimizer_state_dict(opt)}, checkpoint_id=path)
     other = make_model("gpt", 4)
     with torch.no_grad():  # another initialisation: only the checkpoint can make it the trained one
         for p in other.parameters():
             p.add_(0.1 * torch.randn_like(p))
     fresh = autopart.parallelize(other, mesh, (ids0,), {"labels": ids0}, plan=pm.plan, **kw)
     opt2 = fresh.optimizer(torch.optim.AdamW, lr=0.5, eps=1.0)  # hyperparameters come from the checkpoint too
-    state = {"model": fresh.state_dict(), "optim": fresh.optimizer_state_dict(opt2)}
-    dcp.load(state, checkpoint_id=path)
-    if offload == "optimizer":  # the other order: loading the weights refreshes the optimizer's host copies
-        fresh.load_optimizer_state_dict(opt2, state["optim"])
-        fresh.load_state_dict(state["model"])
-    else:
-        fresh.load_state_dict(state["model"])
-        fresh.load_optimizer_state_dict(opt2, state["optim"])
+    # with the optimizer offloaded, the other order: loading the weights refreshes the optimizer's host copies
+    _checkpoint_round_trip(pm, opt, fresh, opt2, path, optimizer_first=offload == "optimizer")
     for ids in steps[1:]:
         losses.append(fresh.forward_backward(ids, labels=ids).item())
         opt2.step()
@@ -239,7 +246,6 @@ def _master_weights_run(shape: tuple, names: tuple, roles: dict, zero: int | Non
     """A float32 model with float64 master weights (the mechanism of bf16 weights with fp32 ones, at a precision
     the parity check can compare): 3 AdamW steps, a DCP checkpoint of weights and optimizer (master weights too),
     and its round trip into a fresh module."""
-    import torch.distributed.checkpoint as dcp
 
     import autopart
     from autopart.runtime.module import ShadowOptimizer
@@ -253,14 +259,9 @@ def _master_weights_run(shape: tuple, names: tuple, roles: dict, zero: int | Non
     opt = pm.optimizer(torch.optim.AdamW, master_dtype=torch.float64, **OPT)
     assert isinstance(opt, ShadowOptimizer) and all(h.dtype == torch.float64 for h in opt.shadows)
     losses, full = train(pm, opt)
-    sd = pm.optimizer_state_dict(opt)
-    dcp.save({"model": pm.state_dict(), "optim": sd}, checkpoint_id=path)
     fresh = autopart.parallelize(make_model("gpt"), mesh, (ids0,), {"labels": ids0}, plan=pm.plan, **kw)
     opt2 = fresh.optimizer(torch.optim.AdamW, master_dtype=torch.float64, **OPT)
-    state = {"model": fresh.state_dict(), "optim": fresh.optimizer_state_dict(opt2)}
-    dcp.load(state, checkpoint_id=path)
-    fresh.load_state_dict(state["model"])
-    fresh.load_optimizer_state_dict(opt2, state["optim"])
+    _checkpoint_round_trip(pm, opt, fresh, opt2, path)
     same = all(torch.equal(a, b) for a, b in zip(opt.shadows, opt2.shadows))
     return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), same
 
