@@ -566,8 +566,9 @@ class ParallelModule(nn.Module):
         """``opt``'s state (built by ``self.optimizer``) keyed by parameter name, every per-element state a DTensor
         (ZeRO-1/2 slices included), for ``torch.distributed.checkpoint``: ``dcp.save({"model": pm.state_dict(),
         "optim": pm.optimizer_state_dict(opt)}, ...)``; to resume, ``dcp.load`` the same structure into a fresh
-        module's dicts, then ``pm.load_state_dict`` and ``pm.load_optimizer_state_dict``. A fresh optimizer gets
-        its zero states first (one step at learning rate 0), for DCP to load into (``runtime/optim_state.py``)."""
+        module's dicts (of any plan: the states are laid out by their parameters' shapes, which DCP reshards),
+        then ``pm.load_state_dict`` and ``pm.load_optimizer_state_dict``. A fresh optimizer gets its zero states
+        first (one step at learning rate 0), for DCP to load into (``runtime/optim_state.py``)."""
         from autopart.runtime.optim_state import optimizer_state_dict
 
         return optimizer_state_dict(self, opt)

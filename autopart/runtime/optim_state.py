@@ -8,21 +8,24 @@ silently start from wrong moments. ``optimizer_state_dict`` instead keys states 
 
 * a parameter's state (a plain optimizer over DTensor parameters; the host copies of ``HostOffloadOptimizer``) is
   a DTensor of the parameter's shape and placements, as the parameter;
-* a ZeRO-1/2 slice's state is a DTensor of shape ``(L, D * S)``: ``L`` the product of the mesh axes the parameter
-  is sharded over (``Shard(0)`` there: one row per distinct local tensor), ``D`` the ranks it is replicated over
-  and ``S`` the slice length (``Shard(1)`` there, outer axis first, as ``zero1_slice`` numbers the slices); a
-  rank's local block is its slice, zero-padded to ``S``;
+* a ZeRO-1/2 slice's state is a DTensor of the parameter's shape too, with the parameter's placements but for
+  the mesh axes its state is sharded over (ZeRO), which shard the parameter's largest dimension no other axis
+  shards (``_saved_placements``): saving gathers one parameter's state at a time over those axes and keeps this
+  rank's block of it, about its slice's size; loading gathers the block back and keeps the slice;
 * scalars (Adam's ``step``) as they are: the same on every rank;
 * master weights (``pm.optimizer(cls, master_dtype=...)``) as one more state, ``master_weight``, laid out as the
-  others.
+  others;
+* the groups' hyperparameters, once when the groups agree (``_hyperparameters``).
 
-Each rank holds distinct blocks of each DTensor, so DCP saves every slice once and loads each back to its rank.
-A checkpoint resumes the same plan on the same mesh (the slices' layout is the plan's); the model's weights go
-through ``pm.state_dict()`` as before.
+Each rank holds distinct blocks of each DTensor, so DCP saves every block once; and nothing in the saved layout
+depends on the plan's slices, so DCP reshards it on load: a checkpoint resumes on another plan, mesh or world size
+(other ZeRO levels, tensor and pipeline parallelism, offload), as ``pm.state_dict()``'s weights do.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -83,18 +86,60 @@ def _slice_layout(s, mesh) -> tuple[list, int]:
     return placements, rows
 
 
+def _saved_placements(s) -> list:
+    """Placements of a ZeRO-1/2 parameter's state as saved: the parameter's, with its ZeRO axes sharding the
+    parameter's largest dimension that no other axis shards, so that each rank saves a block of about its slice's
+    size, a block of the parameter's own shape that any plan can load. A parameter with every dimension sharded
+    already (a tensor-parallel bias) keeps the ZeRO axes replicated: its state is saved whole, once."""
+    p = s.param
+    taken = {pl.dim for pl in p.placements if isinstance(pl, Shard)}
+    free = [d for d in range(p.dim()) if d not in taken]
+    if not free:
+        return list(p.placements)
+    k = max(free, key=lambda d: p.shape[d])
+    return [Shard(k) if i in s.axes else pl for i, pl in enumerate(p.placements)]
+
+
+@contextlib.contextmanager
+def _quiet_redistribute():
+    """Without DTensor's warning that a gather over several mesh axes runs one all-gather per axis: a checkpoint's
+    one-off gathers, one parameter at a time, printed on every rank for every parameter."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _slice_to_param(s, t: torch.Tensor) -> DTensor:
+    """This rank's slice ``t`` of a flat local tensor, gathered over the slice's axes into a DTensor of the
+    parameter's shape and placements (this rank's whole local tensor)."""
+    mesh = s.param.device_mesh
+    placements, rows = _slice_layout(s, mesh)
+    ways = math.prod(mesh.shape[i] for i in s.axes)
+    local = F.pad(t.detach().reshape(-1), (0, s.size - t.numel())).view(1, s.size)
+    flat = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size((rows, ways * s.size)),
+                              stride=(ways * s.size, 1))
+    with _quiet_redistribute():
+        gathered = flat.redistribute(mesh, [Replicate() if i in s.axes else pl for i, pl in enumerate(placements)])
+    shape = s.param.to_local().shape
+    whole = gathered.to_local()[0, : math.prod(shape)].view(shape)
+    return DTensor.from_local(whole, mesh, s.param.placements, run_check=False, shape=s.param.shape,
+                              stride=s.param.stride())
+
+
 def _to_saved(e: _Entry, t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return t
-    if e.slice is not None:
+    if e.slice is not None:  # gathered one parameter at a time, then cut into this rank's block of the saved layout
         s = e.slice
-        mesh = s.param.device_mesh
-        placements, rows = _slice_layout(s, mesh)
-        size = s.size
-        ways = math.prod(mesh.shape[i] for i in s.axes)
-        local = F.pad(t.detach().reshape(-1), (0, size - t.numel())).view(1, size)
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size((rows, ways * size)),
-                                  stride=(ways * size, 1))
+        home = s.param.to_local().device
+        block = _slice_to_param(s, t.to(home)).redistribute(s.param.device_mesh, _saved_placements(s))
+        local = block.to_local().to(t.device, copy=True)  # a copy: the gathered tensor is freed
+        return DTensor.from_local(local, block.device_mesh, block.placements, run_check=False, shape=block.shape,
+                                  stride=block.stride())
     if isinstance(t, DTensor) or not isinstance(e.device, DTensor):
         return t
     p = e.device
@@ -105,10 +150,13 @@ def _to_saved(e: _Entry, t: torch.Tensor) -> torch.Tensor:
 def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
     if not isinstance(v, torch.Tensor):
         return v
-    local = v.to_local() if isinstance(v, DTensor) and not isinstance(like, DTensor) else v
-    if e.slice is not None and isinstance(v, DTensor):
-        local = local.reshape(-1)[: e.slice.end - e.slice.start]
-    return local
+    if e.slice is not None and isinstance(v, DTensor):  # the saved layout, back to this rank's slice
+        s = e.slice
+        with _quiet_redistribute():
+            whole = v.to(s.param.to_local().device).redistribute(s.param.device_mesh, s.param.placements).to_local()
+        local = whole.reshape(-1)[s.start: s.end]
+        return local.to(like.device) if isinstance(like, torch.Tensor) else local
+    return v.to_local() if isinstance(v, DTensor) and not isinstance(like, DTensor) else v
 
 
 def _init_state(module, opt, groups: list[list[_Entry]]) -> None:
@@ -149,10 +197,29 @@ def optimizer_state_dict(module, opt) -> dict:
                 state[e.fqn] = {k: _to_saved(e, v) for k, v in st.items()}
                 if e.key is not e.device and e.key.dtype != e.device.dtype:  # master weights: finer than the module's
                     state[e.fqn][MASTER] = _to_saved(e, e.key.detach())
-    # the groups' hyperparameters, without their parameters' names: DCP writes a non-tensor value once, as if every
-    # rank held the same, and the stages of a pipeline hold different parameters
-    param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"state": state, "param_groups": param_groups}
+    return {"state": state, "param_groups": _hyperparameters(opt)}
+
+
+def _hyperparameters(opt) -> list[dict]:
+    """The groups' hyperparameters, without their parameters' names: DCP writes a non-tensor value once, as if every
+    rank held the same, and the stages of a pipeline hold different parameters. One group when all agree, as they
+    do for ``pm.optimizer(cls, **kwargs)`` (its groups, plain parameters and ZeRO-1/2 slices, are the plan's, not
+    the user's), so that any plan loads it."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return groups[:1] if all(_same(g, groups[0]) for g in groups) else groups
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 @torch.no_grad()
@@ -164,11 +231,14 @@ def load_optimizer_state_dict(module, opt, sd: dict) -> None:
     if isinstance(opt, ShadowOptimizer):  # its copies of the weights: the module's, loaded or not (master: below)
         opt.sync_from_device()
     saved_groups = sd["param_groups"]
+    if len(saved_groups) == 1:
+        saved_groups = saved_groups * len(opt.param_groups)
     missing = [e.fqn for entries in groups for e in entries if e.fqn not in sd["state"] and opt.state.get(e.key)]
     if len(saved_groups) != len(opt.param_groups) or missing:
         raise ValueError(f"load_optimizer_state_dict: the checkpoint holds {len(saved_groups)} parameter groups "
-                         f"for this optimizer's {len(opt.param_groups)}, and no state for {missing[:3]}; a checkpoint "
-                         "resumes the plan (and the optimizer) it was saved with")
+                         f"for this optimizer's {len(opt.param_groups)} (groups with different hyperparameters are "
+                         f"saved apart), and no state for {missing[:3]}: was it saved from another model or "
+                         "optimizer? The optimizer must be built as the saved one was (pm.optimizer(cls, ...))")
     for g, saved in zip(opt.param_groups, saved_groups):
         g.update({k: v for k, v in saved.items() if k != "params"})
     for entries in groups:
