@@ -411,6 +411,7 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
     out["all_reduce"]["time_s"] += pp["gradient_reduction_s"]
     out["all_reduce"]["bytes"] += gb / p
     out["gradient_all_reduce"] = {"time_s": pp["gradient_reduction_s"], "bytes": gb / p}
+    out["all_gather"]["time_s"] += pp.get("param_gather_s", 0.0)  # ZeRO-1/2's after the step: what forward waits
     v = int(pp.get("virtual") or 1) if pp["schedule"] == "interleaved" else 1
     send = max(st.get("send_bytes", 0.0) for st in pp["stages"])
     out["send_recv"] = {"time_s": m * v * pp["p2p_s"], "bytes": 2 * m * v * send}
@@ -538,8 +539,8 @@ def strategy(plan, traced=None) -> dict[str, Any]:
 
 
 def terms(plan, traced, comm: dict | None = None) -> dict[str, float]:
-    """Step time per GPU split into compute (recomputation included), each collective kind, and what is left: the
-    pipeline bubble and stage imbalance (zero without a pipeline). Sums to the predicted step."""
+    """Step time per GPU split into compute (recomputation included), each collective kind, the optimizer step, and
+    what is left: the pipeline bubble and stage imbalance (zero without a pipeline). Sums to the predicted step."""
     comm = comm or communication(plan, traced)
     step = plan.predicted["step_time_s"]
     pp = plan.pipeline
@@ -552,6 +553,7 @@ def terms(plan, traced, comm: dict | None = None) -> dict[str, float]:
         compute = plan.predicted["compute_s"]
     out = {"compute": compute}
     out.update({k: comm[k]["time_s"] for k in (*KINDS, INSIDE_OPS)})
+    out["optimizer_step"] = plan.predicted.get("optimizer_step_s", 0.0)  # once per step, after the reduction
     out["bubble_and_imbalance"] = step - sum(out.values())
     return out
 

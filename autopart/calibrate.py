@@ -13,7 +13,8 @@ host share its cores and memory as they will in training:
   b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
 * the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
-  elementwise add: 3 arrays' bytes moved);
+  elementwise add: 3 arrays' bytes moved), and the optimizer step's (AdamW, foreach: its bytes as
+  ``planner.optimizer_step_seconds`` counts them; on a CPU its arithmetic bounds it, not the DRAM);
 * the framework time the roofline does not see, per graph op and per parameter (``_runtime_overhead``: autopart's
   runtime stepping models too small to compute), and, where ranks share a host's cores, how much faster a rank
   computes while the others idle (``Device.alone_speedup``: a pipeline's fill and drain).
@@ -46,7 +47,8 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 4  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links
+VERSION = 5  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links;
+# 5: the optimizer step's rate
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
@@ -379,13 +381,25 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     torch.add(x, y, out=z)
     t = _median_blocks(lambda: torch.add(x, y, out=z), blocks, seconds, sync)
     bw = {"bytes": 3 * numel * dtype.itemsize, "seconds": t, "bandwidth": 3 * numel * dtype.itemsize / t}
+    # the optimizer step: AdamW (foreach, as ``pm.optimizer`` builds it) over 8 tensors, its bytes as the planner
+    # counts them (``planner.optimizer_step_seconds``: weight and two states read and written, gradient read)
+    n_opt = (MiB if quick else 4 * MiB) // 8 if device == "cpu" else 32 * MiB
+    params = [torch.zeros(n_opt, dtype=dtype, device=device, requires_grad=True) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    opt.step()
+    t = _median_blocks(opt.step, blocks, seconds, sync)
+    opt_bytes = 7 * 8 * n_opt * dtype.itemsize
+    optimizer = {"class": "AdamW(foreach=True)", "elements": 8 * n_opt, "seconds": t, "bandwidth": opt_bytes / t}
+    del params, opt
     host = bw["bandwidth"]
     if device == "cuda":
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
         t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
     return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu,
-            "transcendental_variants": variants, "elementwise": bw, "host_bandwidth": host}
+            "transcendental_variants": variants, "elementwise": bw, "optimizer": optimizer, "host_bandwidth": host}
 
 
 def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float, sync: Callable[[], None],
@@ -431,7 +445,8 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
         rows.append({"bias": bias, "zero": zero, "ops": sum(1 for r in recs if r["op"] not in (
                          "param", "buffer", "constant", "input")), "params": sum(1 for r in recs if r["op"] == "param"),
                      "zero3_params": sum(1 for level in pm.plan.zero.values() if level == 3),
-                     "predicted_s": pm.plan.predicted["step_time_s"]})
+                     # forward and backward: the step timed here runs no optimizer
+                     "predicted_s": pm.plan.predicted["step_time_s"] - pm.plan.predicted.get("optimizer_step_s", 0.0)})
     # blocks of the two models in turn, so that drift on a shared machine hits both alike; the slowest rank's
     times = torch.tensor(_paired_blocks(steps, blocks, seconds, sync), dtype=torch.float64,
                          device="cuda" if device == "cuda" else "cpu")
@@ -518,6 +533,7 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
+                    optimizer_bandwidth=dev.get("optimizer", {}).get("bandwidth", 0.0),
                     math_variants=tuple((k, v["bandwidth"]) for k, v in sorted(
                         dev.get("transcendental_variants", {}).items())),
                     op_latency=dev.get("runtime", {}).get("per_op", 0.0),
@@ -626,6 +642,7 @@ def describe(cluster: Cluster) -> str:
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s"
              f"{''.join(f' ({k}: {v / 1e9:.3g})' for k, v in d.math_variants)}, "
+             f"optimizer step {(d.optimizer_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
              f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter "
              f"(ZeRO-3: {d.zero3_latency * 1e6:.3g} more), "
              f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "

@@ -83,6 +83,7 @@ class Unit:
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
     late_s: float = 0.0  # the same, of parameters other blocks use too: after the schedule and the stages' sum
     gather_s: float = 0.0  # ZeRO-1/2 parameter all-gather after the optimizer step (bucketed), once per step
+    step_s: float = 0.0  # the optimizer step of its parameters, once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
     # the same, counting only nodes of the block itself (not the embedding or head folded into it)
@@ -97,6 +98,7 @@ class Unit:
     block_reduce_s: float = 0.0
     block_late_s: float = 0.0
     block_gather_s: float = 0.0
+    block_step_s: float = 0.0
 
     def cost(self, m: int) -> LayerCost:
         rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
@@ -153,6 +155,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
                 own = nodes[n.name]["layer"] == units[u].name
                 units[u].gather_s += gather
                 units[u].block_gather_s += gather * own
+                step = nodes[n.name].get("optimizer_step_s", 0.0)  # every stage holding it steps its copy
+                units[u].step_s += step
+                units[u].block_step_s += step * own
                 # the runtime's work per parameter (its compute_s: Device.param_latency), once per micro-batch
                 units[u].fixed_s += nodes[n.name]["compute_s"]
                 units[u].block_fixed_s += nodes[n.name]["compute_s"] * own
@@ -327,7 +332,8 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
                                 state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,
                                 transient_bytes=second.block_transient_bytes, reduce_s=second.block_reduce_s,
-                                late_s=second.block_late_s, gather_s=second.block_gather_s)
+                                late_s=second.block_late_s, gather_s=second.block_gather_s,
+                                step_s=second.block_step_s)
     out = [first]
     for i in range(1, n_blocks - 1):
         out.append(dataclasses.replace(inner, name=f"{first.name.rsplit('.', 1)[0]}.{i}"))
@@ -468,7 +474,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 continue
             tail = reduction_tail(pl, layer_costs, [u.reduce_s for u in units], cluster.device.comm_overlap,
                                   [u.gather_s for u in units], after_schedule=not OVERLAP_IN_PIPELINE,
-                                  late_s=[u.late_s for u in units])
+                                  late_s=[u.late_s for u in units], step_s=[u.step_s for u in units])
             step = pl.step_s + tail
             if log:
                 tried.append({"axis": axis_names[axis], "degree": p, "micro_batches": m,
@@ -633,13 +639,19 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     pipeline["param_gather_s"] = gather
     pipeline["param_gather_total_s"] = max(sum(u.gather_s for u, c in zip(units, stages) if c % o.stages == r)
                                            for r in range(o.stages))
-    pipeline["gradient_reduction_s"] = max(0.0, cand.reduce_s - gather)
+    # the optimizer step's share of the tail: what the tail loses without it (a later stage's step hides in its fill)
+    no_step = reduction_tail(pl, [u.cost(m) for u in units], [u.reduce_s for u in units], cluster.device.comm_overlap,
+                             [u.gather_s for u in units], after_schedule=not OVERLAP_IN_PIPELINE,
+                             late_s=[u.late_s for u in units])
+    pipeline["optimizer_step_s"] = max(0.0, cand.reduce_s - no_step)
+    pipeline["gradient_reduction_s"] = max(0.0, no_step - gather)
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)
     comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below
     predicted = dict(plan.predicted)
     predicted.update({"step_time_s": cand.step_s, "compute_s": comp / o.stages,
-                      "comm_s": max(0.0, cand.step_s - comp / o.stages),
+                      "comm_s": max(0.0, cand.step_s - comp / o.stages - pipeline["optimizer_step_s"]),
+                      "optimizer_step_s": pipeline["optimizer_step_s"],
                       "memory_bytes": {"parameters_and_optimizer": mem["states"], "gradients": mem["gradients"],
                                        "activations": mem["activations"], "total": mem["total"]},
                       "sharding_only": plan.predicted})

@@ -153,7 +153,8 @@ class Plan:
             f"autopart plan  mesh {mesh}  on {self.cluster.get('name')}  (graph {self.fingerprint})",
             f"axes: {roles}",
             f"predicted step {_fmt_time(pred['step_time_s'])} = compute {_fmt_time(pred['compute_s'])} + comm "
-            f"{_fmt_time(pred['comm_s'])};  memory/device "
+            f"{_fmt_time(pred['comm_s'])}" + (f" + optimizer step {_fmt_time(pred['optimizer_step_s'])}"
+                                             if pred.get("optimizer_step_s") else "") + ";  memory/device "
             + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in pred["memory_bytes"].items())
             + (f";  peak at the {peak_moment(pred['memory_bytes'])}" if peak_moment(pred["memory_bytes"]) else ""),
             "per layer: predicted time (compute + conversions, forward and backward), placements, collectives",
@@ -224,7 +225,9 @@ class Plan:
             f"{pp['micro_batches']} micro-batches of {pp['micro_batch_size']}"
             f" (batch {pp['batch']}); schedule {sched}; bubble {pp['bubble_fraction']:.1%} of the step",
             f"step {_fmt_time(pp['step_time_s'])} = pipeline {_fmt_time(pp['pipeline_s'])} + gradient reduction "
-            f"{_fmt_time(pp['gradient_reduction_s'])}; send/recv per micro-batch and boundary "
+            f"{_fmt_time(pp['gradient_reduction_s'])}" + (f" + optimizer step {_fmt_time(pp['optimizer_step_s'])}"
+                                                           if pp.get("optimizer_step_s") else "") +
+            f" + parameter gather {_fmt_time(pp.get('param_gather_s', 0.0))}; send/recv per micro-batch and boundary "
             f"{_fmt_time(pp['p2p_s'])}" + _no_pipeline(pp),
             f"{'stage':>5} {'rank':>4} {'layers':<34} {'time/micro-batch':>16} {'in flight':>9} "
             f"{'states+grads':>13} {'activations':>12} {'total':>11}  checkpointed",

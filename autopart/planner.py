@@ -1344,6 +1344,45 @@ def optimizer_offload_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions
     return 2 * moved / device.host_bandwidth + step
 
 
+def optimizer_step_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, trainable: bool, cluster: Cluster,
+                           on_host: bool = False) -> float:
+    """Seconds one parameter's optimizer step takes, once per step (whatever the micro-batches). On the device a
+    memory-bound pass over the rank's share of it (its local shard; under ZeRO-1/2 its slice, the point of the
+    distributed optimizer): the states and the weight read and written, the gradient read, at
+    ``Device.optimizer_bandwidth`` (``mem_bandwidth`` unless calibrated). A master copy is part of the states
+    (``optimizer_bytes_per_param``). On the host (``on_host``: the plan offloads the optimizer),
+    ``optimizer_offload_seconds``. A frozen parameter has no step."""
+    if not trainable:
+        return 0.0
+    if on_host:
+        return optimizer_offload_seconds(val, option, mesh, opts, trainable, cluster)
+    local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, trainable)
+    moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
+    device = cluster.device
+    return (2 * (states + moved) + moved) / (device.optimizer_bandwidth or device.mem_bandwidth)
+
+
+def optimizer_step_costs(prob: Problem, offload: frozenset, cluster: Cluster, opts: PlanOptions) -> list[np.ndarray]:
+    """Per group, per option, the seconds of the optimizer step of its parameters (``optimizer_step_seconds``;
+    zero for ops, buffers and frozen parameters): priced in the ILP beside the nodes' costs, so that ZeRO-1/2's
+    sliced step counts for it, and reported apart (``predicted["optimizer_step_s"]``), since it is paid once per
+    step, not per micro-batch."""
+    node_of = {n.name: n for n in prob.info.nodes}
+    mesh = cluster.mesh_shape
+    on_host = "optimizer" in offload
+    out = []
+    for gid, members in enumerate(prob.groups):
+        first = members[0]
+        if prob.info.kind[first] != "param" or not prob.info.needs_grad[first]:
+            out.append(np.zeros(len(prob.node_cost[gid])))
+            continue
+        val = value_of(node_of[first])
+        n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
+        out.append(n * np.array([optimizer_step_seconds(val, o, mesh, opts, True, cluster, on_host)
+                                 for o in prob.info.options[first]]))
+    return out
+
+
 def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], offload: frozenset,
                   cluster: Cluster, opts: PlanOptions) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Host offload (ZeRO-Offload style), priced with the device-host link:
@@ -1351,7 +1390,7 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
     * ``optimizer``: optimizer states live on the host and the optimizer steps there: device memory loses the
       states; each step moves the gradient down and the parameter back up (2 x local parameter bytes; with
       ZeRO-1/2, 2 x this rank's slice: DeepSpeed's ZeRO-Offload) and runs on the host's memory bandwidth
-      (``optimizer_offload_seconds``);
+      (``optimizer_offload_seconds``, priced with the device's step by ``optimizer_step_costs``);
     * ``activations``: tensors saved for backward go to the host in forward and come back in backward
       (``torch.autograd.graph.save_on_cpu``): device activation memory is dropped, 2 x their bytes cross the link.
     On a CPU cluster the host is the device: the memory moves nowhere, so offload only costs time there.
@@ -1372,8 +1411,6 @@ def apply_offload(prob: Problem, cost: list[np.ndarray], mem: list[np.ndarray], 
                      for o in popts]
             n = prob.scale[gid] if prob.scale else len(members)  # a tied group stands for this many nodes
             states = np.array([s for _, s in pairs]) * n
-            cost[gid] = cost[gid] + n * np.array([optimizer_offload_seconds(
-                val, o, mesh, opts, prob.info.needs_grad[members[0]], cluster) for o in popts])
             if not on_cpu:
                 mem[gid] = mem[gid] - states
         elif kind == "op" and "activations" in offload:
@@ -2390,7 +2427,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
         recompute = min(float((m0 - m1).min()) for m0, m1 in zip(prob.node_memory, ckpt_mem)) if modes else 0.0
         cost, mem = apply_offload(prob, cost, ckpt_mem, offload, cluster, opts)
-        with_self = list(cost)
+        step = optimizer_step_costs(prob, offload, cluster, opts)  # solved with the nodes, recorded apart
+        with_self = [c + t for c, t in zip(cost, step, strict=True)]
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
         try:
@@ -2420,7 +2458,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                 if (need <= base * (1 + 1e-9)).all():
                     break
                 base = np.maximum(base, need)
-            results[label] = (sol, modes, cost, mem, offload, ckpt_mem, edge_bytes(emem, sol.choice))
+            results[label] = (sol, modes, cost, mem, offload, ckpt_mem, edge_bytes(emem, sol.choice), step)
         except InfeasibleError as exc:
             errors[label] = exc
 
@@ -2437,7 +2475,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"for batch-sharded values): {', '.join(unsupported)}; register one with "
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
-    sol0, modes0, _, mem0, off0, ckpt0, ebytes0 = results[first]
+    sol0, modes0, _, mem0, off0, ckpt0, ebytes0, _ = results[first]
     # the bounded solves start from the free optimum's flat buckets: a plan reduce-scattering more adds its share
     # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
     bucket0 = buckets_of(sol0.choice)[0]
@@ -2498,7 +2536,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             f"roles that shard more (zero=3, a tensor-parallel axis)."
         ) from exc
     label = min(results, key=lambda k: results[k][0].objective)
-    sol, modes, cost, mem, offload, ckpt_mem, ebytes = results[label]
+    sol, modes, cost, mem, offload, ckpt_mem, ebytes, step = results[label]
     chosen: dict[str, OpOption] = {}
     for gid, members in enumerate(groups):
         for name in members:
@@ -2510,10 +2548,12 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                                              for g, c in enumerate(prob.compute_cost)])
     timings["checkpoint_choice"] = label
     timings["regathered_bytes"] = float(ebytes[0])  # edge memory: shards kept for backward less what nodes count
-    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload, recompute)
+    return _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, modes, offload, recompute,
+                   step)
 
 
-def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload, recompute):
+def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload, recompute,
+            step_cost=None):
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
@@ -2582,6 +2622,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 rec["keep_bytes"] = float(prob.keep_full[gid][a]) / k  # kept under full recompute
         if info.kind[n.name] == "param":
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
+            rec["optimizer_step_s"] = float(step_cost[gid][a]) / k if step_cost is not None else 0.0
             if o.tag in ("zero1", "zero2") and info.needs_grad[n.name]:  # gathered after the step, bucketed
                 entry = zero1_gather_entry(value_of(n), o.output, mesh)
                 # its bandwidth; the node's time holds the ILP's price of it (``zero1_gather_shares``)
@@ -2739,7 +2780,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["peak_optimizer"] = states + memory["gradients"] + max(memory["optimizer_temporaries"],
                                                                   memory["gather_in_flight"] - zero_grads)
     memory["total"] = max(memory["peak_forward"], memory["peak_backward"], memory["peak_optimizer"])
-    predicted = {"step_time_s": compute + comm_total, "compute_s": compute, "comm_s": comm_total,
+    # the optimizer step, after the reduction and before ZeRO-1/2's gather (the stand-ins of a tied group: its sum)
+    opt_step = sum(float(step_cost[g][a]) for g, a in enumerate(sol.choice)) if step_cost is not None else 0.0
+    predicted = {"step_time_s": compute + comm_total + opt_step, "compute_s": compute, "comm_s": comm_total,
+                 "optimizer_step_s": opt_step,
                  "internal_comm_s": internal_comm, "grad_reduction_s": reduction, "hidden_comm_s": hidden,
                  "param_gather_s": gather_exposed, "param_gather_total_s": gather_total,
                  "param_gather_latency_s": gather_latency, "param_gather_priced_s": gather_priced,

@@ -114,6 +114,11 @@ class Device:
     # bandwidth shared by its ranks: the step reads and writes the states and the host copy, a memory-bound pass;
     # ``planner.optimizer_offload_seconds``). 0: the host step is not priced (cpu: the host is the device)
     host_step_bandwidth: float = 0.0
+    # bytes/s the optimizer step on the device reaches over what it reads and writes (each element's weight and
+    # states read and written, its gradient read: ``planner.optimizer_step_seconds``). 0: ``mem_bandwidth`` (every
+    # preset: a fused or multi-tensor Adam is a memory-bound pass on a GPU); ``autopart.calibrate`` measures the
+    # user's optimizer class's kernel (AdamW, foreach): on a CPU its arithmetic, not the DRAM, bounds it
+    optimizer_bandwidth: float = 0.0
     # seconds each GEMM kernel takes beyond its FLOPs at ``peak_flops * mfu`` (its launch, prologue and epilogue, the
     # last partial wave of tiles), which a small GEMM cannot amortise: a GEMM of F FLOPs then runs at
     # F / (F / achievable_flops + gemm_latency) (``autopart.cost.compute.roofline_time``). 0: every GEMM at
@@ -156,7 +161,7 @@ class Device:
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         for field in ("gemm_latency", "attention_flops", "math_bandwidth", "op_latency", "param_latency",
-                      "zero3_latency", "host_step_bandwidth"):
+                      "zero3_latency", "host_step_bandwidth", "optimizer_bandwidth"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -359,7 +364,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "gemm_latency",
-                "attention_flops", "host_step_bandwidth",
+                "attention_flops", "host_step_bandwidth", "optimizer_bandwidth",
                 "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
                 "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
@@ -394,6 +399,8 @@ def load_preset(path: str) -> str:
         comm_overlap = true            # concurrently with compute: NCCL on GPUs; false for gloo on CPUs),
         gemm_latency = 6.4e-6          # gemm_latency (seconds per GEMM kernel beyond its FLOPs at that rate),
         host_step_bandwidth = "48GB"   # host_step_bandwidth (host memory bytes/s per rank, offloaded steps)
+        optimizer_bandwidth = "3TB"    # optimizer_bandwidth (bytes/s of the device's optimizer step; 0:
+                                       # mem_bandwidth)
         [intra_node]                   # the link inside a node: alpha (s per message) and
         alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
         bandwidth = 450e9              # library also has a tree all-reduce (NCCL)
@@ -455,7 +462,7 @@ def load_preset(path: str) -> str:
     if missing:
         raise ValueError(f"cluster file {path!r}: [device] needs {sorted(missing)}")
     for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "attention_flops", "math_bandwidth",
-              "host_step_bandwidth"):
+              "host_step_bandwidth", "optimizer_bandwidth"):
         dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
     dev["memory_bytes"] = int(dev["memory_bytes"])
     if not isinstance(dev["comm_overlap"], bool):

@@ -236,7 +236,7 @@ def gather_exposed(pl: PipelinePlan, layers: Sequence[LayerCost], gather_s: Sequ
 
 def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequence[float], overlap: bool,
                    gather_s: Sequence[float] | None = None, after_schedule: bool = False,
-                   late_s: Sequence[float] | None = None) -> float:
+                   late_s: Sequence[float] | None = None, step_s: Sequence[float] | None = None) -> float:
     """Seconds the data-parallel gradient reduction, and ZeRO-1's parameter all-gather after the optimizer step
     (``gather_s``, per layer), add to the pipelined step: how late the next step's first micro-batch gets through
     the stages, each rank having reduced, stepped and gathered on its own clock.
@@ -256,17 +256,19 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
       0's last backward): what runs past that end is exposed. Reduced after the schedule (``after_schedule``),
       every rank reduces all of its share from the end, not overlapped. ``late_s[l]`` (a parameter several stages
       hold, which they sum first) is reduced after the rest of the rank's reduction, from the schedule's end;
-    * then its optimizer step and its after-step gathers, back to back from its reduction's end (``runtime/zero1.py``,
-      as ``gather_exposed`` prices them: a layer waited for as it starts, all of a rank's in flight at once);
+    * then its optimizer step (``step_s[l]``, per layer: the step of the parameters the layer holds) and its
+      after-step gathers, back to back from its reduction's end (``runtime/zero1.py``, as ``gather_exposed`` prices
+      them: a layer waited for as it starts, all of a rank's in flight at once);
     * the next step's first micro-batch runs the chunks in order; a rank's chunk starts once its own reduction is
       done and the previous chunk's output arrived, each layer once its gather is. What that chain ends later than
       without any of this is the tail: rank 0's reduction and gather delay it all, while a later stage's hide in
       its cool-down and in its fill (it idles until the first micro-batch reaches it)."""
     gather_s = [0.0] * len(layers) if gather_s is None else gather_s
     late_s = [0.0] * len(layers) if late_s is None else late_s
-    if not len(reduce_s) == len(gather_s) == len(late_s) == len(layers):
-        raise ValueError(f"reduction_tail: {len(reduce_s)} reduction, {len(late_s)} late reduction and "
-                         f"{len(gather_s)} gather times for {len(layers)} layers")
+    step_s = [0.0] * len(layers) if step_s is None else step_s
+    if not len(reduce_s) == len(gather_s) == len(late_s) == len(step_s) == len(layers):
+        raise ValueError(f"reduction_tail: {len(reduce_s)} reduction, {len(late_s)} late reduction, {len(step_s)} "
+                         f"optimizer step and {len(gather_s)} gather times for {len(layers)} layers")
     o = pl.options
     ends = list(pl.boundaries[1:]) + [len(layers)]
     chunk_of = [c for c, (i, j) in enumerate(zip(pl.boundaries, ends)) for _ in range(i, j)]
@@ -274,7 +276,7 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
     if not overlap:
         per = [0.0] * o.stages
         for lay, r in enumerate(ranks):
-            per[r] += reduce_s[lay] + late_s[lay] + gather_s[lay]
+            per[r] += reduce_s[lay] + late_s[lay] + step_s[lay] + gather_s[lay]
         return max(per)
     hop = o.p2p_s / 2 if o.chunks > 1 else 0.0
     ready, clock = [0.0] * len(layers), 0.0
@@ -288,13 +290,14 @@ def reduction_tail(pl: PipelinePlan, layers: Sequence[LayerCost], reduce_s: Sequ
     for r in range(o.stages):
         mine = sorted((ready[lay], reduce_s[lay]) for lay in range(len(layers)) if ranks[lay] == r)
         late = sum(late_s[lay] for lay in range(len(layers)) if ranks[lay] == r)
+        step = sum(step_s[lay] for lay in range(len(layers)) if ranks[lay] == r)
         if after_schedule:
-            done[r] = sum(c for _, c in mine) + late
+            done[r] = sum(c for _, c in mine) + late + step
             continue
         end = 0.0
         for t, c in mine:  # launched as its gradients are final, one after the other (exposed_after's chain)
             end = max(end, t) + c
-        done[r] = max(end, clock) - clock + late
+        done[r] = max(end, clock) - clock + late + step
     start = list(done)
     fwd = free = 0.0  # the next step's first micro-batch through the chunks, and without any of this
     for lay, c in enumerate(chunk_of):

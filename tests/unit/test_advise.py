@@ -51,7 +51,8 @@ def _check_consistent(d: dict) -> None:
     for k in adv.KINDS:
         c = d["communication"][k]
         assert c["time_s"] >= 0 and c["bytes"] >= 0
-        assert (c["time_s"] > 0) == (c["bytes"] > 0), (k, c)
+        # no time without bytes; bytes may take none (a pipeline's reduction can hide whole in the cool-down)
+        assert c["time_s"] == 0 or c["bytes"] > 0, (k, c)
     assert d["communication"]["gradient_all_reduce"]["time_s"] <= d["communication"]["all_reduce"]["time_s"] + 1e-12
     s = d["strategy"]
     assert d["gpus"] % s["pp"] == 0

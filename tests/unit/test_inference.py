@@ -42,14 +42,19 @@ def test_inference_is_cheaper_than_training_and_partly_frozen_models_train_the_r
     ids = torch.randint(0, 256, (2, 64))
     mesh = autopart.mesh((2,), ("dp",))
     inf = autopart.plan(_llama(), mesh, (ids,), roles={"dp": "dp"})
-    train = autopart.plan(_llama(frozen=False), mesh, (ids,), {"labels": ids}, roles={"dp": "dp"})
+    train = autopart.plan(_llama(frozen=False), mesh, (ids,), {"labels": ids}, roles={"dp": "dp"}, zero=0)
     assert inf.predicted["step_time_s"] < train.predicted["step_time_s"]
     assert inf.predicted["memory_bytes"]["total"] < train.predicted["memory_bytes"]["total"]
     ft = _llama(frozen=False)
     ft.embed.requires_grad_(False)  # fine-tuning with a frozen embedding: its gradient and states vanish
-    part = autopart.plan(ft, mesh, (ids,), {"labels": ids}, roles={"dp": "dp"})
+    part = autopart.plan(ft, mesh, (ids,), {"labels": ids}, roles={"dp": "dp"}, zero=0)
     emb = ft.embed.weight.numel() * 4
     mt, mp = train.predicted["memory_bytes"], part.predicted["memory_bytes"]
     assert mt["gradients"] - mp["gradients"] == pytest.approx(emb, rel=1e-6)
     assert mt["optimizer_states"] - mp["optimizer_states"] == pytest.approx(2 * emb, rel=1e-6)
+    # nor an optimizer step: Adam's moves 7x an fp32 parameter's bytes (weight and states read and written,
+    # gradient read); inference has none at all
+    bw = autopart.preset("cpu", (2,)).device.mem_bandwidth
+    steps = train.predicted["optimizer_step_s"] - part.predicted["optimizer_step_s"]
+    assert steps == pytest.approx(7 * emb / bw, rel=1e-6) and inf.predicted["optimizer_step_s"] == 0
     assert "embed.weight" not in part.reduced

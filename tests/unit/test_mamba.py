@@ -193,8 +193,8 @@ def test_ilp_objective_prices_what_the_sequence_parallel_plan_runs() -> None:
     grads = sum(shapes[fqn].numel() * shapes[fqn].element_size() / (8 if "S" in plan.params[fqn] else 1)
                 for fqn in plan.reduced)
     p = plan.predicted
-    priced = (p["compute_s"] + p["internal_comm_s"] + sum(c["time_s"] * edges_taking(c) + c.get("regather_s", 0.0)
-                                                          for c in plan.collectives)
+    priced = (p["compute_s"] + p["internal_comm_s"] + p["optimizer_step_s"]
+              + sum(c["time_s"] * edges_taking(c) + c.get("regather_s", 0.0) for c in plan.collectives)
               + collective_time("all_reduce", grads, 8, Link(0.0, cluster.link(0).beta)))
     # within 1e-5: the parameters' gradient terms are priced per parameter in the ILP and per bucket in this sum
     # (3.6e-6 apart here); the bug this guards against was 15%

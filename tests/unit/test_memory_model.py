@@ -190,20 +190,22 @@ def test_optimizer_step_after_zero2_gather_and_with_host_offload():
 def test_zero_offload_moves_and_keeps_slices_only():
     """ZeRO-1/2 with the optimizer on the host (DeepSpeed's ZeRO-Offload): the device keeps no optimizer state and
     no step temporaries, and each step moves this rank's slice of the gradients down and of the parameters up and
-    steps it on the host: over 4 ranks, a quarter of what offloading whole parameters costs. Per fp32 parameter
-    of Adam (8 bytes of states) offloaded whole: 8 bytes over the host link and 28 through host memory (states and
-    copy read and written, gradient read), at the preset's host rates."""
+    steps it on the host instead of the device: over 4 ranks, a quarter of what offloading whole parameters costs.
+    Per fp32 parameter of Adam (8 bytes of states) offloaded whole: 8 bytes over the host link and 28 through host
+    memory (states and copy read and written, gradient read), at the preset's host rates, where the device's step
+    moved the same 28 bytes through its own memory."""
     traced = _meta_gpt(256, 4, layers=2, s=64, dropout=0.0, dtype=torch.float32)
     psi = sum(v.meta["val"].numel() for v in traced.graph.nodes if v.op == "placeholder" and v.name in traced.params)
     cluster = autopart.preset("a100-80gb", (4,))
     link, host = cluster.device.host_bandwidth, cluster.device.host_step_bandwidth
+    hbm = cluster.device.optimizer_bandwidth or cluster.device.mem_bandwidth
     assert host > 0
     opts = dict(roles={"dp": "dp"}, memory_limit=1e15, pipeline="off", checkpoint="none")
 
     def plan(zero: int, offload: str):
         return make_plan(traced, cluster, ("dp",), PlanOptions(zero=zero, offload=offload, **opts))
 
-    per_param = 8 / link + 28 / host
+    per_param = 8 / link + 28 / host - 28 / hbm
     for zero in (1, 2):
         on, off = plan(zero, "optimizer"), plan(zero, "none")
         assert set(on.zero.values()) == {zero} and on.offload == ["optimizer"]
@@ -212,5 +214,6 @@ def test_zero_offload_moves_and_keeps_slices_only():
         assert off.predicted["memory_bytes"]["optimizer_states"] > 0
         added = on.predicted["step_time_s"] - off.predicted["step_time_s"]
         assert added == pytest.approx(psi / 4 * per_param, rel=0.01)
+        assert off.predicted["optimizer_step_s"] == pytest.approx(psi / 4 * 28 / hbm, rel=0.01)
     whole = plan(0, "optimizer").predicted["step_time_s"] - plan(0, "none").predicted["step_time_s"]
     assert whole == pytest.approx(psi * per_param, rel=0.01)

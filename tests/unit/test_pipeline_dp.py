@@ -255,6 +255,15 @@ def test_reduction_tail_in_the_schedule():
     assert reduction_tail(pl, layers, red, True, late_s=late) == pytest.approx(2.0)
     assert reduction_tail(pl, layers, red, True, after_schedule=True, late_s=late) == pytest.approx(3.5)
     assert reduction_tail(pl, layers, red, False, late_s=late) == pytest.approx(3.5)
+    # each rank's optimizer step follows its reduction: rank 0's 0.25 + 0.25 s add to its 1.5 s past the schedule
+    # (2.0); rank 1's 3 s, from the schedule's end (its reduction ended in the cool-down), end at 3.0, before the
+    # next step's first micro-batch reaches it (rank 0's 2.0 s, 2 s of forward, a 0.1 s send: 4.1)
+    step = [0.25, 0.25, 1.5, 1.5]
+    assert reduction_tail(pl, layers, red, True, step_s=step) == pytest.approx(2.0)
+    assert reduction_tail(pl, layers, red, False, step_s=step) == pytest.approx(2.0 + 3.0)  # rank 1's 2 + 3 s
+    # a step long enough on rank 1 to delay it: 8 s from the schedule's end, where without any of this the first
+    # micro-batch reaches it at 2.1: 5.9 s late
+    assert reduction_tail(pl, layers, red, True, step_s=[0.0, 0.0, 4.0, 4.0]) == pytest.approx(8.0 - 2.1)
 
 
 def test_reduction_tail_after_the_schedule():

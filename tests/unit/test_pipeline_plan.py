@@ -43,10 +43,12 @@ def test_forced_pipeline_section(schedule, virtual):
     from autopart.solver.pipeline import PipelineOptions
 
     assert pp["bubble_fraction"] == pytest.approx(bubble_fraction(PipelineOptions(2, 4, schedule, virtual)))
-    # step = (m v + p - 1) x the slowest chunk + the slowest rank's gradient reduction
+    # step = (m v + p - 1) x the slowest chunk + the slowest rank's gradient reduction and optimizer step
     slowest = max(st["time_s"] for st in pp["stages"])
     assert pp["pipeline_s"] == pytest.approx((4 * virtual + 1) * slowest)
-    assert pp["step_time_s"] == pytest.approx(pp["pipeline_s"] + pp["gradient_reduction_s"])
+    assert pp["optimizer_step_s"] > 0
+    assert pp["step_time_s"] == pytest.approx(pp["pipeline_s"] + pp["gradient_reduction_s"] + pp["optimizer_step_s"]
+                                              + pp["param_gather_s"])
     assert pp["grid"].count("rank ") == 2 and "F3" in pp["grid"] and "B3" in pp["grid"]
     # 1F1B holds p - k micro-batches in flight on stage k, GPipe all m
     if schedule == "1f1b":
