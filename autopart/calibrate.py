@@ -600,7 +600,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     rates = torch.tensor([g["flops"] for g in dev["gemm"]] + [dev["transcendental_variants"][k]["bandwidth"]
                                                               for k in variants] + [
                          dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
-                         dev["host_bandwidth"]], dtype=torch.float64)
+                         dev["optimizer"]["bandwidth"], dev["host_bandwidth"]], dtype=torch.float64)
     everyone = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather_object(everyone, rates)
     med = torch.stack(everyone).quantile(0.5, dim=0).tolist()
@@ -609,7 +609,7 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
     for k, f in zip(variants, med[len(dev["gemm"]):]):
         dev["transcendental_variants"][k]["bandwidth"] = f
     (dev["attention"]["flops"], dev["transcendental"]["bandwidth"], dev["elementwise"]["bandwidth"],
-     dev["host_bandwidth"]) = med[-4:]
+     dev["optimizer"]["bandwidth"], dev["host_bandwidth"]) = med[-5:]
     alone = [0.0] * world  # rank 0 measured it
     dist.all_gather_object(alone, dev["gemm_alone_flops"])
     dev["gemm_alone_flops"] = max(alone)

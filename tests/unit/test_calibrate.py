@@ -165,11 +165,13 @@ def test_no_calibration_says_what_to_run(tmp_path, monkeypatch):
 
 
 def test_calibrate_one_process_measures_the_device(tmp_path):
-    """Without a process group: one rank, no link measured, the device's rates positive and cached."""
+    """Without a process group: one rank, no link measured, the device's rates positive and cached. The optimizer
+    step's rate is measured (AdamW, foreach), no faster than a plain add moves memory on a CPU."""
     c = calibrate(quick=True, directory=str(tmp_path))
     assert c.mesh_shape == (1,)
     d = c.device
     assert 1e8 < d.peak_flops < 1e15 and 1e8 < d.mem_bandwidth < 1e14 and d.mfu == 1.0
+    assert 1e8 < d.optimizer_bandwidth < 2 * d.mem_bandwidth
     assert load_calibration((1,), directory=str(tmp_path)) == c
 
 
