@@ -425,7 +425,7 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     shape = cluster.mesh_shape
     names = tuple(f"dp{i}" for i in range(len(shape)))
     world = math.prod(shape)
-    rows, steps = [], []
+    rows, steps, opt_params = [], [], []
     for bias, zero in ((True, 0), (False, 0)) + (((True, 3),) if world > 1 else ()):  # ZeRO-3: 2+ ranks
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=layers, n_head=2, d_model=8, bias=bias)).to(device)
@@ -441,12 +441,15 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
 
         step()
         steps.append(step)
+        opt = pm.optimizer(torch.optim.AdamW, lr=0.0)  # the plan's optimizer over its parameters, gradients kept
+        opt_params.append((opt, params))
         recs = pm.plan.nodes.values()
         rows.append({"bias": bias, "zero": zero, "ops": sum(1 for r in recs if r["op"] not in (
                          "param", "buffer", "constant", "input")), "params": sum(1 for r in recs if r["op"] == "param"),
                      "zero3_params": sum(1 for level in pm.plan.zero.values() if level == 3),
-                     # forward and backward: the step timed here runs no optimizer
-                     "predicted_s": pm.plan.predicted["step_time_s"] - pm.plan.predicted.get("optimizer_step_s", 0.0)})
+                     # forward and backward: the step timed here runs no optimizer (timed apart, below)
+                     "predicted_s": pm.plan.predicted["step_time_s"] - pm.plan.predicted.get("optimizer_step_s", 0.0),
+                     "predicted_optimizer_s": pm.plan.predicted.get("optimizer_step_s", 0.0)})
     # blocks of the two models in turn, so that drift on a shared machine hits both alike; the slowest rank's
     times = torch.tensor(_paired_blocks(steps, blocks, seconds, sync), dtype=torch.float64,
                          device="cuda" if device == "cuda" else "cpu")
@@ -464,7 +467,21 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     n3 = rows[2]["zero3_params"] if zero3 else 0
     per_zero3 = max(0.0, statistics.median(a - b for a, b in zip(zero3[0], with_bias)) - (
         rows[2]["predicted_s"] - pr1)) / n3 if n3 else 0.0
-    return {"models": rows, "per_op": per_op, "per_param": per_param, "per_zero3_param": per_zero3}
+    # the optimizer step's time per parameter beyond its bytes (a foreach kernel's per-tensor work; on DTensor
+    # parameters, their dispatch): the two models' steps, paired as above, less their predicted bytes' time
+    for _, params in opt_params[:2]:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    opt_times = torch.tensor(_paired_blocks([o.step for o, _ in opt_params[:2]], blocks, seconds, sync),
+                             dtype=torch.float64, device=times.device)
+    dist.all_reduce(opt_times, op=dist.ReduceOp.MAX)
+    o_bias, o_without = opt_times.tolist()
+    for r, t in zip(rows, (o_bias, o_without)):
+        r["optimizer_seconds"] = statistics.median(t)
+    per_step_param = max(0.0, statistics.median(a - b for a, b in zip(o_bias, o_without)) - (
+        rows[0]["predicted_optimizer_s"] - rows[1]["predicted_optimizer_s"])) / (p1 - p2)
+    return {"models": rows, "per_op": per_op, "per_param": per_param, "per_zero3_param": per_zero3,
+            "per_optimizer_param": per_step_param}
 
 
 def _paired_blocks(fns: Sequence[Callable[[], Any]], blocks: int, seconds: float,
@@ -534,6 +551,7 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
                     optimizer_bandwidth=dev.get("optimizer", {}).get("bandwidth", 0.0),
+                    optimizer_param_latency=dev.get("runtime", {}).get("per_optimizer_param", 0.0),
                     math_variants=tuple((k, v["bandwidth"]) for k, v in sorted(
                         dev.get("transcendental_variants", {}).items())),
                     op_latency=dev.get("runtime", {}).get("per_op", 0.0),
@@ -642,7 +660,8 @@ def describe(cluster: Cluster) -> str:
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s"
              f"{''.join(f' ({k}: {v / 1e9:.3g})' for k, v in d.math_variants)}, "
-             f"optimizer step {(d.optimizer_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s, "
+             f"optimizer step {(d.optimizer_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s and "
+             f"{d.optimizer_param_latency * 1e6:.3g} us per parameter, "
              f"{d.op_latency * 1e6:.3g} us per op, {d.param_latency * 1e6:.3g} us per parameter "
              f"(ZeRO-3: {d.zero3_latency * 1e6:.3g} more), "
              f"{d.host_ranks} ranks per host ({d.alone_speedup:.3g}x faster alone), "

@@ -1349,7 +1349,8 @@ def optimizer_step_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, t
     """Seconds one parameter's optimizer step takes, once per step (whatever the micro-batches). On the device a
     memory-bound pass over the rank's share of it (its local shard; under ZeRO-1/2 its slice, the point of the
     distributed optimizer): the states and the weight read and written, the gradient read, at
-    ``Device.optimizer_bandwidth`` (``mem_bandwidth`` unless calibrated). A master copy is part of the states
+    ``Device.optimizer_bandwidth`` (``mem_bandwidth`` unless calibrated), plus ``Device.optimizer_param_latency``
+    (the step's work per tensor: 0 unless calibrated). A master copy is part of the states
     (``optimizer_bytes_per_param``). On the host (``on_host``: the plan offloads the optimizer),
     ``optimizer_offload_seconds``. A frozen parameter has no step."""
     if not trainable:
@@ -1359,7 +1360,8 @@ def optimizer_step_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, t
     local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, trainable)
     moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
     device = cluster.device
-    return (2 * (states + moved) + moved) / (device.optimizer_bandwidth or device.mem_bandwidth)
+    return (2 * (states + moved) + moved) / (device.optimizer_bandwidth or device.mem_bandwidth) + \
+        device.optimizer_param_latency
 
 
 def optimizer_step_costs(prob: Problem, offload: frozenset, cluster: Cluster, opts: PlanOptions) -> list[np.ndarray]:

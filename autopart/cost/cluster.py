@@ -119,6 +119,10 @@ class Device:
     # preset: a fused or multi-tensor Adam is a memory-bound pass on a GPU); ``autopart.calibrate`` measures the
     # user's optimizer class's kernel (AdamW, foreach): on a CPU its arithmetic, not the DRAM, bounds it
     optimizer_bandwidth: float = 0.0
+    # seconds the device's optimizer step spends per parameter (per tensor it steps) beyond its bytes: a foreach
+    # kernel's per-tensor work and, on DTensor parameters, their dispatch. Measured by ``autopart.calibrate``; 0 on
+    # the presets
+    optimizer_param_latency: float = 0.0
     # seconds each GEMM kernel takes beyond its FLOPs at ``peak_flops * mfu`` (its launch, prologue and epilogue, the
     # last partial wave of tiles), which a small GEMM cannot amortise: a GEMM of F FLOPs then runs at
     # F / (F / achievable_flops + gemm_latency) (``autopart.cost.compute.roofline_time``). 0: every GEMM at
@@ -161,7 +165,7 @@ class Device:
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         for field in ("gemm_latency", "attention_flops", "math_bandwidth", "op_latency", "param_latency",
-                      "zero3_latency", "host_step_bandwidth", "optimizer_bandwidth"):
+                      "zero3_latency", "host_step_bandwidth", "optimizer_bandwidth", "optimizer_param_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -364,7 +368,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "gemm_latency",
-                "attention_flops", "host_step_bandwidth", "optimizer_bandwidth",
+                "attention_flops", "host_step_bandwidth", "optimizer_bandwidth", "optimizer_param_latency",
                 "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
                 "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}

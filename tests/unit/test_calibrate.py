@@ -185,12 +185,12 @@ def test_runtime_overhead_priced_per_op_and_parameter():
 
     dev = {"gemm": [{"flops": 40e9}, {"flops": 60e9}], "gemm_alone_flops": 80e9, "attention": {"flops": 20e9},
            "elementwise": {"bandwidth": 5e9}, "host_bandwidth": 5e9, "host_ranks": 4, "device": "cpu",
-           "runtime": {"per_op": 1e-4, "per_param": 3e-4, "per_zero3_param": 2e-3}}
+           "runtime": {"per_op": 1e-4, "per_param": 3e-4, "per_zero3_param": 2e-3, "per_optimizer_param": 5e-5}}
     raw = {f"0/{k}": [100e-6 + s / 1e9 for s in SIZES] for k in COLLECTIVES}
     c = build_cluster((2,), raw, SIZES, dev, 4 * 2**30, 2**29)
     d = c.device
-    assert (d.op_latency, d.param_latency, d.zero3_latency, d.host_ranks, d.alone_speedup) == \
-        (1e-4, 3e-4, 2e-3, 4, 2.0)  # 80 / 40
+    assert (d.op_latency, d.param_latency, d.zero3_latency, d.optimizer_param_latency, d.host_ranks,
+            d.alone_speedup) == (1e-4, 3e-4, 2e-3, 5e-5, 4, 2.0)  # 80 / 40
     assert Cluster.from_json(json.loads(json.dumps(c.to_json()))) == c
     assert build_cluster((2,), raw, SIZES, dev | {"device": "cuda"}, 2**30, 0).device.alone_speedup == 1.0
     # a GPU's collectives run beside its compute (NCCL's own stream), gloo's on the cores the ranks compute on
@@ -199,13 +199,16 @@ def test_runtime_overhead_priced_per_op_and_parameter():
     model, ids = _tiny_gpt()
     t = trace(model, (ids,), {"labels": ids})
     kw = dict(traced=t, roles={"dp": "dp"}, zero=0, pipeline="off")
-    plain_cluster = replace(c, device=replace(d, op_latency=0.0, param_latency=0.0, zero3_latency=0.0))
+    plain_cluster = replace(c, device=replace(d, op_latency=0.0, param_latency=0.0, zero3_latency=0.0,
+                                              optimizer_param_latency=0.0))
     plain = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=plain_cluster, **kw)
     priced = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster=c, **kw)
     ops = sum(1 for r in priced.nodes.values() if r["op"] not in ("param", "buffer", "constant", "input"))
     params = sum(1 for r in priced.nodes.values() if r["op"] == "param")
     assert ops > 40 and params > 20
     assert priced.predicted["compute_s"] - plain.predicted["compute_s"] == pytest.approx(ops * 1e-4 + params * 3e-4)
+    # the optimizer steps each parameter once per step, not in the compute
+    assert priced.predicted["optimizer_step_s"] - plain.predicted["optimizer_step_s"] == pytest.approx(params * 5e-5)
     units, unit_of = block_units(priced, t, (2,), c)
     in_units = sum(1 for n in unit_of if priced.nodes[n]["op"] not in ("param", "buffer", "constant", "input"))
     tied = sum(len({unit_of[u.name] for u in n.users if u.name in unit_of}) - 1 for n in t.graph.nodes
