@@ -2566,11 +2566,14 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
     plan = record(label)
     sol = results[label][0]
-    if zero12_options and any(zero12_options[g][a] for g, a in enumerate(sol.choice) if g in zero12_options):
+    if not opts.stage and zero12_options and any(zero12_options[g][a] for g, a in enumerate(sol.choice)
+                                                 if g in zero12_options):
         # ZeRO-1/2 chosen with nothing forcing it: the ILP prices each parameter's slice of the step, reduction and
         # gather apart, the record the buckets as they run (their latency chains, the backward that hides them).
         # On long rings the two disagree (Mamba 2.8B on 4096 GPUs: the ILP's ZeRO-1 choices made the step 4% slower
-        # than none, by the record): the same variant without sliced states, kept if the record says it is faster
+        # than none, by the record): the same variant without sliced states, kept if the record says it is faster.
+        # Not for a pipeline's stage plans: the stage search prices a 2-block graph's plan for the whole model and
+        # needs the two to choose alike (a record's pick between near-equal variants broke that: Llama 70B, 64 GPUs)
         _, modes, _, _, offload, *_ = results[label]
         run(label + "/no-zero", modes, offload, sliced_states=False)
         if label + "/no-zero" in results:
