@@ -441,8 +441,8 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
 
         step()
         steps.append(step)
-        opt = pm.optimizer(torch.optim.AdamW, lr=0.0)  # the plan's optimizer over its parameters, gradients kept
-        opt_params.append((opt, params))
+        if not zero:  # the two models whose optimizer steps are paired below
+            opt_params.append((pm.optimizer(torch.optim.AdamW, lr=0.0), params))
         recs = pm.plan.nodes.values()
         rows.append({"bias": bias, "zero": zero, "ops": sum(1 for r in recs if r["op"] not in (
                          "param", "buffer", "constant", "input")), "params": sum(1 for r in recs if r["op"] == "param"),
@@ -469,10 +469,10 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
         rows[2]["predicted_s"] - pr1)) / n3 if n3 else 0.0
     # the optimizer step's time per parameter beyond its bytes (a foreach kernel's per-tensor work; on DTensor
     # parameters, their dispatch): the two models' steps, paired as above, less their predicted bytes' time
-    for _, params in opt_params[:2]:
+    for _, params in opt_params:
         for p in params:
             p.grad = torch.zeros_like(p)
-    opt_times = torch.tensor(_paired_blocks([o.step for o, _ in opt_params[:2]], blocks, seconds, sync),
+    opt_times = torch.tensor(_paired_blocks([o.step for o, _ in opt_params], blocks, seconds, sync),
                              dtype=torch.float64, device=times.device)
     dist.all_reduce(opt_times, op=dist.ReduceOp.MAX)
     o_bias, o_without = opt_times.tolist()

@@ -1327,6 +1327,14 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
 
 
+def optimizer_step_bytes(val: torch.Tensor, option, mesh, opts: PlanOptions) -> tuple[float, float]:
+    """(weight bytes the step updates, bytes it reads and writes) for one trainable parameter: the local shard, or
+    under ZeRO-1/2 this rank's slice; its states and weight read and written, its gradient read."""
+    local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, True)
+    moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
+    return moved, 2 * (states + moved) + moved
+
+
 def optimizer_offload_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, trainable: bool,
                               cluster: Cluster) -> float:
     """Seconds one parameter's optimizer step on the host adds (``offload`` "optimizer"), per step: its gradient
@@ -1337,10 +1345,9 @@ def optimizer_offload_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions
     A frozen parameter has no step."""
     if not trainable:
         return 0.0
-    local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, trainable)
-    moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
+    moved, touched = optimizer_step_bytes(val, option, mesh, opts)
     device = cluster.device
-    step = (2 * (states + moved) + moved) / device.host_step_bandwidth if device.host_step_bandwidth else 0.0
+    step = touched / device.host_step_bandwidth if device.host_step_bandwidth else 0.0
     return 2 * moved / device.host_bandwidth + step
 
 
@@ -1357,11 +1364,9 @@ def optimizer_step_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, t
         return 0.0
     if on_host:
         return optimizer_offload_seconds(val, option, mesh, opts, trainable, cluster)
-    local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, trainable)
-    moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
+    _, touched = optimizer_step_bytes(val, option, mesh, opts)
     device = cluster.device
-    return (2 * (states + moved) + moved) / (device.optimizer_bandwidth or device.mem_bandwidth) + \
-        device.optimizer_param_latency
+    return touched / (device.optimizer_bandwidth or device.mem_bandwidth) + device.optimizer_param_latency
 
 
 def optimizer_step_costs(prob: Problem, offload: frozenset, cluster: Cluster, opts: PlanOptions) -> list[np.ndarray]:
@@ -2565,16 +2570,14 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                        recompute, step)
 
     plan = record(label)
-    sol = results[label][0]
-    if not opts.stage and zero12_options and any(zero12_options[g][a] for g, a in enumerate(sol.choice)
-                                                 if g in zero12_options):
+    sol, modes, _, _, offload, *_ = results[label]
+    if not opts.stage and any(zero12[sol.choice[g]] for g, zero12 in zero12_options.items()):
         # ZeRO-1/2 chosen with nothing forcing it: the ILP prices each parameter's slice of the step, reduction and
         # gather apart, the record the buckets as they run (their latency chains, the backward that hides them).
         # On long rings the two disagree (Mamba 2.8B on 4096 GPUs: the ILP's ZeRO-1 choices made the step 4% slower
         # than none, by the record): the same variant without sliced states, kept if the record says it is faster.
         # Not for a pipeline's stage plans: the stage search prices a 2-block graph's plan for the whole model and
         # needs the two to choose alike (a record's pick between near-equal variants broke that: Llama 70B, 64 GPUs)
-        _, modes, _, _, offload, *_ = results[label]
         run(label + "/no-zero", modes, offload, sliced_states=False)
         if label + "/no-zero" in results:
             other = record(label + "/no-zero")
