@@ -86,6 +86,7 @@ class Unit:
     step_s: float = 0.0  # the optimizer step of its parameters, once per step
     out_bytes: float = 0.0  # bytes crossing the boundary after this unit (sent to the next stage)
     checkpointable: bool = False
+    full: bool = False  # full recompute forced by the user (a per-layer checkpoint dict): priced in, not a choice
     # the same, counting only nodes of the block itself (not the embedding or head folded into it)
     block_time_s: float = 0.0
     block_fixed_s: float = 0.0
@@ -104,6 +105,10 @@ class Unit:
         rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
         t = self.time_s / m + self.fixed_s
         fwd = min(self.fwd_s / m, t)
+        if self.full:  # recomputed whatever the partition: keeps its input, runs its forward again in backward
+            return LayerCost(fwd_s=fwd, bwd_s=t, act_bytes=min(self.ckpt_act_bytes, self.act_bytes) / m,
+                             state_bytes=self.state_bytes + self.grad_bytes, recompute_act_bytes=None,
+                             grad_bytes=self.grad_bytes, transient_bytes=self.transient_bytes / m)
         return LayerCost(fwd_s=fwd, bwd_s=t - fwd, act_bytes=self.act_bytes / m,
                          state_bytes=self.state_bytes + self.grad_bytes, recompute_act_bytes=rec,
                          grad_bytes=self.grad_bytes, transient_bytes=self.transient_bytes / m)
@@ -422,8 +427,11 @@ def _schedules(forced: dict) -> list:
 
 
 def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, solve_stage, limit: float,
-           forced: dict, allow_checkpoint: bool = True) -> tuple[Candidate | None, list[dict], list[str]]:
-    """Best pipelined candidate over axes x degrees x micro-batches x schedules (None if none fits)."""
+           forced: dict, allow_checkpoint: bool | dict[str, str] = True
+           ) -> tuple[Candidate | None, list[dict], list[str]]:
+    """Best pipelined candidate over axes x degrees x micro-batches x schedules (None if none fits).
+    ``allow_checkpoint``: True, the partition's DP chooses each block's full recompute; False, none; a dict (block
+    name -> "full" / "none"), the user's per-layer choice: those blocks recomputed, the others not."""
     mesh = cluster.mesh_shape
     roles = {axis_names.index(a): r for a, r in opts.roles.items()}
     pp_axes = [i for i, r in roles.items() if r == "pp"]
@@ -565,9 +573,10 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
             else:
                 units, _ = block_units(sub, traced, stage_mesh, stage_cluster)
             state["n_blocks"] = len(units)
-            if not allow_checkpoint:
+            if allow_checkpoint is not True:
                 for u in units:
                     u.checkpointable = False
+                    u.full = isinstance(allow_checkpoint, dict) and allow_checkpoint.get(u.name) == "full"
             if len(units) < p:
                 errors.append(f"p={p}: only {len(units)} blocks")
                 break
@@ -595,14 +604,15 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     plan = cand.plan
     stages = stage_of_units(list(pl.boundaries), len(units))
     ckpt = dict(plan.checkpoint)  # a mode forced on every layer (already priced in the units)
-    ckpt.update({units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c})
+    ckpt.update({units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c or units[i].full})
     ends = list(pl.boundaries[1:]) + [len(units)]
     m = o.micro_batches
     stage_recs = []
     for c, (i, j) in enumerate(zip(pl.boundaries, ends)):
         us = units[i:j]
         n_fl = o.in_flight(c)
-        act = sum((u.ckpt_act_bytes if pl.checkpointed[i + k] else u.act_bytes) / m for k, u in enumerate(us))
+        act = sum((min(u.ckpt_act_bytes, u.act_bytes) if pl.checkpointed[i + k] or u.full else u.act_bytes) / m
+                  for k, u in enumerate(us))
         states, grads = sum(u.state_bytes for u in us), sum(u.grad_bytes for u in us)
         tr = sum(u.transient_bytes for u in us) / m
         # GPipe peaks as backward starts, every micro-batch's activations held and gradients not yet allocated
@@ -613,7 +623,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
             "time_s": pl.stage_time_s[c], "in_flight": n_fl,
             "memory_bytes": {"states": states, "gradients": grads, "activations": n_fl * act + tr, "total": total},
             "send_bytes": us[-1].out_bytes / m if j < len(units) else 0.0,
-            "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k]],
+            "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k] or u.full],
         })
     world = cluster.mesh_shape
     pipeline = {

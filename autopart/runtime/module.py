@@ -579,6 +579,22 @@ class ParallelModule(nn.Module):
 
         load_optimizer_state_dict(self, opt, state)
 
+    def save_checkpoint(self, path, opt: torch.optim.Optimizer | None = None, extra: dict | None = None) -> None:
+        """Weights, ``opt``'s state and ``extra`` (a step counter, an LR scheduler, ...) to the directory ``path``
+        with torch.distributed.checkpoint, atomically: a save that fails or is killed leaves the previous
+        checkpoint at ``path`` whole (``runtime/checkpoint.py``). Every rank calls it."""
+        from autopart.runtime.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, opt, extra)
+
+    def load_checkpoint(self, path, opt: torch.optim.Optimizer | None = None, extra: dict | None = None) -> dict:
+        """Load what ``save_checkpoint`` (or ``dcp.save`` of the README's dicts) wrote, on this module's plan,
+        whatever plan, mesh or world size saved it; ``opt`` (built by ``self.optimizer``) with or without master
+        weights whatever the saving one had; ``extra``'s keys filled in place. Returns ``extra``."""
+        from autopart.runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, opt, extra)
+
     def program(self) -> str:
         """This rank's program (for the planned signature) as Python."""
         return next(iter(self._programs.values())).gm.code

@@ -161,7 +161,9 @@ def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
 
 def _init_state(module, opt, groups: list[list[_Entry]]) -> None:
     """Give ``opt`` its state tensors (zeros) by one step at learning rate 0 with zero gradients, as
-    ``torch.distributed.checkpoint.state_dict`` does: a freshly built optimizer has none for DCP to load into."""
+    ``torch.distributed.checkpoint.state_dict`` does: a freshly built optimizer has none for DCP to load into.
+    Unlike that, the step count is set back to 0: an optimizer saved before its first step (and stepping on)
+    would otherwise run Adam's bias correction one step late."""
     if opt.state:
         return
     for entries in groups:
@@ -180,6 +182,12 @@ def _init_state(module, opt, groups: list[list[_Entry]]) -> None:
     for g, lr in zip(opt.param_groups, lrs):
         if lr is not None:
             g["lr"] = lr
+    for st in opt.state.values():  # that step is not one: saved before the first step, a run resumes from step 0
+        step = st.get("step")
+        if isinstance(step, torch.Tensor):
+            step.zero_()
+        elif isinstance(step, (int, float)):
+            st["step"] = type(step)(0)
     opt.zero_grad(set_to_none=True)
     module.zero_grad(set_to_none=True)
     module._finish_param_gathers()  # the step's ZeRO-1/2 gather: done before anything loads the weights
@@ -228,8 +236,8 @@ def load_optimizer_state_dict(module, opt, sd: dict) -> None:
     from autopart.runtime.module import ShadowOptimizer
 
     groups = _entries(module, opt)
-    if isinstance(opt, ShadowOptimizer):  # its copies of the weights: the module's, loaded or not (master: below)
-        opt.sync_from_device()
+    if isinstance(opt, ShadowOptimizer):  # its copies of the weights: the module's, loaded or not (master: below;
+        opt.sync_from_device()  # a checkpoint without master weights keeps these, pm.load_checkpoint)
     saved_groups = sd["param_groups"]
     if len(saved_groups) == 1:
         saved_groups = saved_groups * len(opt.param_groups)

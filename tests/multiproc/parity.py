@@ -91,17 +91,26 @@ def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5,
     return out, model
 
 
-def reference_master(name: str, dtype: torch.dtype, layers: int = 2):
-    """``reference`` with the optimizer stepping ``dtype`` copies of the weights (master weights), cast back."""
+def reference_master(name: str, dtype: torch.dtype, layers: int = 2, from_step: int = 0):
+    """``reference`` with the optimizer stepping ``dtype`` copies of the weights (master weights), cast back; from
+    step ``from_step`` on, the steps before stepping the weights themselves (a run that resumed with master weights
+    from a checkpoint saved without)."""
     model = make_model(name, layers)
     params = list(model.parameters())
-    master = [p.detach().to(dtype).requires_grad_() for p in params]
-    opt = torch.optim.AdamW(master, **OPT)
+    first = torch.optim.AdamW(params, **OPT)
     losses = []
-    for ids in batches():
+    for step, ids in enumerate(batches()):
         loss = loss_of(model(ids, labels=ids))
         loss.backward()
         losses.append(loss.item())
+        if step < from_step:
+            first.step()
+            first.zero_grad()
+            continue
+        if step == from_step:  # the master copies start from the weights, Adam's state from the plain optimizer's
+            master = [p.detach().to(dtype).requires_grad_() for p in params]
+            opt = torch.optim.AdamW(master, **OPT)
+            opt.load_state_dict(first.state_dict())
         with torch.no_grad():
             for p, m in zip(params, master):
                 m.grad = p.grad.to(dtype)

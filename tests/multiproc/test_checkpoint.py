@@ -5,6 +5,8 @@ Several cases share one spawned world (process start-up dominates on small machi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.multiproc.harness import run_ranks
@@ -60,3 +62,39 @@ def test_full_dp2xtp2() -> None:
 def test_world2() -> None:
     pytest.importorskip("transformers")
     _run(2, [("gpt", "tp2", "selective"), ("hf-llama", "tp2", "selective"), ("hf-gpt2", "dp2", "full")])
+
+
+def _pipelined_dict_run(ckpt: dict[str, str]):
+    import torch.distributed as dist
+    import torch.utils.checkpoint as cp
+
+    orig, calls = cp.checkpoint, []
+
+    def counting(fn, *args, **kwargs):
+        calls.append(1)
+        return orig(fn, *args, **kwargs)
+
+    cp.checkpoint = counting
+    try:
+        res = distributed("gpt", (2, 2), ("pp", "dp"), {"pp": "pp", "dp": "dp"}, checkpoint=ckpt, layers=4,
+                          pipeline={"schedule": "1f1b", "micro_batches": 2})
+    finally:
+        cp.checkpoint = orig
+    return res, len(calls), dist.get_rank()
+
+
+def test_per_layer_dict_in_pipeline_stages() -> None:
+    """A per-layer checkpoint dict with pipeline stages (pp2 x dp2, 1F1B, 2 micro-batches): the named blocks are
+    recomputed in whichever stage holds them, the others not; parity with one process over 3 AdamW steps."""
+    ckpt = {"blocks.1": "full", "blocks.2": "full"}
+    results = run_ranks(4, _pipelined_dict_run, ckpt)
+    check("gpt pp2xdp2 checkpoint dict", [r[0] for r in results], reference("gpt", 4))
+    plan = results[0][0][3]
+    pipe = json.loads(plan)["pipeline"]
+    held = [s["checkpointed"] for s in pipe["stages"]]
+    assert sorted(sum(held, [])) == sorted(ckpt), held  # exactly the named blocks, wherever they landed
+    for _, calls, rank in results:
+        stage = pipe["stages"][rank // 2]
+        # each checkpointed block of the rank's stage runs once per micro-batch: 3 steps x 2, and the forward-only
+        # call's 2 (it runs the schedule's micro-batches too)
+        assert calls == len(stage["checkpointed"]) * (3 * 2 + 2), (rank, calls, stage)

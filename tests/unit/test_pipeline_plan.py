@@ -187,3 +187,27 @@ def test_tables_as_long_as_the_batch_do_not_bind_micro_batches():
     t, p = _llama70b_tp8_pp2_on_64(batch=256, seq=256, micro_batches=64)
     dp = p.axis_names.index("dp")
     assert _batch_shards(p, t, p.mesh_shape) == p.mesh_shape[dp]
+
+
+def test_per_layer_checkpoint_dict_with_stages():
+    """checkpoint={layer: "full" | "none"} with pipeline stages: exactly the named blocks are recomputed, in
+    whichever stage holds them. Their stage keeps less activation memory and takes longer (their forward again);
+    per-layer "selective" is refused by name, and an unknown layer too."""
+    kw = dict(roles={"pp": "pp", "tp": "tp"}, pipeline={"schedule": "1f1b", "micro_batches": 4})
+    mesh = autopart.mesh((2, 2), ("pp", "tp"))
+    plain = autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint="none", **kw)
+    named = {"blocks.0": "full", "blocks.3": "full", "blocks.1": "none"}
+    p = autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint=named, **kw)
+    assert p.checkpoint == {"blocks.0": "full", "blocks.3": "full"}
+    by_stage = [(st["checkpointed"], st) for st in p.pipeline["stages"]]
+    assert sorted(lay for ck, _ in by_stage for lay in ck) == ["blocks.0", "blocks.3"]
+    for (ck, st), ref in zip(by_stage, plain.pipeline["stages"]):
+        assert st["layers"] == ref["layers"]  # the same partition (the model's blocks are alike)
+        if ck:  # recompute keeps each block's input instead of its activations, and costs its forward again
+            assert st["memory_bytes"]["activations"] < ref["memory_bytes"]["activations"]
+            assert st["time_s"] > ref["time_s"]
+    assert p.pipeline["step_time_s"] > plain.pipeline["step_time_s"]
+    with pytest.raises(NotImplementedError, match="per-layer selective recompute"):
+        autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint={"blocks.0": "selective"}, **kw)
+    with pytest.raises(ValueError, match="blocks.9"):
+        autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint={"blocks.9": "full"}, **kw)
