@@ -14,6 +14,8 @@ as those do, and add what a training job needs around the README's four lines:
 * **Master weights either way.** An optimizer with master weights (``pm.optimizer(cls, master_dtype=...)``) loads
   a checkpoint saved without them: its master copies start from the loaded weights. One without loads a checkpoint
   saved with them: it steps the loaded (rounded) weights.
+* **Nothing else is replaced:** a save refuses a ``path`` that holds anything but a checkpoint (a file, a
+  directory of other files). Every rank must see the same filesystem, as DCP requires of a checkpoint anyway.
 * **The job's other state** (``extra``): a step counter, an LR scheduler, a data loader's position. Values are saved
   as DCP saves them: tensors sharded as they are, other objects pickled, objects with ``state_dict`` /
   ``load_state_dict`` (``torch.optim.lr_scheduler``) through those.
@@ -66,6 +68,10 @@ def save_checkpoint(module, path: str | os.PathLike, opt=None, extra: dict | Non
     ``path``, atomically (module docstring). Every rank calls it."""
     path = os.fspath(path)
     tmp, old = path + PARTIAL, path + OLD
+    if os.path.lexists(path) and not _replaceable(path):  # the same answer on every rank: a shared filesystem
+        raise FileExistsError(f"save_checkpoint: {path!r} exists and is not a checkpoint (no {METADATA} in it): "
+                              "saving would replace it and everything in it. Pass a new directory, or the one a "
+                              "previous save wrote")
     state = _state(module, opt, extra)
     if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)  # what a save that did not finish left
@@ -95,6 +101,13 @@ def save_checkpoint(module, path: str | os.PathLike, opt=None, extra: dict | Non
         elif os.path.lexists(old):
             os.remove(old)
     _barrier()  # no rank returns (and, say, loads) before the checkpoint is in place
+
+
+def _replaceable(path: str) -> bool:
+    """Whether a save may replace what is at ``path``: a checkpoint (DCP's index in it) or an empty directory,
+    never a file or a directory of other things (a user's output directory passed by mistake)."""
+    return os.path.isdir(path) and not os.path.islink(path) and (
+        os.path.isfile(os.path.join(path, METADATA)) or not os.listdir(path))
 
 
 def _checkpoint_dir(path: str) -> str:

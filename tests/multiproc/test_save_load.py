@@ -82,7 +82,8 @@ def test_save_replaces_and_resumes_on_another_plan(tmp_path):
 
 def _failed_save_run(path: str) -> dict:
     """A checkpoint, one step, a second save whose writes fail on rank 1 (a full disk): the first must survive.
-    Then the errors of a missing checkpoint, of one interrupted between its renames, and of a mismatched model."""
+    Then a checkpoint interrupted between its renames, and the errors of a missing checkpoint, a mismatched model,
+    extra keys that clash, and a save into a directory that is not a checkpoint (it must not be replaced)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -126,12 +127,15 @@ def _failed_save_run(path: str) -> dict:
     for case, call in [("missing", lambda: fresh.load_checkpoint(path + "-nothing")),
                        ("other model", lambda: _parallelize(make_model("llama"), shape, names, roles, 2)
                         .load_checkpoint(path + ".old")),
-                       ("extra clash", lambda: fresh.save_checkpoint(path + "-x", extra={"model": 1}))]:
+                       ("extra clash", lambda: fresh.save_checkpoint(path + "-x", extra={"model": 1})),
+                       ("not a checkpoint", lambda: fresh.save_checkpoint(os.path.dirname(path)))]:
         try:
             call()
             out[case] = None
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, FileExistsError, ValueError) as e:
             out[case] = str(e)
+    dist.barrier()
+    out["listing_after"] = sorted(os.listdir(os.path.dirname(path)))
     return out
 
 
@@ -149,6 +153,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path):
         assert "does not exist" in out["missing"], out
         assert "lacks" in out["other model"] and "model." in out["other model"], out
         assert "name them otherwise" in out["extra clash"], out
+        assert "is not a checkpoint" in out["not a checkpoint"], out  # and the directory is still there:
+        assert out["listing_after"] == ["ckpt.old"], out
 
 
 def _master_either_way_run(path: str, saved_with_master: bool):
