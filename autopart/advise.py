@@ -706,12 +706,19 @@ class _Cap:
             signal.signal(signal.SIGALRM, self.old)
 
 
+def _grad_itemsize(itemsize: int, grad_dtype: str | torch.dtype | None) -> int:
+    """Bytes per element of a gradient: ``grad_dtype``'s (``PlanOptions.grad_dtype``), else the weights'."""
+    if grad_dtype is None:
+        return itemsize
+    return (grad_dtype if isinstance(grad_dtype, torch.dtype) else getattr(torch, str(grad_dtype))).itemsize
+
+
 def advise(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
            cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int = 8, batch: int | None = None,
            seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
            traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
-           **overrides: int | None) -> Advice:
+           grad_dtype: str | torch.dtype | None = None, **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
@@ -719,7 +726,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     callable returning an ``nn.Module`` or ``(module, inputs, kwargs)``). ``batch`` is the global batch in
     sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param`` optimizer bytes (12:
     Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO); ``reduce_dtype``: the
-    gradient reduction's (``autopart.plan``). ``max_plan_s`` caps the
+    gradient reduction's, ``grad_dtype`` the gradients' ("float32": 18 bytes per parameter, as Megatron-LM's fp32
+    ``main_grad``; ``autopart.plan``). ``max_plan_s`` caps the
     planning time (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
     returns ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
     (``mesh_views``: tensor parallelism of any divisor of the node, data parallelism over all GPUs as one axis) and
@@ -741,7 +749,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     name, module, inputs, kwargs, _ = built
     n_params = sum(p.numel() for p in module.parameters())
     itemsize = next(module.parameters()).dtype.itemsize
-    state_bytes = 2 * itemsize + optimizer_bytes_per_param
+    state_bytes = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
     base = dict(model=name, params=n_params, cluster=cl.name, gpus=gpus, mesh=tuple(cl.mesh_shape),
                 batch=int(inputs[0].shape[0]) if inputs else batch, seq=int(inputs[0].shape[1]) if inputs and
                 inputs[0].dim() > 1 else seq, memory_budget=float(cl.memory_budget),
@@ -768,7 +776,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                     plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
                                          cluster=cl.with_mesh(shape), traced=traced, time_limit_s=time_limit_s,
                                          optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
-                                         reduce_dtype=reduce_dtype)
+                                         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
                 except (ValueError, SolverTimeout) as e:  # this mesh does not fit, or was not solved in time
                     err = e if err is None or isinstance(err, SolverTimeout) else err
                     tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})
@@ -892,7 +900,8 @@ def compare(plan_advice: Advice, recipe_advice: Advice) -> dict[str, Any]:
 
 def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: dict, time_limit_s: float,
                     optimizer_bytes_per_param: float, max_plan_s: float | None,
-                    reduce_dtype: str | torch.dtype | None = None) -> Advice:
+                    reduce_dtype: str | torch.dtype | None = None, grad_dtype: str | torch.dtype | None = None
+                    ) -> Advice:
     import autopart
 
     _, module, inputs, kwargs, _ = built
@@ -902,7 +911,7 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
             plan = autopart.evaluate(module, base["gpus"], inputs, kwargs, cluster=cluster, tp=rec.tp, pp=rec.pp,
                                      micro_batches=rec.micro_batches, zero=None, offload=None, traced=traced,
                                      time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                     reduce_dtype=reduce_dtype)
+                                     reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
     except (ValueError, PlanTimeout) as e:
         return Advice(fits=False, binding=str(e).strip().splitlines()[0], plan_s=time.perf_counter() - t0, **base)
     return read_plan(plan, traced, base, time.perf_counter() - t0)
@@ -912,13 +921,15 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
           cluster: str | Cluster = "h100-80gb", gpus_per_node: int = 8, seq: int = 4096, batch_per_gpu: int = 1,
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
           views: bool = True, log: Callable[[str], None] | None = None,
-          reduce_dtype: str | torch.dtype | None = None) -> list[dict[str, Any]]:
+          reduce_dtype: str | torch.dtype | None = None,
+          grad_dtype: str | torch.dtype | None = None) -> list[dict[str, Any]]:
     """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
     GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
     strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
     Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
     deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``).
-    ``reduce_dtype``: the gradient reduction's, for the plans and practice's recipes alike (``autopart.plan``)."""
+    ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients', for the plans and practice's recipes
+    alike (``autopart.plan``)."""
     from autopart.trace import trace
 
     rows = []
@@ -935,7 +946,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
             label = label or built[0]
             _, module, inputs, kwargs, cfg = built
             n_params = sum(p.numel() for p in module.parameters())
-            floor = state_floor(n_params, gpus, 2 * 2 + optimizer_bytes_per_param, optimizer_bytes_per_param)
+            states = 2 + _grad_itemsize(2, grad_dtype) + optimizer_bytes_per_param  # bf16 weights
+            floor = state_floor(n_params, gpus, states, optimizer_bytes_per_param)
             if floor > cl.memory_budget:  # skip the trace: no plan can fit
                 adv = Advice(model=built[0], params=n_params, cluster=cl.name, gpus=gpus, mesh=cl.mesh_shape,
                              batch=batch, seq=seq, fits=False, memory_budget=float(cl.memory_budget),
@@ -949,11 +961,11 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
                              optimizer_bytes_per_param=optimizer_bytes_per_param, views=views,
-                             reduce_dtype=reduce_dtype)
+                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
             shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
             rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,
-                           2 * 2 + optimizer_bytes_per_param) if all(shape) else None
+                           states) if all(shape) else None
             row["practice"] = rec
             if not all(shape):
                 row["agrees"] = None
@@ -973,7 +985,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                     rec_adv = evaluate_recipe(rec, built, traced, cl, {k: getattr(adv, k) for k in (
                         "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
                         "memory_budget", "peak_tflops_per_gpu", "trace_s")}, time_limit_s,
-                        optimizer_bytes_per_param, max_plan_s, reduce_dtype)
+                        optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype)
                     row["comparison"] = compare(adv, rec_adv)
                     gain = row["comparison"].get("recipe_step_s", math.inf) - adv.step_time_s
                     if 0 <= gain <= TIE * adv.step_time_s:  # practice's recipe is as fast: its conclusion stands

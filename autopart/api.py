@@ -62,7 +62,7 @@ MEMORY_MODEL_MARGIN = 0.10
 
 def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint=None,
              zero=None, offload=None, pipeline=None, optimizer_bytes_per_param=8.0, kv_cache_tokens=0,
-             reduce_dtype=None) -> PlanOptions:
+             reduce_dtype=None, grad_dtype=None) -> PlanOptions:
     limit = parse_bytes(memory_budget)
     if limit is not None and limit != float("inf"):
         limit *= 1 - MEMORY_MODEL_MARGIN
@@ -71,7 +71,7 @@ def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backen
                        time_limit_s=time_limit_s, seed=seed, local_batch=local_batch, backend=backend,
                        checkpoint=checkpoint, zero=zero, offload=offload, pipeline=pipeline,
                        optimizer_bytes_per_param=optimizer_bytes_per_param, kv_cache_tokens=kv_cache_tokens,
-                       reduce_dtype=reduce_dtype)
+                       reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
 
 
 def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
@@ -81,7 +81,7 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
          optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None, kv_cache_tokens: int = 0,
          recipes: bool = True, tp_comm_overlap: bool | None = None,
-         reduce_dtype: str | torch.dtype | None = None) -> Plan:
+         reduce_dtype: str | torch.dtype | None = None, grad_dtype: str | torch.dtype | None = None) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
@@ -98,6 +98,10 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     with compute (GPUs), not on the cpu preset.
     ``reduce_dtype``: the dtype the data-parallel gradient reduction sums in ("float32" / ``torch.float32`` for bf16
     gradients, as Megatron-LM and FSDP2's ``reduce_dtype``; the sums are cast back); None: each gradient's own.
+    ``grad_dtype``: the dtype gradients are kept and accumulated in ("float32" for bf16 parameters: micro-batches,
+    pipeline schedules and repeated ``forward_backward`` calls sum in fp32, as Megatron-LM's ``main_grad``; the
+    optimizer then needs master weights, ``pm.optimizer(cls, master_dtype=torch.float32)``); the reduction sums in
+    it too unless ``reduce_dtype`` is given. None: each parameter's own dtype.
     ``memory_budget`` (bytes or "12GiB"; default
     the cluster device's capacity less its reserve) is planned against less ``MEMORY_MODEL_MARGIN`` (10%), the
     memory model's measured accuracy."""
@@ -105,7 +109,7 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
     opts = _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint, zero, offload,
-                    pipeline, optimizer_bytes_per_param, kv_cache_tokens, reduce_dtype)
+                    pipeline, optimizer_bytes_per_param, kv_cache_tokens, reduce_dtype, grad_dtype)
     p = make_plan(t, c, m.names, dataclasses.replace(opts, recipes=recipes, tp_comm_overlap=tp_comm_overlap))
     p.solver["export_s"] = t.export_seconds
     return p
@@ -116,7 +120,8 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
              schedule: str = "1f1b", virtual: int = 2, zero: int | None = 0, checkpoint: str | None = None,
              offload: str | None = "none", memory_budget: str | float | None = None, traced: Traced | None = None,
              time_limit_s: float = 30.0, optimizer_bytes_per_param: float = 8.0, recipe: str | None = None,
-             gpus_per_node: int = 8, reduce_dtype: str | torch.dtype | None = None) -> Plan:
+             gpus_per_node: int = 8, reduce_dtype: str | torch.dtype | None = None,
+             grad_dtype: str | torch.dtype | None = None) -> Plan:
     """Score a user-given configuration under autopart's cost model: ``gpus = dp x pp x tp``, Megatron-style
     (``tp`` the inner axis, weights sharded there; ``dp`` data parallel; ``pp`` stages over the data axis, the
     micro-batch count and schedule as given; with ``pp=1``, ``micro_batches`` is gradient accumulation: that many
@@ -145,7 +150,7 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
         return globals()["plan"](model, Mesh(shape, names), example_inputs, example_kwargs, cluster=cluster,
                                  checkpoint=checkpoint, offload=offload, memory_budget=memory_budget, traced=traced,
                                  time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                 reduce_dtype=reduce_dtype, **kw)
+                                 reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, **kw)
     if gpus % (tp * pp):
         raise ValueError(f"{gpus} GPUs are not a multiple of tp x pp = {tp} x {pp}")
     dp = gpus // (tp * pp)
@@ -164,7 +169,8 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
     return globals()["plan"](model, Mesh(shape, names), example_inputs, example_kwargs, cluster=cluster, roles=roles,
                              zero=zero, checkpoint=checkpoint, offload=offload, memory_budget=memory_budget,
                              pipeline=pipeline, traced=traced, time_limit_s=time_limit_s,
-                             optimizer_bytes_per_param=optimizer_bytes_per_param, reduce_dtype=reduce_dtype)
+                             optimizer_bytes_per_param=optimizer_bytes_per_param, reduce_dtype=reduce_dtype,
+                             grad_dtype=grad_dtype)
 
 
 def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), example_kwargs: dict | None = None, *,
@@ -174,7 +180,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
                 local_batch: bool = False, backend: str = "auto", checkpoint: dict[str, str] | str | None = None,
                 zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
                 kv_cache_tokens: int = 0, tp_comm_overlap: bool | None = None,
-                reduce_dtype: str | torch.dtype | None = None):
+                reduce_dtype: str | torch.dtype | None = None, grad_dtype: str | torch.dtype | None = None):
     """Plan (on rank 0, shared with every rank) and return a ``ParallelModule`` running this rank's program
     (``plan`` documents the planning arguments).
 
@@ -205,7 +211,8 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         example_kwargs = {k: _repeat_batch(v, factor) for k, v in (example_kwargs or {}).items()}
     plan_kw = dict(cluster=cluster, roles=roles, memory_budget=memory_budget, time_limit_s=time_limit_s, seed=seed,
                    local_batch=local_batch, backend=backend, checkpoint=checkpoint, zero=zero, offload=offload,
-                   kv_cache_tokens=kv_cache_tokens, tp_comm_overlap=tp_comm_overlap, reduce_dtype=reduce_dtype)
+                   kv_cache_tokens=kv_cache_tokens, tp_comm_overlap=tp_comm_overlap, reduce_dtype=reduce_dtype,
+                   grad_dtype=grad_dtype)
     t = trace(model, example_inputs, example_kwargs)
     if plan is None:
         plan = _shared_plan(model, m, t, pins=pins, pipeline=pipeline, **plan_kw)

@@ -197,7 +197,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
                              views=not args.physical_mesh,
                              log=None if args.json else lambda line: console.print(line, highlight=False),
-                             reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype])
+                             reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
+                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype])
         md = adv_mod.sweep_markdown(rows)
         diff = adv_mod.sweep_diff_markdown(rows)
         if diff:
@@ -226,7 +227,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
                        reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                       **overrides)
+                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -289,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
                    help="sum the data-parallel gradient reduction in this dtype (fp32: Megatron-LM's default with "
                         "bf16 weights); default: the gradients' own")
+    a.add_argument("--grad-dtype", default=None, choices=["fp32", "bf16"],
+                   help="keep and accumulate gradients in this dtype (fp32: Megatron-LM's main_grad of bf16 "
+                        "weights, 18 bytes of model state per parameter with --optimizer-bytes 12); default: the "
+                        "weights' own")
     a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
     a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
     a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "

@@ -218,8 +218,10 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if ph is None or ph not in unit_of:
             continue
         val = by_name[ph].meta.get("val") if ph in by_name else None
-        nbytes = nodes[ph].get("grad_bytes", 0.0) * (reduce_scale(val.dtype, plan.options.get("reduce_dtype"))
-                                                     if val is not None else 1.0)  # summed in the reduce dtype
+        # summed in the reduce dtype (grad_bytes are in the gradients' own, PlanOptions.grad_dtype)
+        nbytes = nodes[ph].get("grad_bytes", 0.0) * (
+            reduce_scale(val.dtype, plan.options.get("reduce_dtype"))
+            / reduce_scale(val.dtype, plan.options.get("grad_dtype")) if val is not None else 1.0)
         # its share of the runtime's bucket, not a collective of its own: per-parameter latencies priced pp2xdp2's
         # gradient reduction at 6x the sharding plan's. One several blocks use (a tied embedding and head, on the
         # first and the last stage) is reduced after the schedule, once those stages summed it

@@ -128,15 +128,27 @@ class PlanOptions:
     # gradients as Megatron-LM (``accumulate_allreduce_grads_in_fp32``) and FSDP2's ``reduce_dtype``; the reduced
     # gradient is cast back to its own dtype. None: each gradient's own dtype
     reduce_dtype: str | None = None
+    # the dtype gradients are kept and accumulated in (``Tensor.grad_dtype``): "float32" for bf16 parameters, so that
+    # micro-batches, pipeline schedules and repeated ``forward_backward`` calls sum in fp32, as Megatron-LM's fp32
+    # ``main_grad`` and FSDP2's fp32 sharded gradients; the optimizer then needs master weights
+    # (``pm.optimizer(cls, master_dtype=torch.float32)``). The reduction sums in it too unless ``reduce_dtype``
+    # says otherwise. None: each parameter's own dtype
+    grad_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.reduce_dtype is not None:
-            if isinstance(self.reduce_dtype, torch.dtype):  # as a string: plans save it as JSON
-                object.__setattr__(self, "reduce_dtype", str(self.reduce_dtype).removeprefix("torch."))
-            dt = getattr(torch, str(self.reduce_dtype), None)
+        for name, what in (("reduce_dtype", "the gradient reduction sums in it"),
+                           ("grad_dtype", "gradients accumulate in it")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, torch.dtype):  # as a string: plans save it as JSON
+                object.__setattr__(self, name, str(value).removeprefix("torch."))
+            dt = getattr(torch, str(getattr(self, name)), None)
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-                raise ValueError(f"reduce_dtype={self.reduce_dtype!r}: give a floating dtype such as 'float32' or "
-                                 f"torch.float32 (the gradient reduction sums in it), or None (each gradient's own)")
+                raise ValueError(f"{name}={value!r}: give a floating dtype such as 'float32' or torch.float32 ({what}),"
+                                 f" or None (each gradient's own)")
+        if self.grad_dtype is not None and self.reduce_dtype is None:  # the gradients' own dtype is now this one
+            object.__setattr__(self, "reduce_dtype", self.grad_dtype)
         for axis, role in self.roles.items():
             if role not in ("dp", "tp", "pp"):
                 raise ValueError(f"role {role!r} for mesh axis {axis!r} is not one of 'dp', 'tp', 'pp'")
@@ -961,13 +973,17 @@ def param_state_bytes(val: torch.Tensor, spec, mesh, opts: PlanOptions, tag: str
     return local, optim
 
 
-def param_grad_bytes(val: torch.Tensor, spec, mesh, tag: str = "") -> float:
+def param_grad_bytes(val: torch.Tensor, spec, mesh, tag: str = "", grad_dtype: str | None = None) -> float:
     """Bytes of one parameter's gradient kept to the optimizer step: its local shard's size; under ZeRO-2 this
-    rank's ``1/zero1_ways`` slice of it (rounded up; the whole gradient only passes through a reduction bucket)."""
+    rank's ``1/zero1_ways`` slice of it (rounded up; the whole gradient only passes through a reduction bucket).
+    In ``grad_dtype`` (``PlanOptions.grad_dtype``) where given, else the parameter's."""
     local = _local_bytes(val, spec, mesh)
+    size = val.dtype.itemsize
+    if grad_dtype is not None and val.dtype.is_floating_point:
+        local, size = local / size * getattr(torch, grad_dtype).itemsize, getattr(torch, grad_dtype).itemsize
     if tag != "zero2":
         return local
-    return math.ceil(local / val.dtype.itemsize / zero1_ways(spec, mesh)) * val.dtype.itemsize
+    return math.ceil(local / size / zero1_ways(spec, mesh)) * size
 
 
 def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool = True) -> float:
@@ -1327,12 +1343,15 @@ def gradient_reduction(traced: Traced, nodes: dict, reduced: dict, zero: dict, c
     return total, exposed_after([r for r, _ in launches], [c for _, c in launches], window)
 
 
-def optimizer_step_bytes(val: torch.Tensor, option, mesh, opts: PlanOptions) -> tuple[float, float]:
-    """(weight bytes the step updates, bytes it reads and writes) for one trainable parameter: the local shard, or
-    under ZeRO-1/2 this rank's slice; its states and weight read and written, its gradient read."""
+def optimizer_step_bytes(val: torch.Tensor, option, mesh, opts: PlanOptions) -> tuple[float, float, float]:
+    """(weight bytes the step updates, bytes it reads and writes, gradient bytes it reads) for one trainable
+    parameter: the local shard, or under ZeRO-1/2 this rank's slice; its states and weight read and written, its
+    gradient (in ``PlanOptions.grad_dtype``) read."""
     local, states = param_state_bytes(val, option.output, mesh, opts, option.tag, True)
-    moved = param_grad_bytes(val, option.output, mesh, "zero2") if option.tag in ("zero1", "zero2") else local
-    return moved, 2 * (states + moved) + moved
+    sliced = option.tag in ("zero1", "zero2")
+    moved = param_grad_bytes(val, option.output, mesh, "zero2") if sliced else local
+    grad = param_grad_bytes(val, option.output, mesh, "zero2" if sliced else "", opts.grad_dtype)
+    return moved, 2 * (states + moved) + grad, grad
 
 
 def optimizer_offload_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, trainable: bool,
@@ -1345,10 +1364,10 @@ def optimizer_offload_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions
     A frozen parameter has no step."""
     if not trainable:
         return 0.0
-    moved, touched = optimizer_step_bytes(val, option, mesh, opts)
+    moved, touched, grad = optimizer_step_bytes(val, option, mesh, opts)
     device = cluster.device
     step = touched / device.host_step_bandwidth if device.host_step_bandwidth else 0.0
-    return 2 * moved / device.host_bandwidth + step
+    return (moved + grad) / device.host_bandwidth + step
 
 
 def optimizer_step_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, trainable: bool, cluster: Cluster,
@@ -1364,7 +1383,7 @@ def optimizer_step_seconds(val: torch.Tensor, option, mesh, opts: PlanOptions, t
         return 0.0
     if on_host:
         return optimizer_offload_seconds(val, option, mesh, opts, trainable, cluster)
-    _, touched = optimizer_step_bytes(val, option, mesh, opts)
+    _, touched, _ = optimizer_step_bytes(val, option, mesh, opts)
     device = cluster.device
     return touched / (device.optimizer_bandwidth or device.mem_bandwidth) + device.optimizer_param_latency
 
@@ -1580,7 +1599,8 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
             if o.tag in ("zero1", "zero2") and info.needs_grad[rep.name]:
                 # all of it; build_problem keeps the share forward does not hide; latency per bucket: _record
                 icomm[a] = zero1_gather_time(val, o.output, cluster, latency=False)
-            grad[a] = param_grad_bytes(val, o.output, mesh, o.tag) if info.needs_grad[rep.name] else 0.0
+            grad[a] = param_grad_bytes(val, o.output, mesh, o.tag, opts.grad_dtype) if info.needs_grad[rep.name] \
+                else 0.0
             if any(isinstance(o.output[i], Replicate) for i in (dp_axes or range(len(mesh))) if mesh[i] > 1):
                 # summed in a flat bucket, whole, in the reduction's dtype
                 bucket[a] = local * reduce_scale(val.dtype, opts.reduce_dtype) if info.needs_grad[rep.name] else 0.0
@@ -2847,7 +2867,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         cluster=cluster.to_json(),
         options={"roles": dict(opts.roles), "pins": dict(opts.pins), "local_batch": opts.local_batch,
                  "memory_limit": limit, "tp_comm_overlap": overlap,
-                 "bucket_bytes": sizes, "reduce_dtype": opts.reduce_dtype},
+                 "bucket_bytes": sizes, "reduce_dtype": opts.reduce_dtype, "grad_dtype": opts.grad_dtype},
         nodes=nodes,
         params=params,
         inputs=inputs,

@@ -383,7 +383,8 @@ class GradReducer:
         red = list(b.axes)
         n_red = math.prod(self._sizes[a] for a in red)
         per = sum(e.slice.size for e in entries)
-        b.flat = flat = torch.zeros(n_red * per, dtype=self._reduce_dtype or _local(entries[0].param).dtype,
+        gdt = P.dtensor_local(entries[0].param.grad).dtype  # the gradients' (PlanOptions.grad_dtype)
+        b.flat = flat = torch.zeros(n_red * per, dtype=self._reduce_dtype or gdt,
                                     device=_local(entries[0].param).device)
         ranks = []  # per block r: the slice index (mixed radix over the slice axes) it holds
         for r in range(n_red):
@@ -434,8 +435,8 @@ class GradReducer:
                 s = e.slice
                 part = b.out[off: off + s.end - s.start]
                 off += s.size
-                if e.level == 2:  # (the sum cast back from the reduction's dtype)
-                    part = part.to(s.leaf.dtype)
+                if e.level == 2:  # (the sum cast back from the reduction's dtype to the gradient's)
+                    part = part.to(s.leaf.grad_dtype or s.leaf.dtype)
                     s.leaf.grad = part.clone() if s.leaf.grad is None else s.leaf.grad.add_(part)
                 else:  # ZeRO-1: the reduced slice back into the whole gradient buffer
                     P.dtensor_local(e.param.grad).view(-1)[s.start:s.end].copy_(part)

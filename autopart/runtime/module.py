@@ -211,6 +211,8 @@ class ParallelModule(nn.Module):
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
         self._params = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
+        gd = plan.options.get("grad_dtype")
+        grad_dtype = getattr(torch, gd) if gd else None  # gradients kept and accumulated in it (PlanOptions)
         for fqn in params.values():
             full = named[fqn].detach().to(device)
             if sync_params:
@@ -224,6 +226,8 @@ class ParallelModule(nn.Module):
                                     shape=full.shape, stride=full.stride())
             key = fqn.replace(".", "__")
             self._params[key] = nn.Parameter(dt, requires_grad=named[fqn].requires_grad)
+            if grad_dtype is not None and dt.is_floating_point():  # autograd casts, then accumulates, in it
+                self._params[key].grad_dtype = grad_dtype
             self._key_of[fqn] = key
         self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
         self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items() if fqn in self._key_of}
@@ -537,7 +541,8 @@ class ParallelModule(nn.Module):
         optimizer states, the same optimizer stepping on host copies (of those slices, with ZeRO-1/2).
         ``master_dtype`` (``torch.float32`` for bf16 parameters): the optimizer updates copies of this rank's
         parameters (or slices) in that dtype, cast back after each step (``ShadowOptimizer``); plan such a model
-        with ``optimizer_bytes_per_param=12`` (the copy and Adam's two fp32 states), as Megatron-LM's ``--bf16``."""
+        with ``optimizer_bytes_per_param=12`` (the copy and Adam's two fp32 states), as Megatron-LM's ``--bf16``,
+        and ``grad_dtype="float32"`` for gradients accumulated in fp32 too (which needs ``master_dtype``)."""
         zero1 = any(level in (1, 2) for level in self.plan.zero.values())
         host = "optimizer" in self.plan.offload
         low = sorted({str(p.dtype) for p in self._params.values() if p.requires_grad and p.dtype in
@@ -546,6 +551,14 @@ class ParallelModule(nn.Module):
             warnings.warn(f"pm.optimizer: parameters in {', '.join(low)} stepped directly lose every update below "
                           "their precision (bf16 keeps 8 bits of mantissa); pass master_dtype=torch.float32 for fp32 "
                           "master weights, as Megatron-LM and FSDP2 keep them", stacklevel=2)
+        gd = self.plan.options.get("grad_dtype")
+        other = sorted({str(p.dtype) for p in self._params.values() if p.requires_grad and gd and
+                        p.dtype.is_floating_point and p.dtype != getattr(torch, gd)})
+        if other and master_dtype is None:
+            raise ValueError(f"pm.optimizer: the plan keeps gradients in {gd} (grad_dtype) and the parameters are "
+                             f"{', '.join(other)}: an optimizer stepping the parameters themselves cannot take those "
+                             f"gradients. Pass master_dtype=torch.{gd} (the optimizer steps {gd} copies, as "
+                             "Megatron-LM's fp32 main_grad with its fp32 master weights), or plan without grad_dtype")
         accepted = inspect.signature(cls).parameters
         if "foreach" not in kwargs and "fused" not in kwargs:
             if host and "fused" in accepted:  # torch's fused CPU kernel: 7x foreach here (bench_offload.py)

@@ -45,3 +45,27 @@ def test_reduce_dtype_must_be_a_floating_dtype():
         with pytest.raises(ValueError, match="reduce_dtype"):
             PlanOptions(reduce_dtype=bad)
     assert PlanOptions(reduce_dtype=torch.float32).reduce_dtype == "float32"
+
+
+def test_fp32_gradients_of_bf16_weights_are_priced_as_such():
+    """``grad_dtype="float32"`` on a bf16 model (Megatron-LM's fp32 ``main_grad``): the plan keeps 4 bytes of
+    gradient per parameter instead of 2 (the memory row "gradients" doubles, ZeRO-1 keeping whole gradients and
+    without ZeRO alike), reduces in fp32 unless told otherwise, and the optimizer step reads the wider gradient."""
+    model, ids = _model(torch.bfloat16)
+    traced = trace(model, (ids,), {"labels": ids})
+    for zero in (0, 1):
+        kw = dict(cluster="h100-80gb", traced=traced, zero=zero, gpus_per_node=8)
+        base = autopart.evaluate(model, 32, (ids,), {"labels": ids}, **kw)
+        wide = autopart.evaluate(model, 32, (ids,), {"labels": ids}, grad_dtype=torch.float32, **kw)
+        assert wide.options["grad_dtype"] == "float32" and wide.options["reduce_dtype"] == "float32"
+        assert base.options["grad_dtype"] is None and base.options["reduce_dtype"] is None
+        grads = [p.predicted["memory_bytes"]["gradients"] for p in (base, wide)]
+        assert grads[1] == pytest.approx(2 * grads[0], rel=1e-9), grads
+        assert wide.predicted["optimizer_step_s"] > base.predicted["optimizer_step_s"]
+        assert 1.6 < wide.predicted["grad_reduction_s"] / base.predicted["grad_reduction_s"] <= 2.0
+        # a bf16 reduction of the fp32 gradients, asked for: the bytes of bf16 again
+        narrow = autopart.evaluate(model, 32, (ids,), {"labels": ids}, grad_dtype="float32",
+                                   reduce_dtype="bfloat16", **kw)
+        assert narrow.predicted["grad_reduction_s"] == pytest.approx(base.predicted["grad_reduction_s"], rel=1e-9)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        PlanOptions(grad_dtype="int8")
