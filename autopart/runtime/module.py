@@ -213,6 +213,10 @@ class ParallelModule(nn.Module):
         self._key_of: dict[str, str] = {}
         gd = plan.options.get("grad_dtype")
         grad_dtype = getattr(torch, gd) if gd else None  # gradients kept and accumulated in it (PlanOptions)
+        if grad_dtype is not None and not hasattr(torch.Tensor, "grad_dtype"):  # else: an attribute, ignored
+            raise RuntimeError(f"the plan keeps gradients in {gd} (grad_dtype), which needs torch's "
+                               f"Tensor.grad_dtype; torch {torch.__version__} has none. Upgrade torch, or plan "
+                               "without grad_dtype")
         for fqn in params.values():
             full = named[fqn].detach().to(device)
             if sync_params:
