@@ -132,7 +132,8 @@ class PlanOptions:
     # micro-batches, pipeline schedules and repeated ``forward_backward`` calls sum in fp32, as Megatron-LM's fp32
     # ``main_grad`` and FSDP2's fp32 sharded gradients; the optimizer then needs master weights
     # (``pm.optimizer(cls, master_dtype=torch.float32)``). The reduction sums in it too unless ``reduce_dtype``
-    # says otherwise. None: each parameter's own dtype
+    # says otherwise (not ZeRO-3's reduce-scatter, which backward runs on the weights' dtype, as ``reduce_dtype``
+    # does not apply there either). None: each parameter's own dtype
     grad_dtype: str | None = None
 
     def __post_init__(self) -> None:

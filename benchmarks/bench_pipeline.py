@@ -17,7 +17,8 @@ batch on ``h100-80gb`` nodes (mesh (GPUs/8, 8), nothing pinned). Reported per sc
 reduction (all of it, and what backward does not hide) and ZeRO-1's parameter all-gather after the step (what the
 next forward does not hide, and all of it: the runtime waits for each bucket before its parameters' first use, as
 Megatron's --overlap-param-gather), per rank. Gradients are reduced in fp32 (``--reduce-dtype``), as Megatron-LM does
-with bf16 weights (``accumulate_allreduce_grads_in_fp32``).
+with bf16 weights (``accumulate_allreduce_grads_in_fp32``), and accumulated in fp32 (``--grad-dtype``: its
+``main_grad``, 4 bytes per parameter).
 TFLOP/s per GPU use Megatron's count 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) per step.
 """
 
@@ -131,7 +132,8 @@ def megatron(args) -> list[dict]:
         export_s = time.perf_counter() - t0
         flops = megatron_flops(batch, layers, h)
         rd = None if args.reduce_dtype == "none" else args.reduce_dtype
-        common = dict(cluster=args.cluster, traced=t, optimizer_bytes_per_param=12.0, reduce_dtype=rd)
+        gd = None if args.grad_dtype == "none" else args.grad_dtype
+        common = dict(cluster=args.cluster, traced=t, optimizer_bytes_per_param=12.0, reduce_dtype=rd, grad_dtype=gd)
         rec = {"model": name, "gpus": gpus, "batch": batch, "published": f"tp={tp} pp={pp} dp={dp}",
                "published_tflops": published, "export_s": export_s}
         for zero in (1, 0):
@@ -153,7 +155,7 @@ def megatron(args) -> list[dict]:
         t0 = time.perf_counter()
         adv = advise_mod.advise(built=(name, model, (ids,), {"labels": ids}, cfg), traced=t, cluster=args.cluster,
                                 nodes=gpus // 8, gpus_per_node=8, batch=batch, seq=SEQ, optimizer_bytes_per_param=12.0,
-                                reduce_dtype=rd)
+                                reduce_dtype=rd, grad_dtype=gd)
         if adv.fits:
             rec["own_step_s"] = adv.step_time_s
             rec["own_pred_tflops"] = flops / adv.step_time_s / gpus / 1e12
@@ -189,6 +191,8 @@ def main() -> None:
                     "priced on, e.g. benchmarks/clusters/h100-xla-gemms.toml")
     ap.add_argument("--reduce-dtype", default="float32", help="megatron: the dtype the gradient reduction sums in "
                     "(float32: Megatron-LM's accumulate_allreduce_grads_in_fp32 with bf16; none: the gradients' own)")
+    ap.add_argument("--grad-dtype", default="float32", help="megatron: the dtype gradients accumulate in (float32: "
+                    "Megatron-LM's main_grad of bf16 weights, 18 bytes of model state per parameter; none: bf16)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     rows = planning(args) if args.what == "planning" else megatron(args)

@@ -159,6 +159,11 @@ def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
     return v.to_local() if isinstance(v, DTensor) and not isinstance(like, DTensor) else v
 
 
+def _zero_grad(p: torch.Tensor) -> torch.Tensor:
+    """Zeros for ``p``'s gradient, in the gradients' dtype (``Tensor.grad_dtype``: ``PlanOptions.grad_dtype``)."""
+    return torch.zeros_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
+
+
 def _init_state(module, opt, groups: list[list[_Entry]]) -> None:
     """Give ``opt`` its state tensors (zeros) by one step at learning rate 0 with zero gradients, as
     ``torch.distributed.checkpoint.state_dict`` does: a freshly built optimizer has none for DCP to load into.
@@ -171,9 +176,9 @@ def _init_state(module, opt, groups: list[list[_Entry]]) -> None:
             if e.device.requires_grad:
                 if e.device.grad is not None:
                     return  # a backward ran: the caller's step will create the states
-                e.device.grad = torch.zeros_like(e.device)
+                e.device.grad = _zero_grad(e.device)
             if e.slice is not None and e.slice.param.grad is None:  # ZeRO-1's step reads the parameter's gradient
-                e.slice.param.grad = torch.zeros_like(e.slice.param)
+                e.slice.param.grad = _zero_grad(e.slice.param)
     lrs = [g.get("lr") for g in opt.param_groups]
     for g in opt.param_groups:
         if "lr" in g:

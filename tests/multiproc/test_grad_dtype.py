@@ -41,6 +41,7 @@ def _cases(names: list[str]) -> list:
         with pytest.raises(ValueError, match="master_dtype"):  # the weights cannot take float64 gradients
             pm.optimizer(torch.optim.AdamW, **OPT)
         opt = pm.optimizer(torch.optim.AdamW, master_dtype=torch.float64, **OPT)
+        pm.optimizer_state_dict(opt)  # a fresh optimizer's states (its zero gradients in the gradients' dtype)
         losses, dtypes = [], set()
         for step, ids in enumerate(batches()):
             losses.append(pm.forward_backward(ids, labels=ids).item())
