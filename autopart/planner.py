@@ -2224,17 +2224,16 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
     stage_roles = {a: r for a, r in opts.roles.items() if r != "pp"}
     ck = opts.checkpoint if isinstance(opts.checkpoint, str) else None
     allow: bool | dict[str, str] = ck in (None, "selective")
+    selective: dict[str, str] = {}
     if opts.checkpoint is not None and not isinstance(opts.checkpoint, str):
-        # per layer: the stage plans are solved without recompute and the named blocks priced recomputed whatever
-        # the partition (pipelining.Unit.full); the layers' names checked as without stages
-        allow = _forced_checkpoint(opts, _analyzed(traced, tuple(cluster.mesh_shape)))
+        # per layer (the names checked as without stages): the "full" blocks priced recomputed whatever the
+        # partition (pipelining.Unit.full); the "selective" ones in the stage plans solved on the whole graph. The
+        # candidates ranked on the 2-block reduction, which has no such layers, go without them: the winner, solved
+        # again on the whole graph, is priced with them
+        modes = _forced_checkpoint(opts, _analyzed(traced, tuple(cluster.mesh_shape)))
+        allow = {lay: m for lay, m in modes.items() if m == "full"}
+        selective = {lay: m for lay, m in modes.items() if m == "selective"}
         ck = "none"
-        sel = sorted(lay for lay, m in allow.items() if m == "selective")
-        if sel:
-            raise NotImplementedError(
-                f"checkpoint={{{sel[0]!r}: 'selective', ...}} with pipeline stages: per-layer selective recompute "
-                "is not implemented inside stages (the stage plans are solved once for every block). Use 'full' or "
-                "'none' per layer, checkpoint='selective' for every layer, or pipeline='off'")
 
     def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False, reduced=None, cutoff=None, warm=None):
         # the stage DP decides per-layer full recompute; a forced mode applies to every layer of the stage plan.
@@ -2243,7 +2242,8 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         if recipe:  # Megatron inside the stage: the last axis tensor parallel, every other one data parallel
             for i, a in enumerate(axis_names):
                 roles_k.setdefault(a, "tp" if i == len(axis_names) - 1 else "dp")
-        o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off", checkpoint=ck or "none",
+        o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off",
+                                checkpoint=selective if selective and reduced is None else ck or "none",
                                 offload=opts.offload if opts.offload is not None else "none",
                                 objective_cutoff=cutoff, warm_start=warm, stage=True)
         if reduced is not None:

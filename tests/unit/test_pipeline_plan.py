@@ -192,7 +192,7 @@ def test_tables_as_long_as_the_batch_do_not_bind_micro_batches():
 def test_per_layer_checkpoint_dict_with_stages():
     """checkpoint={layer: "full" | "none"} with pipeline stages: exactly the named blocks are recomputed, in
     whichever stage holds them. Their stage keeps less activation memory and takes longer (their forward again);
-    per-layer "selective" is refused by name, and an unknown layer too."""
+    "selective" per layer applies in its stage the same way; an unknown layer is refused by name."""
     kw = dict(roles={"pp": "pp", "tp": "tp"}, pipeline={"schedule": "1f1b", "micro_batches": 4})
     mesh = autopart.mesh((2, 2), ("pp", "tp"))
     plain = autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint="none", **kw)
@@ -207,7 +207,13 @@ def test_per_layer_checkpoint_dict_with_stages():
             assert st["memory_bytes"]["activations"] < ref["memory_bytes"]["activations"]
             assert st["time_s"] > ref["time_s"]
     assert p.pipeline["step_time_s"] > plain.pipeline["step_time_s"]
-    with pytest.raises(NotImplementedError, match="per-layer selective recompute"):
-        autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint={"blocks.0": "selective"}, **kw)
+    # per-layer "selective" too: in the stage plan (solved on the whole graph), beside the "full" blocks
+    mixed = autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint={"blocks.1": "selective",
+                                                                              "blocks.3": "full"}, **kw)
+    assert mixed.checkpoint == {"blocks.1": "selective", "blocks.3": "full"}
+    assert [st["checkpointed"] for st in mixed.pipeline["stages"]] == [[], ["blocks.3"]]
+    assert mixed.pipeline["stages"][0]["time_s"] > plain.pipeline["stages"][0]["time_s"]  # blocks.1's attention
+    assert mixed.pipeline["stages"][0]["memory_bytes"]["activations"] < \
+        plain.pipeline["stages"][0]["memory_bytes"]["activations"]
     with pytest.raises(ValueError, match="blocks.9"):
         autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint={"blocks.9": "full"}, **kw)
