@@ -173,7 +173,9 @@ class PlanOptions:
 
 
 def reduce_scale(dtype: torch.dtype, reduce_dtype: str | None) -> float:
-    """Bytes a gradient of ``dtype`` takes in the reduction (``PlanOptions.reduce_dtype``) per byte of its own."""
+    """Bytes a gradient of ``dtype`` takes in the reduction (``PlanOptions.reduce_dtype``) per byte of its own;
+    in general, bytes per element of ``reduce_dtype`` over ``dtype``'s for a floating ``dtype`` (the gradient's
+    own, ``PlanOptions.grad_dtype``, too), 1 where either is not given or not floating."""
     if reduce_dtype is None or not dtype.is_floating_point:
         return 1.0
     return getattr(torch, reduce_dtype).itemsize / dtype.itemsize
@@ -978,10 +980,8 @@ def param_grad_bytes(val: torch.Tensor, spec, mesh, tag: str = "", grad_dtype: s
     """Bytes of one parameter's gradient kept to the optimizer step: its local shard's size; under ZeRO-2 this
     rank's ``1/zero1_ways`` slice of it (rounded up; the whole gradient only passes through a reduction bucket).
     In ``grad_dtype`` (``PlanOptions.grad_dtype``) where given, else the parameter's."""
-    local = _local_bytes(val, spec, mesh)
-    size = val.dtype.itemsize
-    if grad_dtype is not None and val.dtype.is_floating_point:
-        local, size = local / size * getattr(torch, grad_dtype).itemsize, getattr(torch, grad_dtype).itemsize
+    scale = reduce_scale(val.dtype, grad_dtype)  # bytes of the gradient's dtype per byte of the parameter's
+    local, size = _local_bytes(val, spec, mesh) * scale, val.dtype.itemsize * scale
     if tag != "zero2":
         return local
     return math.ceil(local / size / zero1_ways(spec, mesh)) * size

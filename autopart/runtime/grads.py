@@ -436,7 +436,7 @@ class GradReducer:
                 part = b.out[off: off + s.end - s.start]
                 off += s.size
                 if e.level == 2:  # (the sum cast back from the reduction's dtype to the gradient's)
-                    part = part.to(s.leaf.grad_dtype or s.leaf.dtype)
+                    part = part.to(grad_dtype_of(s.leaf))
                     s.leaf.grad = part.clone() if s.leaf.grad is None else s.leaf.grad.add_(part)
                 else:  # ZeRO-1: the reduced slice back into the whole gradient buffer
                     P.dtensor_local(e.param.grad).view(-1)[s.start:s.end].copy_(part)
@@ -473,6 +473,12 @@ def _mixed_radix(coords: list[int], sizes: list[int], axes) -> int:
     for a in axes:
         rank = rank * sizes[a] + coords[a]
     return rank
+
+
+def grad_dtype_of(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``t``'s gradient is kept in: its ``grad_dtype`` (``PlanOptions.grad_dtype``; torch has the
+    attribute from 2.13 on, autopart allows older), else its own dtype."""
+    return getattr(t, "grad_dtype", None) or t.dtype
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -212,7 +212,8 @@ class ParallelModule(nn.Module):
         self._params = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
         gd = plan.options.get("grad_dtype")
-        grad_dtype = getattr(torch, gd) if gd else None  # gradients kept and accumulated in it (PlanOptions)
+        # gradients kept and accumulated in it (PlanOptions.grad_dtype); None: each parameter's own dtype
+        self._grad_dtype = grad_dtype = getattr(torch, gd) if gd else None
         if grad_dtype is not None and not hasattr(torch.Tensor, "grad_dtype"):  # else: an attribute, ignored
             raise RuntimeError(f"the plan keeps gradients in {gd} (grad_dtype), which needs torch's "
                                f"Tensor.grad_dtype; torch {torch.__version__} has none. Upgrade torch, or plan "
@@ -555,10 +556,11 @@ class ParallelModule(nn.Module):
             warnings.warn(f"pm.optimizer: parameters in {', '.join(low)} stepped directly lose every update below "
                           "their precision (bf16 keeps 8 bits of mantissa); pass master_dtype=torch.float32 for fp32 "
                           "master weights, as Megatron-LM and FSDP2 keep them", stacklevel=2)
-        gd = self.plan.options.get("grad_dtype")
-        other = sorted({str(p.dtype) for p in self._params.values() if p.requires_grad and gd and
-                        p.dtype.is_floating_point and p.dtype != getattr(torch, gd)})
+        gd = self._grad_dtype
+        other = sorted({str(p.dtype) for p in self._params.values() if p.requires_grad and gd is not None and
+                        p.dtype.is_floating_point and p.dtype != gd})
         if other and master_dtype is None:
+            gd = str(gd).removeprefix("torch.")
             raise ValueError(f"pm.optimizer: the plan keeps gradients in {gd} (grad_dtype) and the parameters are "
                              f"{', '.join(other)}: an optimizer stepping the parameters themselves cannot take those "
                              f"gradients. Pass master_dtype=torch.{gd} (the optimizer steps {gd} copies, as "

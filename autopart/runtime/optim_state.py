@@ -161,7 +161,9 @@ def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
 
 def _zero_grad(p: torch.Tensor) -> torch.Tensor:
     """Zeros for ``p``'s gradient, in the gradients' dtype (``Tensor.grad_dtype``: ``PlanOptions.grad_dtype``)."""
-    return torch.zeros_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
+    from autopart.runtime.grads import grad_dtype_of
+
+    return torch.zeros_like(p, dtype=grad_dtype_of(p))
 
 
 def _init_state(module, opt, groups: list[list[_Entry]]) -> None:

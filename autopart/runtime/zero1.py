@@ -277,7 +277,8 @@ def sharded_state_optimizer(module, cls: type, host: bool = False, master_dtype:
         axes = [i for i, pl in enumerate(placements) if isinstance(pl, Replicate) and sizes[i] > 1]
         start, end, size = zero1_slice(local.numel(), coords, sizes, axes)
         leaf = nn.Parameter(local.view(-1)[start:end])  # aliases the parameter's storage
-        leaf.grad_dtype = p.grad_dtype  # the gradient's dtype (PlanOptions.grad_dtype), not necessarily the weight's
+        if leaf.dtype != _grads.grad_dtype_of(p):  # the gradient's dtype (PlanOptions.grad_dtype), not the weight's
+            leaf.grad_dtype = _grads.grad_dtype_of(p)
         slices.append(_Slice(p, leaf, start, end, size, axes))
         by_key[key] = slices[-1]
     param_groups: list[dict[str, Any]] = []
