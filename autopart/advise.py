@@ -44,6 +44,7 @@ import torch.nn as nn
 from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
+from autopart.cost.comm import collective_time
 from autopart.placement import Replicate, Shard, parse_spec
 from autopart.solver.ilp import SolverTimeout
 
@@ -290,12 +291,13 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     """Re-price ``plan.collectives`` step by step with the planner's own ``transition_time`` (one mesh axis at a
     time). Returns ({"activations": ({kind: s}, {kind: bus bytes}), "parameters": (...)}, seconds per record):
     conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
-    ``rec["time_s"]``). A step's time is shared equally by its forward and backward collectives (equal under the
-    alpha-beta model: all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways), less what a
+    ``rec["time_s"]``). A step's time is shared by its forward and backward collectives as their own prices are
+    (equal under the alpha-beta model, all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways,
+    except a ZeRO-3 gradient's reduce-scatter summed in a wider ``reduce_dtype``), less what a
     collective matmul hides of it (``rec["tp_overlap_hidden_s"]``, of step ``rec["tp_overlap_step"]``). The
     backward all-gathers of a kept shard (``rec["regather_s"]``: sequence parallelism's activations, which the
     step pays beside the record's time) count as activations' all-gathers."""
-    from autopart.planner import saves_input, transition_time
+    from autopart.planner import reduce_scale, saves_input, transition_time
     from autopart.strategy.registry import tensor_inputs
 
     nodes = {n.name: n for n in traced.graph.nodes}
@@ -323,16 +325,24 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
             nxt[axis] = dst[axis]
             split = tuple(i == axis and bwd in ("all_reduce", "reduce_scatter") for i in range(len(mesh)))
             dt = transition_time(val, tuple(cur), tuple(nxt), split, bwd != "none", cluster, regather=regather,
-                                 chained=zero3)
+                                 chained=zero3, reduce_dtype=plan.options.get("reduce_dtype"))
             if step == rec.get("tp_overlap_step"):
                 dt -= rec["tp_overlap_hidden_s"]
-            kinds = [k for k in (fwd, bwd) if k in KINDS] + (["all_gather"] if regather and fwd == "all_gather" else [])
+            kinds = [(k, i == 1) for i, k in enumerate((fwd, bwd)) if k in KINDS] + \
+                ([("all_gather", False)] if regather and fwd == "all_gather" else [])
             full = list(cur)
             full[axis] = Replicate()
             nbytes = _local_bytes(val, full, mesh)
-            for kind in kinds:
+            sents = []
+            for kind, backward in kinds:
                 sent = nbytes / mesh[axis] if kind == "all_to_all" else nbytes  # a rank's buffer is its shard
-                (param_t if is_param else t)[kind] += dt / len(kinds)
+                if zero3 and backward and kind == "reduce_scatter":  # the gradient, summed in reduce_dtype
+                    sent *= reduce_scale(val.dtype, plan.options.get("reduce_dtype"))
+                sents.append(sent)
+            link = cluster.link(axis).in_chain() if zero3 else cluster.link(axis)
+            own = [collective_time(kind, sent, mesh[axis], link) for (kind, _), sent in zip(kinds, sents)]
+            for (kind, _), sent, own_t in zip(kinds, sents, own):  # dt shared as the collectives' own prices
+                (param_t if is_param else t)[kind] += dt * own_t / sum(own) if sum(own) > 0 else dt / len(kinds)
                 (param_b if is_param else b)[kind] += _bus_bytes(kind, sent, mesh[axis])
             rec_t += dt
             cur = nxt
@@ -946,7 +956,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
             label = label or built[0]
             _, module, inputs, kwargs, cfg = built
             n_params = sum(p.numel() for p in module.parameters())
-            states = 2 + _grad_itemsize(2, grad_dtype) + optimizer_bytes_per_param  # bf16 weights
+            itemsize = next(module.parameters()).dtype.itemsize  # the weights' (build's dtype: bf16)
+            states = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
             floor = state_floor(n_params, gpus, states, optimizer_bytes_per_param)
             if floor > cl.memory_budget:  # skip the trace: no plan can fit
                 adv = Advice(model=built[0], params=n_params, cluster=cl.name, gpus=gpus, mesh=cl.mesh_shape,

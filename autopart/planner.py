@@ -124,16 +124,15 @@ class PlanOptions:
     # over m micro-batches of batch/m one after another, the data-parallel reduction once, from the last one's
     # backward (``runtime/module.py``). The ILP holds one micro-batch's activations; ``_record`` prices the rest
     micro_batches: int = 1
-    # the dtype the data-parallel gradient reduction sums in (its buckets and collectives), e.g. "float32" for bf16
-    # gradients as Megatron-LM (``accumulate_allreduce_grads_in_fp32``) and FSDP2's ``reduce_dtype``; the reduced
-    # gradient is cast back to its own dtype. None: each gradient's own dtype
+    # the dtype the data-parallel gradient reduction sums in (its buckets and collectives, and ZeRO-3's backward
+    # reduce-scatters), e.g. "float32" for bf16 gradients as Megatron-LM (``accumulate_allreduce_grads_in_fp32``)
+    # and FSDP2's ``reduce_dtype``; the reduced gradient is cast back to its own dtype. None: each gradient's own
     reduce_dtype: str | None = None
     # the dtype gradients are kept and accumulated in (``Tensor.grad_dtype``): "float32" for bf16 parameters, so that
     # micro-batches, pipeline schedules and repeated ``forward_backward`` calls sum in fp32, as Megatron-LM's fp32
     # ``main_grad`` and FSDP2's fp32 sharded gradients; the optimizer then needs master weights
     # (``pm.optimizer(cls, master_dtype=torch.float32)``). The reduction sums in it too unless ``reduce_dtype``
-    # says otherwise (not ZeRO-3's reduce-scatter, which backward runs on the weights' dtype, as ``reduce_dtype``
-    # does not apply there either). None: each parameter's own dtype
+    # says otherwise. None: each parameter's own dtype
     grad_dtype: str | None = None
 
     def __post_init__(self) -> None:
@@ -260,7 +259,7 @@ _COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_sc
 
 def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_grad: bool, cluster: Cluster,
                     param_reduced: tuple[bool, ...] = (), bucketed: bool = False, regather: bool = False,
-                    scatter_grad: bool = False, chained: bool = False) -> float:
+                    scatter_grad: bool = False, chained: bool = False, reduce_dtype: str | None = None) -> float:
     """Seconds to convert a value from spec ``src`` to ``dst``, forward and backward. ``bucketed``: the value is a
     parameter whose gradient all-reduce shares a bucket with the others (priced by bandwidth and its share of one
     bucket's latency, its bytes over ``bucket_bytes``, and in full here: the ILP scales that part by the share
@@ -274,9 +273,10 @@ def transition_time(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs_
     single op's compute apart (in a Transformer block mostly a norm's or an elementwise op's), where the
     calibration's after-compute links follow a burst of compute (``calibrate._measure_links``) and the wait for
     out-of-step ranks grows with the compute before (4 ranks on 2 cores: a 64 KiB all-reduce 4.9-5.4 ms back to
-    back, 5.9-7.0 ms after a 2 ms GEMM, 11-15 ms after 7.5 ms)."""
+    back, 5.9-7.0 ms after a 2 ms GEMM, 11-15 ms after 7.5 ms). Its backward reduce-scatter sums in
+    ``reduce_dtype`` (``PlanOptions.reduce_dtype``), as a bucketed gradient's reduction does."""
     base, reduction, _ = transition_parts(val, src, dst, split, needs_grad, cluster, param_reduced, bucketed,
-                                          regather, scatter_grad, chained)
+                                          regather, scatter_grad, chained, reduce_dtype=reduce_dtype)
     return base + reduction
 
 
@@ -288,7 +288,8 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
     """``transition_time`` in two parts: (seconds of everything but a bucketed gradient's data-parallel reduction,
     seconds of that reduction, the mesh axes it sums over (ascending; empty without one)). ``buckets``: bucket
     bytes per set of summed axes (``ilp_bucket_bytes``; absent: the links' ``bucket_bytes``); ``reduce_dtype``: the
-    dtype it is summed in (``PlanOptions.reduce_dtype``)."""
+    dtype it is summed in (``PlanOptions.reduce_dtype``), and a ZeRO-3 parameter's (``chained``) backward
+    reduce-scatter too."""
     mesh = cluster.mesh_shape
     steps = conversion_steps(src, dst, split, needs_grad, mesh, param_reduced)
     if steps is None:
@@ -305,10 +306,12 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
             cur[st.axis] = st.dst
             continue
         link = cluster.link(st.axis).in_chain() if chained else cluster.link(st.axis)
-        for kind in (st.fwd, st.bwd):
+        for kind, backward in ((st.fwd, False), (st.bwd, True)):
             if kind in _COMM_KIND:
                 # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
                 sent = nbytes / mesh[st.axis] if kind == "all_to_all" else nbytes
+                if chained and backward and kind == "reduce_scatter":  # ZeRO-3's gradient, summed in reduce_dtype
+                    sent *= reduce_scale(val.dtype, reduce_dtype)
                 if scatter_grad and kind == "all_reduce" and st.fwd == "none":
                     kind = "reduce_scatter"
                 total += collective_time(_COMM_KIND[kind], sent, mesh[st.axis], link)
@@ -2744,7 +2747,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             zero3 = chosen[u.name].tag == "zero3"
             t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
                                 regather=zero3 and saves_input(n, j),
-                                chained=zero3)
+                                chained=zero3, reduce_dtype=opts.reduce_dtype)
             hid, fused_step = 0.0, 0  # seconds a collective matmul hides, of which of ``steps``
             if overlap and j == 0 and linear_input_fused(a):  # one gather for the users converting it alike
                 lin_fwd = sum(fwd_of(w.name) for w in a.users if chosen[w.name].inputs[0] == o.inputs[j] and

@@ -35,7 +35,7 @@ def run_passes(traced, plan, needs_grad: dict[str, bool]) -> fx.GraphModule:
     mesh = tuple(plan.mesh_shape)
     pipeline = [
         ("annotate", lambda g: annotate(g, plan, traced.params)),
-        ("insert_collectives", lambda g: insert_collectives(g, mesh, needs_grad)),
+        ("insert_collectives", lambda g: insert_collectives(g, mesh, needs_grad, plan.options.get("reduce_dtype"))),
         ("lower", lambda g: lower(g, mesh)),
         ("context", lambda g: context_parallel(g, plan)),
         ("tp_overlap", lambda g: tp_overlap(g, plan)),

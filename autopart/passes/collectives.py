@@ -28,7 +28,7 @@ def _split(node: fx.Node, axes: int) -> tuple[bool, ...]:
 
 
 def _emit(graph: fx.Graph, value: fx.Node, src: Spec, dst: Spec, split, needs_grad, mesh_shape,
-          reduced=()) -> fx.Node:
+          reduced=(), reduce_dtype: str | None = None) -> fx.Node:
     steps = conversion_steps(src, dst, split, needs_grad, mesh_shape, reduced)
     if steps is None:
         raise AssertionError(f"plan asks for impossible conversion {src} -> {dst} of {value.name}")
@@ -39,7 +39,7 @@ def _emit(graph: fx.Graph, value: fx.Node, src: Spec, dst: Spec, split, needs_gr
         if st.fwd == "none":
             cur = graph.call_function(C.grad_all_reduce, (cur, st.axis))
         elif st.fwd == "all_gather" and value.meta.get("autopart.regather"):
-            cur = graph.call_function(C.all_gather_param, (cur, st.axis, a.dim, st.bwd))
+            cur = graph.call_function(C.all_gather_param, (cur, st.axis, a.dim, st.bwd, reduce_dtype))
         elif st.fwd == "all_gather" and needs_grad and value.op == "call_function":
             # an activation: a user that saves it gathered keeps the shard (autopart.planner.regather_spec)
             cur = graph.call_function(C.all_gather_activation, (cur, st.axis, a.dim, st.bwd))
@@ -63,8 +63,10 @@ def _emit(graph: fx.Graph, value: fx.Node, src: Spec, dst: Spec, split, needs_gr
     return cur
 
 
-def insert_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...], needs_grad: dict[str, bool]
-                       ) -> tuple[fx.GraphModule, bool]:
+def insert_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...], needs_grad: dict[str, bool],
+                       reduce_dtype: str | None = None) -> tuple[fx.GraphModule, bool]:
+    """``reduce_dtype``: the dtype ZeRO-3 parameters' gradients are reduce-scattered in (``PlanOptions.reduce_dtype``;
+    None: their own)."""
     graph = gm.graph
     changed = False
     cache: dict = {}
@@ -83,7 +85,7 @@ def insert_collectives(gm: fx.GraphModule, mesh_shape: tuple[int, ...], needs_gr
             key = (a, dst, split if g else None)
             if key not in cache:
                 with graph.inserting_before(node):
-                    cache[key] = _emit(graph, a, src, dst, split, g, mesh_shape, reduced)
+                    cache[key] = _emit(graph, a, src, dst, split, g, mesh_shape, reduced, reduce_dtype)
             new = cache[key]
             if new is not a:
                 node.replace_input_with(a, new)

@@ -83,15 +83,17 @@ def _own(x: torch.Tensor, ax: Ax, dim: int) -> torch.Tensor:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, bwd):
-        ctx.ax, ctx.dim, ctx.bwd = Ax(axis), dim, bwd
+    def forward(ctx, x, axis, dim, bwd, reduce_dtype):
+        ctx.ax, ctx.dim, ctx.bwd, ctx.rdt = Ax(axis), dim, bwd, reduce_dtype
         return _gather(x, ctx.ax, dim)
 
     @staticmethod
     def backward(ctx, g):
         if ctx.bwd == "reduce_scatter":
-            return _reduce_scatter(g, ctx.ax, ctx.dim), None, None, None
-        return _own(g, ctx.ax, ctx.dim), None, None, None
+            rdt = getattr(torch, ctx.rdt) if ctx.rdt and g.is_floating_point() else g.dtype
+            # summed in reduce_dtype (a ZeRO-3 gradient: PlanOptions.reduce_dtype), handed on in the gradient's own
+            return _reduce_scatter(g.to(rdt), ctx.ax, ctx.dim).to(g.dtype), None, None, None, None
+        return _own(g, ctx.ax, ctx.dim), None, None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -170,7 +172,7 @@ class _Mask(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
     """Shard(dim) -> Replicate; backward ``"reduce_scatter"`` (user split on the axis) or ``"shard"``."""
-    return _AllGather.apply(x, axis, dim, bwd)
+    return _AllGather.apply(x, axis, dim, bwd, None)
 
 
 class _Kept:
@@ -189,10 +191,11 @@ class _Kept:
 _REGATHER: dict[int, _Kept] = {}  # storage of a gathered tensor -> its shard, while the gathered tensor lives
 
 
-def _regathered(x: torch.Tensor, axis: int, dim: int, bwd: str, stat: str) -> torch.Tensor:
+def _regathered(x: torch.Tensor, axis: int, dim: int, bwd: str, stat: str, reduce_dtype: str | None = None
+                ) -> torch.Tensor:
     """``all_gather`` whose output, if autograd saves it (or a view of it) for backward, ``saved_tensor_hooks``
     keeps as the shard ``x`` and gathers again when backward needs it."""
-    out = _AllGather.apply(x, axis, dim, bwd)
+    out = _AllGather.apply(x, axis, dim, bwd, reduce_dtype)
     if torch.is_grad_enabled():
         key = out.untyped_storage().data_ptr()  # views of it (a transposed weight) share the storage
         _REGATHER[key] = _Kept(x.detach(), Ax(axis), dim, stat, shared=stat == "activations")
@@ -200,10 +203,13 @@ def _regathered(x: torch.Tensor, axis: int, dim: int, bwd: str, stat: str) -> to
     return out
 
 
-def all_gather_param(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:
+def all_gather_param(x: torch.Tensor, axis: int, dim: int, bwd: str, reduce_dtype: str | None = None
+                     ) -> torch.Tensor:
     """``all_gather`` of a ZeRO-3 parameter shard: when autograd saves the gathered tensor for backward,
-    ``saved_tensor_hooks`` keeps the shard instead and gathers again when backward needs it."""
-    return _regathered(x, axis, dim, bwd, "packed")
+    ``saved_tensor_hooks`` keeps the shard instead and gathers again when backward needs it. Backward's
+    reduce-scatter of the gradient sums in ``reduce_dtype`` (``PlanOptions.reduce_dtype``, e.g. "float32" for bf16
+    weights, as FSDP2's ``MixedPrecisionPolicy.reduce_dtype``) and casts the shard back; None: the gradient's own."""
+    return _regathered(x, axis, dim, bwd, "packed", reduce_dtype)
 
 
 def all_gather_activation(x: torch.Tensor, axis: int, dim: int, bwd: str) -> torch.Tensor:

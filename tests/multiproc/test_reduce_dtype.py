@@ -79,29 +79,95 @@ def test_bf16_gradients_summed_in_fp32(zero):
             assert mismatched > 0, "a bf16 ring summed these exactly: the test cannot tell the dtypes apart"
 
 
+def _zero3_run(reduce_dtype):
+    """Each rank's bf16 gradient of a ZeRO-3 parameter gathered by ``all_gather_param`` (its shard on this rank),
+    after backward's reduce-scatter, and the dtypes the reduce-scatters ran in."""
+    import torch.distributed as dist
+
+    import autopart.runtime.collectives as C
+
+    rank = dist.get_rank()
+    ran, inner = [], C.reduce_scatter_single
+
+    def recording(out, x, **kw):
+        ran.append(x.dtype)
+        return inner(out, x, **kw)
+
+    C.reduce_scatter_single = recording
+    try:
+        got = {}
+        with C.axis_groups([dist.group.WORLD], [rank], [WORLD]):
+            for i, shape in enumerate(SHAPES):
+                if shape[0] % WORLD:  # sharded on dim 0: a shape it splits evenly
+                    shape = (WORLD * shape[0], *shape[1:])
+                full_grad = torch.cat([_grad(rank, i).view(-1)] * 4)[: torch.Size(shape).numel()].view(shape)
+                shard = torch.zeros((shape[0] // WORLD, *shape[1:]), dtype=torch.bfloat16, requires_grad=True)
+                C.all_gather_param(shard, 0, 0, "reduce_scatter", reduce_dtype).backward(full_grad)
+                got[i] = (shape, shard.grad.clone())
+    finally:
+        C.reduce_scatter_single = inner
+    return got, sorted({str(d) for d in ran})
+
+
+def test_zero3_reduce_scatter_sums_in_reduce_dtype():
+    """A ZeRO-3 parameter's gradient (``all_gather_param``'s backward reduce-scatter) with ``reduce_dtype="float32"``
+    on 4 ranks: each rank's bf16 shard is the fp32 sum of the 4 ranks' bf16 gradients rounded once, exactly, and
+    the reduce-scatter ran in fp32; without it, in bf16, where the ring's partial sums round and elements differ."""
+    for reduce_dtype, want_exact in (("float32", True), (None, False)):
+        results = run_ranks(WORLD, _zero3_run, reduce_dtype)
+        mismatched = 0
+        for rank, (got, ran) in enumerate(results):
+            assert ran == (["torch.float32"] if want_exact else ["torch.bfloat16"]), (reduce_dtype, ran)
+            for i, (shape, grad) in got.items():
+                n = torch.Size(shape).numel()
+                full = [torch.cat([_grad(r, i).view(-1)] * 4)[:n].view(shape).float() for r in range(WORLD)]
+                exact = sum(full).to(torch.bfloat16).chunk(WORLD)[rank]
+                assert grad.dtype == torch.bfloat16
+                if want_exact:
+                    torch.testing.assert_close(grad, exact, rtol=0, atol=0)
+                else:
+                    mismatched += int((grad != exact).sum())
+        if not want_exact:
+            assert mismatched > 0, "a bf16 ring summed these exactly: the test cannot tell the dtypes apart"
+
+
 def _parallelize_run(zero: int):
     import autopart
+    import autopart.runtime.collectives as C
     from tests.multiproc.parity import OPT, batches, make_model, train
 
+    ran, inner = set(), C.reduce_scatter_single
+
+    def recording(out, x, **kw):  # the reduce-scatters of the graph's collectives (ZeRO-3's gradients)
+        ran.add(str(x.dtype))
+        return inner(out, x, **kw)
+
+    C.reduce_scatter_single = recording
     model = make_model("gpt")
     mesh = autopart.mesh((2,), ("dp",))
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles={"dp": "dp"}, zero=zero,
                               reduce_dtype=torch.float64)
     losses, full = train(pm, pm.optimizer(torch.optim.AdamW, **OPT))
-    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), pm._grads._reduce_dtype
+    C.reduce_scatter_single = inner
+    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), pm._grads._reduce_dtype, \
+        sorted(ran)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 3])
 def test_parallelize_reduces_in_the_plans_dtype(zero):
-    """``parallelize(..., reduce_dtype=torch.float64)`` on dp2 (all-reduce; ZeRO-1's reduce-scatter): the plan
-    records it, the module's reducer sums in it, and training matches one process over 3 AdamW steps (fp32 model:
-    the sums cast back)."""
+    """``parallelize(..., reduce_dtype=torch.float64)`` on dp2 (all-reduce; ZeRO-1's reduce-scatter; ZeRO-3's
+    reduce-scatters in backward): the plan records it, the module's reducer and ZeRO-3's backward sum in it, and
+    training matches one process over 3 AdamW steps (fp32 model: the sums cast back)."""
     from autopart.plan import Plan
     from tests.multiproc.parity import check, reference
 
     results = run_ranks(2, _parallelize_run, zero)
     check("gpt", [r[:5] for r in results], reference("gpt"))
     for r in results:
-        assert Plan.from_json(r[3]).options["reduce_dtype"] == "float64"
+        plan = Plan.from_json(r[3])
+        assert plan.options["reduce_dtype"] == "float64"
         assert r[5] == torch.float64
+        if zero == 3:
+            assert set(plan.zero.values()) == {3}, plan.zero
+            assert r[6] == ["torch.float64"], r[6]

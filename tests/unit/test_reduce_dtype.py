@@ -69,3 +69,29 @@ def test_fp32_gradients_of_bf16_weights_are_priced_as_such():
         assert narrow.predicted["grad_reduction_s"] == pytest.approx(base.predicted["grad_reduction_s"], rel=1e-9)
     with pytest.raises(ValueError, match="grad_dtype"):
         PlanOptions(grad_dtype="int8")
+
+
+def test_zero3_reduce_scatter_priced_in_reduce_dtype():
+    """ZeRO-3 on a bf16 model with ``reduce_dtype="float32"`` (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
+    torch.float32)``): backward's reduce-scatter of each parameter's gradient moves twice its bf16 bytes, the
+    forward all-gathers do not change, and the plan's communication by kind still sums to its ``comm_s``."""
+    from autopart.advise import INSIDE_OPS, KINDS, communication
+
+    model, ids = _model(torch.bfloat16)
+    traced = trace(model, (ids,), {"labels": ids})
+    kw = dict(cluster="h100-80gb", traced=traced, zero=3, gpus_per_node=8)
+    plans = [autopart.evaluate(model, 32, (ids,), {"labels": ids}, reduce_dtype=rd, **kw)
+             for rd in (None, "float32")]
+    assert all(set(p.zero.values()) == {3} for p in plans), [p.zero for p in plans]
+    comms = [communication(p, traced) for p in plans]
+    assert comms[1]["reduce_scatter"]["bytes"] == pytest.approx(2 * comms[0]["reduce_scatter"]["bytes"], rel=1e-9)
+    assert comms[1]["all_gather"]["bytes"] == pytest.approx(comms[0]["all_gather"]["bytes"], rel=1e-9)
+    # the extra bytes priced at the links' bandwidth (NVLink 450 GB/s .. InfiniBand 50 GB/s per GPU): latency-bound
+    # small parameters make the time grow less than 2x
+    extra_s = comms[1]["reduce_scatter"]["time_s"] - comms[0]["reduce_scatter"]["time_s"]
+    extra_b = comms[1]["reduce_scatter"]["bytes"] - comms[0]["reduce_scatter"]["bytes"]
+    assert extra_b / 450e9 * 0.999 <= extra_s <= extra_b / 50e9 * 1.001, (extra_s, extra_b)
+    assert plans[1].predicted["comm_s"] > plans[0].predicted["comm_s"]
+    for p, c in zip(plans, comms):
+        total = sum(c[k]["time_s"] for k in KINDS) + c[INSIDE_OPS]["time_s"]
+        assert total == pytest.approx(p.predicted["comm_s"], rel=1e-6)
