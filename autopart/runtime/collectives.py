@@ -494,13 +494,18 @@ def linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | No
 
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: int, *extra) -> torch.Tensor:
-    """Embedding with rows sharded over ``axis``: ids outside this rank's rows give zeros (a Partial sum)."""
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: int, padding_idx: int = -1,
+                             scale_grad_by_freq: bool = False, sparse: bool = False) -> torch.Tensor:
+    """Embedding with rows sharded over ``axis``: ids outside this rank's rows give zeros (a Partial sum). The
+    row ``padding_idx`` (global; -1: none) gets no gradient, on the rank that holds it. ``aten.embedding``'s
+    arguments; the embedding rule never splits the rows of one with ``scale_grad_by_freq``."""
     rows = weight.shape[0]
     lo = _STATE.coords[axis] * rows
     inside = (ids >= lo) & (ids < lo + rows)
     local = torch.where(inside, ids - lo, torch.zeros_like(ids))
-    out = torch.nn.functional.embedding(local, weight)
+    # the ids of other ranks' rows look up local row 0 and are zeroed below, so they give it no gradient either
+    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < lo + rows else None
+    out = torch.nn.functional.embedding(local, weight, padding_idx=pad, sparse=sparse)
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 

@@ -26,7 +26,12 @@ def _embedding(info: NodeInfo, n: int) -> list[Option1D]:
         ins[w], ins[ids] = pw, pi
         return Option1D(tuple(ins), out)
 
-    opts = [opt(R, R, R), opt(Shard(1), R, Shard(out_nd - 1)), opt(Shard(0), R, P)]
+    opts = [opt(R, R, R), opt(Shard(1), R, Shard(out_nd - 1))]
+    if (info.args[3:4] or (info.kwargs.get("scale_grad_by_freq", False),))[0]:
+        # the gradient is scaled by each id's count in the whole batch: rows or ids split over ranks would count
+        # theirs alone. Only the embedding dimension splits (every rank sees every id)
+        return opts
+    opts.append(opt(Shard(0), R, P))
     for d in range(len(ids_shape)):
         if ids_shape[d] > 1:
             opts.append(opt(R, Shard(d), Shard(d)))

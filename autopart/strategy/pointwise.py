@@ -52,12 +52,15 @@ def pointwise_rule(info: NodeInfo, n: int) -> list[Option1D]:
     k = len(info.inputs)
     if kind and _is_float(info) and k:
         non_tensor_scalar = any(not hasattr(a, "meta") and isinstance(a, (int, float)) for a in info.args)
+        # an input passed twice (``x * x``, ``x / x``) is one distinct input: the op is not linear in it
+        once = [sum(a is x for a in info.args) == 1 for x in info.inputs]
         if kind == "all" and not non_tensor_scalar:
             opts.append(Option1D(tuple(P for _ in range(k)), P))
         elif kind == "one":
             for i in range(k):
-                opts.append(Option1D(tuple(P if j == i else R for j in range(k)), P))
-        elif kind == "first" and info.index(info.args[0]) == 0:
+                if once[i]:
+                    opts.append(Option1D(tuple(P if j == i else R for j in range(k)), P))
+        elif kind == "first" and info.index(info.args[0]) == 0 and once[0]:
             opts.append(Option1D(tuple(P if j == 0 else R for j in range(k)), P))
     return opts
 

@@ -39,6 +39,11 @@ def _lowerings() -> dict:
         emb = C.all_reduce(C.vocab_parallel_embedding(wl, ids, 0), 0, "none")
         (emb * torch.arange(4, dtype=torch.float64)).sum().backward()
         out["emb"] = (emb.detach(), wl.grad)
+        for pad in (0, 13):  # a padding row on rank 0's rows, and on rank 1's: it gets no gradient
+            wl = w.chunk(n, dim=0)[rank].clone().requires_grad_(True)
+            emb = C.all_reduce(C.vocab_parallel_embedding(wl, ids, 0, pad), 0, "none")
+            (emb * torch.arange(4, dtype=torch.float64)).sum().backward()
+            out[f"emb_pad{pad}"] = (emb.detach(), wl.grad)
         x = torch.randn(4, 6, generator=g, dtype=torch.float64)
         xl = x.chunk(n, dim=1)[rank].clone().requires_grad_(True)
         y = C.all_to_all(xl, 0, 1, 0)  # S(1) -> S(0)
@@ -71,6 +76,15 @@ def test_lowerings_match_single_process():
     ids = torch.randint(0, 16, (3, 5), generator=g)
     emb = torch.nn.functional.embedding(ids, w)
     (emb * torch.arange(4, dtype=torch.float64)).sum().backward()
+    for pad in (0, 13):
+        assert (ids == pad).any(), "the padding row must be looked up for the test to see its gradient"
+        wp = w.detach().clone().requires_grad_(True)
+        ref = torch.nn.functional.embedding(ids, wp, padding_idx=pad)
+        (ref * torch.arange(4, dtype=torch.float64)).sum().backward()
+        assert not wp.grad[pad].any()
+        for rank, res in enumerate(results):
+            torch.testing.assert_close(res[f"emb_pad{pad}"][0], ref.detach())
+            torch.testing.assert_close(res[f"emb_pad{pad}"][1], wp.grad.chunk(2, dim=0)[rank])
     x = torch.randn(4, 6, generator=g, dtype=torch.float64)
     for rank, res in enumerate(results):
         torch.testing.assert_close(res["emb"][0], emb.detach())

@@ -102,3 +102,39 @@ def test_unknown_op_is_replicated():
 def test_spec_parse_roundtrip():
     for text in ("S(0)R", "RP", "S(2)S(0)", "R"):
         assert spec_str(parse_spec(text)) == text
+
+
+def test_pointwise_partial_needs_each_operand_once():
+    """``x * x`` and ``x / x`` are not linear in x: no option takes a Partial x (the addends' squares do not sum
+    to the square), while ``x * y`` and ``x / y`` keep theirs and ``x + x`` its sum of partials."""
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    for v in (x, y):
+        v.meta["val"] = torch.empty(4, 6, device="meta")
+
+    def outputs(target, *args):
+        node = g.call_function(target, args)
+        node.meta["val"] = torch.empty(4, 6, device="meta")
+        return {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in options_for(node, (2,))[0]}
+
+    for target in (aten.mul.Tensor, aten.div.Tensor):
+        assert not any("P" in ins[0] for ins, _ in outputs(target, x, x)), target
+        assert (("P", "R"), "P") in outputs(target, x, y)
+    assert (("R", "P"), "P") in outputs(aten.mul.Tensor, x, y)
+    assert (("P",), "P") in outputs(aten.add.Tensor, x, x)
+
+
+def test_embedding_scale_grad_by_freq_keeps_rows_and_ids_whole():
+    """``scale_grad_by_freq`` scales each row's gradient by its id's count in the batch: split rows (vocab
+    parallel) or ids (data parallel) would count each rank's alone, so only the embedding dim splits."""
+    g = torch.fx.Graph()
+    w, ids = g.placeholder("w"), g.placeholder("ids")
+    w.meta["val"] = torch.empty(16, 8, device="meta")
+    ids.meta["val"] = torch.empty(4, 6, device="meta", dtype=torch.int64)
+    got = {}
+    for freq in (False, True):
+        node = g.call_function(aten.embedding.default, (w, ids, 3, freq))
+        node.meta["val"] = torch.empty(4, 6, 8, device="meta")
+        got[freq] = {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in options_for(node, (2,))[0]}
+    assert (("S(0)", "R"), "P") in got[False] and (("R", "S(0)"), "S(0)") in got[False]
+    assert got[True] == {(("R", "R"), "R"), (("S(1)", "R"), "S(2)")}
