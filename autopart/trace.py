@@ -85,6 +85,76 @@ def _check_static(node: fx.Node, model_name: str) -> None:
                 "code behind a torch.library.custom_op with a fake implementation.")
 
 
+def _mutated_args(node: fx.Node) -> list[Any]:
+    """The arguments an in-place ATen op (``copy_``, ``masked_fill_``, ``index_put_``, ...) writes into."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+            not target._schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    return out
+
+
+def _writes_into_intermediates(gm: fx.GraphModule) -> list[fx.Node]:
+    """In-place ops of the training IR that write into a value the graph computed (``buf[:, 1:] = x``: ``copy_``
+    into a slice of ``buf``), not into a placeholder (a buffer's running statistics). autopart rewrites values on
+    their way between ops (a collective may gather ``buf``'s slice into a new tensor), so such a write would land in
+    a temporary and be lost: the graph is functionalized first (``_functionalize``)."""
+    return [n for n in gm.graph.nodes
+            if any(isinstance(a, fx.Node) and a.op != "placeholder" for a in _mutated_args(n))]
+
+
+def _functionalize(ep):
+    """``ep`` with in-place ops replaced by their functional forms (``copy_`` into a slice: ``slice_scatter``), as
+    ``ExportedProgram.run_decompositions({})`` gives (no op decomposed). That turns writes into buffers and user
+    inputs into extra graph outputs; they are written back in place at the end of the graph (``copy_`` into the
+    placeholder, as the training IR did), so the program keeps the model's outputs and its buffers' updates."""
+    from torch.export.graph_signature import OutputKind
+
+    ep = ep.run_decompositions({})
+    gm, sig = ep.graph_module, ep.graph_signature
+    aten = torch.ops.aten
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.copy.default)):
+        # copy(self, src), what copy_ becomes, has no derivative: src broadcast to self's shape and dtype does
+        dst, src = node.args[0].meta["val"], node.args[1].meta["val"]
+        with gm.graph.inserting_before(node):
+            x = node.args[1]
+            if tuple(src.shape) != tuple(dst.shape):
+                x = gm.graph.call_function(aten.expand.default, (x, list(dst.shape)))
+                x.meta.update(node.meta, val=src.expand(dst.shape))
+            x = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": dst.dtype}) \
+                if src.dtype != dst.dtype else gm.graph.call_function(aten.clone.default, (x,))
+            x.meta.update(node.meta)
+        node.replace_all_uses_with(x)
+        gm.graph.erase_node(node)
+    for node in gm.graph.find_nodes(op="call_function", target=aten.view.default):
+        node.target = aten.reshape.default  # the functional graph's views (reshapes were among them) on local
+        # tensors whose strides a sharded layout may have changed: reshape copies where a view cannot
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    values = list(out.args[0])
+    holder = {spec.target: spec.arg.name for spec in sig.input_specs if spec.target is not None}
+    holder.update({spec.arg.name: spec.arg.name for spec in sig.input_specs if spec.target is None})
+    placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    kept, specs = [], []
+    for value, spec in zip(values, sig.output_specs):
+        if spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+            dst = placeholders[holder[spec.target]]
+            with gm.graph.inserting_before(out):
+                write = gm.graph.call_function(torch.ops.aten.copy_.default, (dst, value))
+            write.meta.update(val=dst.meta.get("val"), stack_trace=value.meta.get("stack_trace"))
+        else:
+            kept.append(value)
+            specs.append(spec)
+    if len(kept) != len(values):
+        out.args = (tuple(kept),)
+        sig.output_specs[:] = specs
+    gm.recompile()
+    return ep
+
+
 def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> Traced:
     """Export ``model`` called as ``model(*example_inputs, **example_kwargs)`` to an ATen graph.
 
@@ -124,6 +194,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
             + (f"  at {where}\n" if where else "")
             + f"  {hint}"
         ) from exc
+    if _writes_into_intermediates(ep.graph_module):
+        ep = _functionalize(ep)
     export_seconds = time.perf_counter() - t0
     gm = ep.graph_module
     sig = ep.graph_signature

@@ -15,7 +15,8 @@ from autopart.placement import Partial, Shard, local_shape
 from autopart.runtime import collectives as C
 
 aten = torch.ops.aten
-_SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                 aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
 
 def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModule, bool]:

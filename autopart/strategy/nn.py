@@ -38,6 +38,34 @@ def _embedding(info: NodeInfo, n: int) -> list[Option1D]:
     return opts
 
 
+@register(aten.conv1d.default)
+def _conv1d(info: NodeInfo, n: int) -> list[Option1D]:
+    """``conv1d(x [b, c, l], w [o, c / groups, k], bias [o], stride, padding, dilation, groups)``: the batch splits
+    (weights whole); without groups, the output channels split with the weight's rows and the bias. (The length
+    needs halos, the depthwise channels a local ``groups``: not offered.)"""
+    xi, wi = info.index(info.args[0]), info.index(info.args[1])
+    bias = info.args[2] if len(info.args) > 2 else info.kwargs.get("bias")
+    bi = info.index(bias)
+    groups = info.args[6] if len(info.args) > 6 else info.kwargs.get("groups", 1)
+    k = len(info.inputs)
+
+    def opt(px, pw, pb, out):
+        ins = [R] * k
+        ins[xi], ins[wi] = px, pw
+        if bi is not None:
+            ins[bi] = pb
+        return Option1D(tuple(ins), out)
+
+    opts = [opt(R, R, R, R)]
+    if xi is None or wi is None or xi == wi or (bi is not None and bi in (xi, wi)):
+        return opts[:1] if xi is not None and wi is not None else replicate_only(info, n)
+    if info.shape(xi)[0] > 1:
+        opts.append(opt(Shard(0), R, R, Shard(0)))
+    if groups == 1 and info.shape(wi)[0] > 1:
+        opts.append(opt(R, Shard(0), Shard(0), Shard(1)))
+    return opts
+
+
 @register(aten.layer_norm.default, aten.rms_norm.default)
 def _norm(info: NodeInfo, n: int) -> list[Option1D]:
     x = info.shape(0)

@@ -79,7 +79,45 @@ register(
 )(_identity_like)
 
 
+# elementwise ops torch does not tag pointwise (Python operator aliases, where with a scalar branch); not linear
+register(
+    aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.where.Scalar,
+)(lambda info, n: _shard_options(info) if isinstance(info.val, torch.Tensor) else pointwise_rule(info, n))
+
+
+@register(aten.fill.Scalar, aten.fill.Tensor)
+def _fill(info: NodeInfo, n: int) -> list[Option1D]:
+    """``fill(x, value)``: x's shape filled with one value (a functionalized ``fill_``); x's values unused, so it
+    keeps x's split, or is whole. A tensor value is one element, whole."""
+    k = len(info.inputs)
+    shape = info.shape(0)
+    rest = tuple(R for _ in range(k - 1))
+    opts = [Option1D((R, *rest), R), Option1D((P, *rest), R)] if _is_float(info) else [Option1D((R, *rest), R)]
+    return opts + [Option1D((Shard(d), *rest), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
+
+
 @register(aten.dropout.default, aten.native_dropout.default)
 def _dropout(info: NodeInfo, n: int) -> list[Option1D]:
     # the mask is drawn per rank: shard or replicate the data, never Partial (the mask would scale addends apart)
     return _shard_options(info)
+
+
+@register(aten.type_as.default)
+def _type_as(info: NodeInfo, n: int) -> list[Option1D]:
+    """``x.type_as(other)``: x cast to other's dtype. x's layout passes (Partial too: a cast is linear up to
+    rounding, as ``_identity_like``); other gives only its dtype, so it may stay as it is (split alike) or whole."""
+    k = len(info.inputs)
+    if k == 1:  # x.type_as(x)
+        return _identity_like(info, n)
+    same = info.shape(1) == info.shape(0)
+    opts = [Option1D((R, R), R)]
+    if _is_float(info):
+        opts.append(Option1D((P, R), P))
+    for d in range(len(info.shape(0))):
+        if info.shape(0)[d] > 1:
+            opts.append(Option1D((Shard(d), R), Shard(d)))
+            if same:
+                opts.append(Option1D((Shard(d), Shard(d)), Shard(d)))
+    return opts
+

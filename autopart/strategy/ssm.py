@@ -57,6 +57,19 @@ def _like(info: NodeInfo, n: int) -> list[Option1D]:
     return opts + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
 
 
+@register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
+def _new(info: NodeInfo, n: int) -> list[Option1D]:
+    """A new tensor of a given size (``x.new_zeros(size)``): x gives only its dtype and device, so it may stay as
+    it is; the output is whole or split on any dim (a constant: each rank makes its part; ``passes.lower`` gives
+    the local size)."""
+    shape = info.shape(0)
+    mine = [R] + [Shard(d) for d in range(len(shape)) if shape[d] > 1]
+    if info.inputs[0].meta["val"].dtype.is_floating_point:
+        mine.append(P)
+    outs = [R] + [Shard(d) for d in range(len(info.out_shape)) if info.out_shape[d] > 1]
+    return [Option1D((a,), b) for a in mine for b in outs]
+
+
 def ssd_scan_rule(info: NodeInfo, n: int) -> list[Option1D]:
     """``ssd_scan(x [b, s, h, p], dt [b, s, h], a [h], b [b, s, n], c [b, s, n], chunk_size)``: batch, heads,
     head channels (x alone) or sequence (see the module docstring)."""

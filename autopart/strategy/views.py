@@ -85,6 +85,22 @@ def _t(info: NodeInfo, n: int) -> list[Option1D]:
     return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)})
 
 
+@register(aten.numpy_T.default)
+def _numpy_t(info: NodeInfo, n: int) -> list[Option1D]:
+    """``x.T``: every dim reversed (``aten.t`` for a matrix)."""
+    nd = len(info.shape(0))
+    return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)})
+
+
+@register(aten.mT.default, aten.mH.default, aten.adjoint.default)
+def _mt(info: NodeInfo, n: int) -> list[Option1D]:
+    """``x.mT`` (``mH``/``adjoint``: conjugated too, elementwise): the last two dims swapped."""
+    nd = len(info.shape(0))
+    perm = list(range(nd))
+    perm[-1], perm[-2] = perm[-2], perm[-1]
+    return _dim_map_rule(info, {perm[e]: e for e in range(nd)})
+
+
 @register(aten.permute.default)
 def _permute(info: NodeInfo, n: int) -> list[Option1D]:
     nd = len(info.shape(0))
@@ -178,6 +194,79 @@ def _cat(info: NodeInfo, n: int) -> list[Option1D]:
     return opts
 
 
+@register(aten.stack.default)
+def _stack(info: NodeInfo, n: int) -> list[Option1D]:
+    """Inputs of one shape stacked along a new dim ``dim``: a dim split in all of them stays split."""
+    nd = len(info.out_shape)
+    dim = (info.args[1] if len(info.args) > 1 else info.kwargs.get("dim", 0)) % nd
+    k = len(info.inputs)
+    src = info.shape(0)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    if info.val.dtype.is_floating_point and len(info.args[0]) == k:  # each input once: linear in each
+        opts.append(Option1D(tuple(P for _ in range(k)), P))
+    for d in range(len(src)):
+        if src[d] > 1:
+            opts.append(Option1D(tuple(Shard(d) for _ in range(k)), Shard(d if d < dim else d + 1)))
+    return opts
+
+
+@register(aten.repeat_interleave.self_int)
+def _repeat_interleave(info: NodeInfo, n: int) -> list[Option1D]:
+    """Each element repeated ``repeats`` times along ``dim``, in place: a split dim, that one included, keeps each
+    rank's elements together (None: the tensor flattened first, kept whole)."""
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim")
+    opts = [Option1D((R,), R)]
+    if dim is None:
+        return opts
+    if info.val.dtype.is_floating_point:
+        opts.append(Option1D((P,), P))
+    src = info.shape(0)
+    return opts + [Option1D((Shard(d),), Shard(d)) for d in range(len(src)) if src[d] > 1]
+
+
+@register(aten.index.Tensor)
+def _index(info: NodeInfo, n: int) -> list[Option1D]:
+    """``x[..., idx, ...]`` with one index tensor at dim k (the others ``None``, ``:``): out is ``x.shape[:k] +
+    idx.shape + x.shape[k + 1:]``. Another dim of x passes its split; a split of ``idx`` selects the rows of its
+    part (x whole, as an embedding); Partial x passes (a gather is linear). Several index tensors: whole."""
+    indices = list(info.args[1])
+    picks = [i for i, t in enumerate(indices) if t is not None]
+    xi = info.index(info.args[0])
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    if len(picks) != 1 or xi != 0 or k != 2:
+        return opts
+    at = picks[0]
+    src, idx = info.shape(0), info.shape(1)
+    if info.val.dtype.is_floating_point:
+        opts.append(Option1D((P, R), P))
+    for d in range(len(src)):
+        if d != at and src[d] > 1:
+            opts.append(Option1D((Shard(d), R), Shard(d if d < at else d - 1 + len(idx))))
+    for j in range(len(idx)):
+        if idx[j] > 1:
+            opts.append(Option1D((R, Shard(j)), Shard(at + j)))
+    return opts
+
+
+@register(aten.gather.default)
+def _gather(info: NodeInfo, n: int) -> list[Option1D]:
+    """``gather(x, dim, index)``: out[..., i, ...] = x[..., index[..., i, ...], ...] along ``dim``; out has
+    index's shape. A dim other than ``dim`` of the same size in both splits in both alike; Partial x passes."""
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    if k != 2 or info.index(info.args[0]) != 0:
+        return opts
+    src, idx = info.shape(0), info.shape(1)
+    dim = info.args[1] % len(src)
+    if info.val.dtype.is_floating_point:
+        opts.append(Option1D((P, R), P))
+    for d in range(len(idx)):
+        if d != dim and idx[d] > 1 and src[d] == idx[d]:
+            opts.append(Option1D((Shard(d), Shard(d)), Shard(d)))
+    return opts
+
+
 @register(aten.cumsum.default)
 def _cumsum(info: NodeInfo, n: int) -> list[Option1D]:
     return _other_dims(info, info.args[1])
@@ -186,10 +275,42 @@ def _cumsum(info: NodeInfo, n: int) -> list[Option1D]:
 @register(aten.pad.default, aten.constant_pad_nd.default)
 def _pad(info: NodeInfo, n: int) -> list[Option1D]:
     nd = len(info.shape(0))
-    npad = len(info.args[1]) // 2
+    pad = list(info.args[1])
+    padded = {nd - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}  # (0, 0) pads nothing
     src = info.shape(0)
     opts = [Option1D((R,), R)]
-    for d in range(nd - npad):
-        if src[d] > 1:
+    for d in range(nd):
+        if d not in padded and src[d] > 1:
             opts.append(Option1D((Shard(d),), Shard(d)))
     return opts
+
+
+def _scatter_rule(info: NodeInfo, dim: int, src_dim) -> list[Option1D]:
+    """``slice_scatter`` / ``select_scatter`` (``input`` with ``src`` written into a slice of ``dim``; what an
+    in-place write into a view becomes once the graph is functionalized, ``trace._functionalize``): any other dim
+    splits in both alike (``src_dim(d)``: where ``src`` holds input dim ``d``); linear in the pair, so Partial
+    passes when both are."""
+    src = info.shape(0)
+    nd = len(src)
+    dim %= nd
+    k = len(info.inputs)
+    opts = [Option1D(tuple(R for _ in range(k)), R)]
+    if k == 2 and info.val.dtype.is_floating_point:
+        opts.append(Option1D((P, P), P))
+    for d in range(nd):
+        if d != dim and src[d] > 1 and k == 2 and info.shape(1)[src_dim(d)] == src[d]:
+            opts.append(Option1D((Shard(d), Shard(src_dim(d))), Shard(d)))
+    return opts
+
+
+@register(aten.slice_scatter.default)
+def _slice_scatter(info: NodeInfo, n: int) -> list[Option1D]:
+    dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
+    return _scatter_rule(info, dim, lambda d: d)
+
+
+@register(aten.select_scatter.default)
+def _select_scatter(info: NodeInfo, n: int) -> list[Option1D]:
+    nd = len(info.shape(0))
+    dim = info.args[2] % nd
+    return _scatter_rule(info, dim, lambda d: d if d < dim else d - 1)

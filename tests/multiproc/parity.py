@@ -39,12 +39,73 @@ def make_model(name: str, layers: int = 2):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
         return LlamaForCausalLM(cfg)
+    if name == "hf-gemma":  # RMSNorm's type_as
+        from transformers import GemmaConfig, GemmaForCausalLM
+
+        return GemmaForCausalLM(GemmaConfig(head_dim=8, **_HF_LLAMALIKE, num_hidden_layers=layers))
+    if name == "hf-falcon":  # FalconLinear's weight.T (numpy_T), fused_qkv[:, :, [-2]] (index.Tensor)
+        from transformers import FalconConfig, FalconForCausalLM
+
+        return FalconForCausalLM(FalconConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                              hidden_dropout=0.0, attention_dropout=0.0, **_HF_COMMON))
+    if name == "hf-t5":  # labels shifted right by in-place writes into new_zeros (functionalized by trace)
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        return T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=layers,
+                                                   num_decoder_layers=layers, num_heads=4, dropout_rate=0.0,
+                                                   use_cache=False, pad_token_id=0, eos_token_id=1,
+                                                   decoder_start_token_id=0))
+    if name == "hf-mamba2":  # the slow path's conv1d, zero pads, repeat_interleave
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+
+        return Mamba2ForCausalLM(Mamba2Config(hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
+                                              num_heads=8, head_dim=8, n_groups=1, conv_kernel=4, chunk_size=8,
+                                              use_cache=False, vocab_size=128, bos_token_id=0, eos_token_id=0,
+                                              pad_token_id=0))
+    if name == "inplace":
+        return _InPlace(layers)
     if name == "moe":
         from autopart.models.moe import MoE, MoEConfig
 
         return MoE(MoEConfig(vocab_size=128, max_seq_len=32, n_layer=layers, n_head=4, n_kv_head=2, d_model=32,
                              d_ff=64, n_expert=8, top_k=2))
     raise ValueError(name)
+
+
+_HF_COMMON = dict(vocab_size=128, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_HF_LLAMALIKE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=32, attention_dropout=0.0, **_HF_COMMON)
+
+
+class _InPlace(torch.nn.Module):
+    """A language model writing into a view of a value it computed (``buf[:, 1:] = h[:, :-1]``, a shift as T5's
+    ``_shift_right``) and into a buffer (a step counter): the in-place writes that ``trace`` functionalizes."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(32, 64) for _ in range(layers))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(64, 32) for _ in range(layers))
+        self.head = torch.nn.Linear(32, 128)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, ids, labels=None):
+        x = self.emb(ids)
+        for up, down in zip(self.up, self.down):
+            h = torch.relu(up(x))
+            shifted = torch.zeros_like(h)
+            shifted[:, 1:] = h[:, :-1]  # each position also sees the previous one's features
+            x = x + down(h + shifted)
+        self.calls += 1
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def forward_only_kwargs(name: str, ids: torch.Tensor) -> dict:
+    """What the forward-only call needs beside the ids (an encoder-decoder's decoder inputs)."""
+    return {"decoder_input_ids": ids} if name == "hf-t5" else {}
 
 
 def batches(steps: int = STEPS, b: int = 4, s: int = 16, vocab: int = 128):
@@ -68,7 +129,7 @@ def reference(name: str, layers: int = 2):
         opt.zero_grad()
         losses.append(loss.item())
     with torch.no_grad():
-        out = model(batches()[0])
+        out = model(batches()[0], **forward_only_kwargs(name, batches()[0]))
     logits = out if isinstance(out, torch.Tensor) else out.logits
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
@@ -144,7 +205,9 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch:
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False,
                               checkpoint=checkpoint, pipeline=pipeline, pins=pins)
     losses, full = train(pm, torch.optim.AdamW(pm.parameters(), **OPT))
-    logits = pm(batches()[0])  # forward only, a signature the plan was not traced for: planned on first use
+    # forward only, a signature the plan was not traced for: planned on first use
+    out = pm(batches()[0], **forward_only_kwargs(name, batches()[0]))
+    logits = out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") else out[0]
     return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach()
 
 

@@ -44,3 +44,32 @@ def test_parity(model: str, config: str) -> None:
         plan = Plan.from_json(plan_json)
         assert plan.axis_role(names.index("dp")) in ("data", "data+tensor")
         assert plan.reduced, "a data-parallel plan reduces gradients"
+
+
+# architectures whose graphs needed rules or passes beyond GPT-2 and Llama: RMSNorm's type_as (Gemma), weight.T
+# and list indexing (Falcon), in-place writes into new tensors (T5's labels shifted right; ``inplace``), the SSM's
+# conv1d, zero pads and repeat_interleave (Mamba-2). One spawned world runs them all (start-up dominates).
+ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
+       ("inplace", "dp2")]
+
+
+def _zoo(cases):
+    return [distributed(model, *CONFIGS[config]) for model, config in cases]
+
+
+def test_more_architectures() -> None:
+    """Each (model, config) of ``ZOO`` on 2 gloo ranks matches one process over 3 AdamW steps (loss, parameters,
+    forward-only logits), on a plan that splits what its roles say (a data-parallel plan reduces gradients; a
+    tensor-parallel one shards weights)."""
+    pytest.importorskip("transformers")
+    from autopart.plan import Plan
+
+    results = run_ranks(2, _zoo, ZOO)
+    for i, (model, config) in enumerate(ZOO):
+        per_rank = [r[i] for r in results]
+        check(f"{model} {config}", per_rank, reference(model))
+        plan = Plan.from_json(per_rank[0][3])
+        if config == "dp2":
+            assert plan.reduced, (model, str(plan))
+        else:
+            assert any("S" in v for v in plan.params.values()), (model, plan.params)

@@ -138,3 +138,41 @@ def test_embedding_scale_grad_by_freq_keeps_rows_and_ids_whole():
         got[freq] = {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in options_for(node, (2,))[0]}
     assert (("S(0)", "R"), "P") in got[False] and (("R", "S(0)"), "S(0)") in got[False]
     assert got[True] == {(("R", "R"), "R"), (("S(1)", "R"), "S(2)")}
+
+
+def _options(target, args, out_shape, *shapes, int_inputs=()):
+    """Options of ``target(*args)`` where the ints in ``args`` that are < 0 name placeholders of ``shapes``
+    (-1: the first)."""
+    g = torch.fx.Graph()
+    xs = []
+    for i, s in enumerate(shapes):
+        x = g.placeholder(f"x{i}")
+        x.meta["val"] = torch.empty(s, device="meta", dtype=torch.int64 if i in int_inputs else torch.float32)
+        xs.append(x)
+
+    def sub(a):
+        if isinstance(a, list):
+            return [sub(b) for b in a]
+        return xs[-a - 1] if isinstance(a, int) and not isinstance(a, bool) and a < 0 else a
+
+    node = g.call_function(target, tuple(sub(a) for a in args))
+    node.meta["val"] = torch.empty(out_shape, device="meta")
+    return {(tuple(spec_str(s) for s in o.inputs), spec_str(o.output)) for o in options_for(node, (2,))[0]}
+
+
+def test_layout_rules_for_hugging_face_graphs():
+    """Rules the Hugging Face zoo needed (tests/multiproc/test_parity.py::test_more_architectures): list indexing
+    ``x[:, :, idx]``, ``weight.T``, ``stack``, zero pads, ``type_as``, ``gather``."""
+    got = _options(aten.index.Tensor, (-1, [None, None, -2]), (4, 6, 2, 8), (4, 6, 10, 8), (2,), int_inputs=(1,))
+    assert {(("S(0)", "R"), "S(0)"), (("S(3)", "R"), "S(3)"), (("P", "R"), "P")} <= got
+    assert not any(ins[0] == "S(2)" for ins, _ in got)  # the indexed dim itself does not split
+    got = _options(aten.index.Tensor, (-1, [-2]), (6, 4, 8), (10, 8), (6, 4), int_inputs=(1,))
+    assert (("R", "S(0)"), "S(0)") in got and (("R", "S(1)"), "S(1)") in got and (("S(1)", "R"), "S(2)") in got
+    assert _options(aten.numpy_T.default, (-1,), (8, 4), (4, 8)) >= {(("S(0)",), "S(1)"), (("S(1)",), "S(0)")}
+    assert (("S(0)", "S(0)"), "S(0)") in _options(aten.stack.default, ([-1, -2], 1), (4, 2, 6), (4, 6), (4, 6))
+    assert (("S(1)", "S(1)"), "S(2)") in _options(aten.stack.default, ([-1, -2], 1), (4, 2, 6), (4, 6), (4, 6))
+    pads = _options(aten.constant_pad_nd.default, (-1, [0, 0, 2, 0]), (4, 8, 6), (4, 6, 6))
+    assert (("S(2)",), "S(2)") in pads and (("S(0)",), "S(0)") in pads and not any(i == ("S(1)",) for i, _ in pads)
+    assert (("S(1)", "R"), "S(1)") in _options(aten.type_as.default, (-1, -2), (4, 6), (4, 6), (1,))
+    got = _options(aten.gather.default, (-1, 1, -2), (4, 3), (4, 10), (4, 3), int_inputs=(1,))
+    assert (("S(0)", "S(0)"), "S(0)") in got and not any("S(1)" in ins for ins, _ in got)
