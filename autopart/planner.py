@@ -1614,6 +1614,13 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
     return comp, grad, bucket, fwd, icomm, mem, kfull, ksel
 
 
+def _whole_only(opts: list[OpOption], j: int, axis: int) -> bool:
+    """Every option of a node takes its input ``j`` whole on ``axis`` (an op without a sharding rule, or whose rule
+    cannot split this input): on a data-parallel axis its batch is gathered for it, computed on every rank and
+    split again after it, a priced fallback rather than no plan."""
+    return all(isinstance(o.inputs[j][axis], Replicate) for o in opts)
+
+
 def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption], vopts: list[OpOption], g: bool,
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
                  saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True,
@@ -1821,7 +1828,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             uopts = info.options[u.name]
             g = info.needs_grad[u.name]
             fixed_axes = [i for i, r in roles.items() if r == "tp"] if info.kind[u.name] == "param" else \
-                [i for i, r in roles.items() if r == "dp"] if info.kind[u.name] in ("input", "op") else []
+                [i for i, r in roles.items() if r == "dp" and not _whole_only(vopts, j, i)] \
+                if info.kind[u.name] in ("input", "op") else []
             bucketed = info.kind[u.name] == "param"
             data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed else []
             kept_sharded = regathered_input(v, j, info)

@@ -58,6 +58,8 @@ def _view_rule(info: NodeInfo, n: int) -> list[Option1D]:
 
 
 register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)(_view_rule)
+# x.flatten(start, end): a view that merges dims, with no size argument to make local (the local merge is right)
+register(aten.flatten.using_ints)(_view_rule)
 
 
 def _dim_map_rule(info: NodeInfo, mapping: dict[int, int]) -> list[Option1D]:

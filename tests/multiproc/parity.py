@@ -64,6 +64,8 @@ def make_model(name: str, layers: int = 2):
                                               pad_token_id=0))
     if name == "inplace":
         return _InPlace(layers)
+    if name == "unruled":
+        return _Unruled(layers)
     if name == "moe":
         from autopart.models.moe import MoE, MoEConfig
 
@@ -97,6 +99,27 @@ class _InPlace(torch.nn.Module):
             shifted[:, 1:] = h[:, :-1]  # each position also sees the previous one's features
             x = x + down(h + shifted)
         self.calls += 1
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class _Unruled(torch.nn.Module):
+    """A language model with an op autopart has no sharding rule for (``cumprod``) on its batch path: under a
+    data-parallel role its input is gathered, it runs whole on every rank, and its output is split again."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.mix = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(layers))
+        self.head = torch.nn.Linear(32, 128)
+
+    def forward(self, ids, labels=None):
+        x = self.emb(ids)
+        for mix in self.mix:
+            gate = torch.cumprod(torch.sigmoid(mix(x)), dim=1)  # a decaying gate along the sequence
+            x = x + gate * x
         logits = self.head(x)
         if labels is None:
             return logits

@@ -48,9 +48,10 @@ def test_parity(model: str, config: str) -> None:
 
 # architectures whose graphs needed rules or passes beyond GPT-2 and Llama: RMSNorm's type_as (Gemma), weight.T
 # and list indexing (Falcon), in-place writes into new tensors (T5's labels shifted right; ``inplace``), the SSM's
-# conv1d, zero pads and repeat_interleave (Mamba-2). One spawned world runs them all (start-up dominates).
+# conv1d, zero pads and repeat_interleave (Mamba-2); an op without a rule on a data-parallel batch (``unruled``:
+# gathered for it). One spawned world runs them all (start-up dominates).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
-       ("inplace", "dp2")]
+       ("inplace", "dp2"), ("unruled", "dp2")]
 
 
 def _zoo(cases):
