@@ -55,12 +55,17 @@ def test_register_op_checks_its_input():
         _RULES.pop(OP, None)
 
 
-def test_replicate_only_ops_on_a_data_axis_give_a_clear_error():
-    """mse_loss has no rule: under a pinned 'dp' role the batch may not be gathered for it; the error says so."""
+def test_replicate_only_ops_on_a_data_axis_gather_the_batch():
+    """mse_loss has no rule: under a pinned 'dp' role its inputs' batch is gathered for it (an all-gather on the dp
+    axis, priced), it runs whole, and it is listed; the rest of the model stays batch-split."""
     x, y = data(1)[0]
     register_op(OP, sharding="pointwise")
     try:
-        with pytest.raises(ValueError, match="register_op"):
-            autopart.plan(make(), autopart.mesh((2,), ("dp",)), (x, y), roles={"dp": "dp"}, pipeline="off")
+        plan = autopart.plan(make(), autopart.mesh((2,), ("dp",)), (x, y), roles={"dp": "dp"}, pipeline="off")
     finally:
         _RULES.pop(OP, None)
+    assert any("mse_loss" in op for op in plan.unsupported_ops), plan.unsupported_ops
+    loss = next(r for r in plan.nodes.values() if "mse_loss" in r["op"])
+    assert loss["output"] == "R" and all(spec == "R" for spec in loss["inputs"])
+    assert plan.nodes[_custom_node(plan)]["output"] == "S(0)"
+    assert plan.collective_counts()[("all_gather", "dp")] == 2, plan.collective_counts()  # its two inputs
