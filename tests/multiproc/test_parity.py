@@ -51,7 +51,7 @@ def test_parity(model: str, config: str) -> None:
 # conv1d, zero pads and repeat_interleave (Mamba-2); an op without a rule on a data-parallel batch (``unruled``:
 # gathered for it). One spawned world runs them all (start-up dominates).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
-       ("inplace", "dp2"), ("unruled", "dp2")]
+       ("unruled", "dp2")]
 
 
 def _zoo(cases):

@@ -58,27 +58,6 @@ def _reduce_run(reduce_dtype, zero: int):
     return {k: (0, p.numel(), p.grad.to_local().view(-1).clone()) for k, p in params.items()}
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2], ids=["all-reduce", "zero1-reduce-scatter", "zero2-reduce-scatter"])
-def test_bf16_gradients_summed_in_fp32(zero):
-    """With ``reduce_dtype="float32"`` every rank's reduced bf16 gradient (all-reduced, or its ZeRO-1/2 slice of a
-    reduce-scatter) is the fp32 sum of the 4 ranks' bf16 gradients rounded once to bf16: exactly, element for
-    element. Summed in bf16 (no reduce dtype) the ring's partial sums round, and some elements differ."""
-    exact = [sum(_grad(r, i).float() for r in range(WORLD)).to(torch.bfloat16).view(-1) for i in range(len(SHAPES))]
-    for reduce_dtype, want_exact in (("float32", True), (None, False)):
-        results = run_ranks(WORLD, _reduce_run, reduce_dtype, zero)
-        mismatched = 0
-        for res in results:
-            for i, (start, end, got) in enumerate(res.values()):
-                assert got.dtype == torch.bfloat16
-                ref = exact[i][start:end]
-                if want_exact:
-                    torch.testing.assert_close(got, ref, rtol=0, atol=0)
-                else:
-                    mismatched += int((got != ref).sum())
-        if not want_exact:
-            assert mismatched > 0, "a bf16 ring summed these exactly: the test cannot tell the dtypes apart"
-
-
 def _zero3_run(reduce_dtype):
     """Each rank's bf16 gradient of a ZeRO-3 parameter gathered by ``all_gather_param`` (its shard on this rank),
     after backward's reduce-scatter, and the dtypes the reduce-scatters ran in."""
@@ -109,26 +88,43 @@ def _zero3_run(reduce_dtype):
     return got, sorted({str(d) for d in ran})
 
 
-def test_zero3_reduce_scatter_sums_in_reduce_dtype():
-    """A ZeRO-3 parameter's gradient (``all_gather_param``'s backward reduce-scatter) with ``reduce_dtype="float32"``
-    on 4 ranks: each rank's bf16 shard is the fp32 sum of the 4 ranks' bf16 gradients rounded once, exactly, and
-    the reduce-scatter ran in fp32; without it, in bf16, where the ring's partial sums round and elements differ."""
+def _all_runs(reduce_dtype):
+    """Every reduction of one world: the reducer's all-reduce and ZeRO-1/2 reduce-scatters, ZeRO-3's backward."""
+    return {zero: _reduce_run(reduce_dtype, zero) for zero in (0, 1, 2)}, _zero3_run(reduce_dtype)
+
+
+def test_bf16_gradients_summed_in_fp32():
+    """With ``reduce_dtype="float32"`` every rank's reduced bf16 gradient is the fp32 sum of the 4 ranks' bf16
+    gradients rounded once to bf16, exactly, element for element: all-reduced, its ZeRO-1/2 slice of the bucket's
+    reduce-scatter, and a ZeRO-3 parameter's shard from ``all_gather_param``'s backward reduce-scatter (which runs
+    in fp32). Summed in bf16 (no reduce dtype) the ring's partial sums round, and some elements differ in each."""
+    exact = [sum(_grad(r, i).float() for r in range(WORLD)).to(torch.bfloat16).view(-1) for i in range(len(SHAPES))]
     for reduce_dtype, want_exact in (("float32", True), (None, False)):
-        results = run_ranks(WORLD, _zero3_run, reduce_dtype)
+        results = run_ranks(WORLD, _all_runs, reduce_dtype)
+        for zero in (0, 1, 2):
+            mismatched = 0
+            for res in results:
+                for i, (start, end, got) in enumerate(res[0][zero].values()):
+                    assert got.dtype == torch.bfloat16
+                    ref = exact[i][start:end]
+                    if want_exact:
+                        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+                    else:
+                        mismatched += int((got != ref).sum())
+            assert want_exact or mismatched > 0, f"zero={zero}: a bf16 ring summed these exactly"
         mismatched = 0
-        for rank, (got, ran) in enumerate(results):
+        for rank, (_, (got, ran)) in enumerate(results):
             assert ran == (["torch.float32"] if want_exact else ["torch.bfloat16"]), (reduce_dtype, ran)
             for i, (shape, grad) in got.items():
                 n = torch.Size(shape).numel()
                 full = [torch.cat([_grad(r, i).view(-1)] * 4)[:n].view(shape).float() for r in range(WORLD)]
-                exact = sum(full).to(torch.bfloat16).chunk(WORLD)[rank]
+                want = sum(full).to(torch.bfloat16).chunk(WORLD)[rank]
                 assert grad.dtype == torch.bfloat16
                 if want_exact:
-                    torch.testing.assert_close(grad, exact, rtol=0, atol=0)
+                    torch.testing.assert_close(grad, want, rtol=0, atol=0)
                 else:
-                    mismatched += int((grad != exact).sum())
-        if not want_exact:
-            assert mismatched > 0, "a bf16 ring summed these exactly: the test cannot tell the dtypes apart"
+                    mismatched += int((grad != want).sum())
+        assert want_exact or mismatched > 0, "zero=3: a bf16 ring summed these exactly"
 
 
 def _parallelize_run(zero: int):
