@@ -20,6 +20,12 @@ def fake_store():
     return FakeStore()
 
 
+def op_schema(target: Any):
+    """The ``torch.FunctionSchema`` of an ATen op overload (``OpOverload._schema``: its arguments, whether it
+    writes into them); None for anything else (a packet, a Python function)."""
+    return target._schema if isinstance(target, torch._ops.OpOverload) else None
+
+
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor without autograd (DTensor._local_tensor)."""
     return t._local_tensor  # type: ignore[attr-defined]

@@ -87,12 +87,13 @@ def _check_static(node: fx.Node, model_name: str) -> None:
 
 def _mutated_args(node: fx.Node) -> list[Any]:
     """The arguments an in-place ATen op (``copy_``, ``masked_fill_``, ``index_put_``, ...) writes into."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
-            not target._schema.is_mutable:
+    from autopart._torch_private import op_schema
+
+    schema = op_schema(node.target) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
         return []
     out = []
-    for i, arg in enumerate(target._schema.arguments):
+    for i, arg in enumerate(schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             out.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
     return out

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
+from autopart._torch_private import op_schema
 from autopart.cost.cluster import Device
 
 aten = torch.ops.aten
@@ -40,8 +41,7 @@ def _arg(target: Any, args: tuple, kwargs: dict, name: str, default: Any) -> Any
     """Argument ``name`` of a call, found by keyword or by its position in the op's schema."""
     if name in kwargs:
         return kwargs[name]
-    op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "default", None)
-    schema = getattr(op, "_schema", None)
+    schema = op_schema(target if isinstance(target, torch._ops.OpOverload) else getattr(target, "default", None))
     if schema is None:
         return default
     for i, argument in enumerate(schema.arguments):

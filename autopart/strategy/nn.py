@@ -56,9 +56,9 @@ def _conv1d(info: NodeInfo, n: int) -> list[Option1D]:
             ins[bi] = pb
         return Option1D(tuple(ins), out)
 
+    if xi == wi or bi in (xi, wi):  # one tensor in two roles: whole
+        return replicate_only(info, n)
     opts = [opt(R, R, R, R)]
-    if xi is None or wi is None or xi == wi or (bi is not None and bi in (xi, wi)):
-        return opts[:1] if xi is not None and wi is not None else replicate_only(info, n)
     if info.shape(xi)[0] > 1:
         opts.append(opt(Shard(0), R, R, Shard(0)))
     if groups == 1 and info.shape(wi)[0] > 1:

@@ -86,17 +86,6 @@ register(
 )(lambda info, n: _shard_options(info) if isinstance(info.val, torch.Tensor) else pointwise_rule(info, n))
 
 
-@register(aten.fill.Scalar, aten.fill.Tensor)
-def _fill(info: NodeInfo, n: int) -> list[Option1D]:
-    """``fill(x, value)``: x's shape filled with one value (a functionalized ``fill_``); x's values unused, so it
-    keeps x's split, or is whole. A tensor value is one element, whole."""
-    k = len(info.inputs)
-    shape = info.shape(0)
-    rest = tuple(R for _ in range(k - 1))
-    opts = [Option1D((R, *rest), R), Option1D((P, *rest), R)] if _is_float(info) else [Option1D((R, *rest), R)]
-    return opts + [Option1D((Shard(d), *rest), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
-
-
 @register(aten.dropout.default, aten.native_dropout.default)
 def _dropout(info: NodeInfo, n: int) -> list[Option1D]:
     # the mask is drawn per rank: shard or replicate the data, never Partial (the mask would scale addends apart)

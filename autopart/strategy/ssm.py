@@ -48,13 +48,16 @@ def _triangle(info: NodeInfo, n: int) -> list[Option1D]:
     return opts + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape) - 2) if shape[d] > 1]
 
 
-@register(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default)
+@register(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+          aten.fill.Scalar, aten.fill.Tensor)
 def _like(info: NodeInfo, n: int) -> list[Option1D]:
-    """A new tensor with the input's shape: it takes the input's split, or is whole when the input is (Partial
-    input: the values do not matter, the local shape is the whole shape)."""
+    """A new tensor with the input's shape (``zeros_like``; ``fill``, a functionalized ``fill_``): it takes the
+    input's split, or is whole when the input is (Partial input: the values do not matter, the local shape is the
+    whole shape). A tensor fill value is one element, whole."""
     shape = info.shape(0)
-    opts = [Option1D((R,), R), Option1D((P,), R)]
-    return opts + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
+    rest = tuple(R for _ in info.inputs[1:])
+    opts = [Option1D((R, *rest), R), Option1D((P, *rest), R)]
+    return opts + [Option1D((Shard(d), *rest), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
 
 
 @register(aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)

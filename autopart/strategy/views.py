@@ -81,15 +81,9 @@ def _transpose(info: NodeInfo, n: int) -> list[Option1D]:
     return _dim_map_rule(info, {perm[e]: e for e in range(nd)})
 
 
-@register(aten.t.default)
+@register(aten.t.default, aten.numpy_T.default)
 def _t(info: NodeInfo, n: int) -> list[Option1D]:
-    nd = len(info.shape(0))
-    return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)})
-
-
-@register(aten.numpy_T.default)
-def _numpy_t(info: NodeInfo, n: int) -> list[Option1D]:
-    """``x.T``: every dim reversed (``aten.t`` for a matrix)."""
+    """``x.t()`` / ``x.T``: every dim reversed."""
     nd = len(info.shape(0))
     return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)})
 
