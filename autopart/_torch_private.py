@@ -57,3 +57,27 @@ def flash_attention_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, attn_
     given the output and log-sum-exp the softmax is normalised by (it recomputes the probabilities from them)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def reparametrize(module: torch.nn.Module, state: dict[str, torch.Tensor]):
+    """Context manager: ``module``'s parameters and buffers named in ``state`` replaced by those tensors (what
+    ``torch.func.functional_call`` does around a call), for calling its forward without ``__call__``'s hooks."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, state, strict=False)
+
+
+def fake_mode():
+    """A fresh fake-tensor mode (``torch._subclasses.FakeTensorMode``) that accepts real tensors as inputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def ignore_fresh_unbacked_symbols(t: Any):
+    """Context manager: sizes computed from data inside it (``nonzero``) are not required in the traced outputs
+    (the shape environment of ``t``'s fake mode; a null context for a real tensor)."""
+    import contextlib
+
+    env = getattr(getattr(t, "fake_mode", None), "shape_env", None)
+    return env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()

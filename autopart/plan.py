@@ -171,7 +171,7 @@ class Plan:
         acts: dict[str, list[str]] = defaultdict(list)
         for name, rec in self.nodes.items():
             if any(k in rec["op"] for k in ("linear", "addmm", "scaled_dot_product", "embedding", "cross_entropy",
-                                            "layer_norm", "mm.default")):
+                                            "layer_norm", "mm.default", "token_local")):
                 out = rec["output"] if isinstance(rec["output"], str) else ",".join(rec["output"])
                 acts[rec["layer"]].append(f"{name}:{out}")
         header = (f"{'layer':<14} {'time':>9} {'weights':<56} {'activations':<44} "

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopart import regions
 from autopart.cost import (
     Cluster,
     Device,
@@ -755,6 +756,9 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
     the difference is an edge term (``Problem.edge_saved``). Cross-entropy keeps
     its log-probabilities and, at the start of backward where the peak is, two more logits-sized temporaries.
     """
+    if node.target is regions.OP:  # what its module's autograd keeps, measured per token at trace time
+        split = math.prod(n for n, p in zip(mesh, option.inputs[0]) if isinstance(p, Shard))
+        return regions.region(node.args[0]).saved_per_token * regions.region(node.args[0]).tokens / split
     save_in, save_out = _saves(node)
     total = 0.0
     if save_in:
@@ -868,6 +872,11 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
     # per axis, computed once: can a parameter be sharded there / can an input be split on its batch dim there
     any_shard = {axis: any(isinstance(q.output[axis], Shard) for q in opts) for axis in roles}
     any_batch = {axis: any(q.output[axis] == Shard(0) for q in opts) for axis in roles}
+    if kind == "param":
+        # a weight every user takes whole on a tensor axis (a token-local module's, an op without a rule) stays
+        # whole there: sharded, it would have to be gathered for each use, which a tensor axis forbids
+        any_shard.update({axis: False for axis, role in roles.items()
+                          if role == "tp" and _used_whole(node, axis, info)})
     keep = []
     for o in opts:
         ok = True
@@ -885,6 +894,18 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         if ok:
             keep.append(o)
     return keep
+
+
+def _used_whole(node: fx.Node, axis: int, info: Graphinfo) -> bool:
+    """Every user of ``node`` is an op whose every option takes it whole (Replicate) on ``axis``."""
+    for u in node.users:
+        uopts = info.options.get(u.name)
+        if info.kind.get(u.name) != "op" or not uopts:
+            return False
+        j = tensor_inputs(u).index(node)
+        if not _whole_only(uopts, j, axis):
+            return False
+    return bool(node.users)
 
 
 def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[OpOption]:
@@ -2680,7 +2701,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         o = chosen[n.name]
         gid = prob.group_of[n.name]
         a, k = sol.choice[gid], prob.scale[gid] if prob.scale else len(prob.groups[gid])
-        rec = {"op": str(n.target) if n.op == "call_function" else info.kind[n.name],
+        rec = {"op": regions.describe(n) if n.target is regions.OP else
+               str(n.target) if n.op == "call_function" else info.kind[n.name],
                "inputs": [spec_str(s) for s in o.inputs],
                "output": [spec_str(s) for s in _outs(o)] if isinstance(o.output[0], tuple) else spec_str(o.output),
                "layer": info.layer[n.name], "group": gid,

@@ -179,8 +179,11 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
     example_inputs = tuple(dedup(a) for a in example_inputs)
     example_kwargs = {k: dedup(v) for k, v in example_kwargs.items()}
     t0 = time.perf_counter()
+    from autopart import regions
+
     try:
-        ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+        with regions.opaque_token_local_modules(model):
+            ep = torch.export.export(model, example_inputs, example_kwargs, strict=False)
     except Exception as exc:  # noqa: BLE001 - re-raised with context
         where = _where(exc)
         msg = str(exc).strip().splitlines()
@@ -198,6 +201,8 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
     if _writes_into_intermediates(ep.graph_module):
         ep = _functionalize(ep)
     export_seconds = time.perf_counter() - t0
+    for node in ep.graph_module.graph.find_nodes(op="call_function", target=regions.OP):
+        regions.measure(node.args[0], [a.meta["val"] for a in node.args[1]])
     gm = ep.graph_module
     sig = ep.graph_signature
     params, buffers, constants, user_inputs = {}, {}, {}, []

@@ -3,7 +3,8 @@
 Requires: ``annotate`` and ``insert_collectives`` ran. Ensures: size arguments of view/reshape/expand are the
 local shapes; options whose local program is not "the same op on the shard" are replaced: vocab-parallel
 embedding (rows sharded, Partial output), cross-entropy over a sharded batch (sum / global count), mean over a
-sharded dimension (divided by the axis size, Partial).
+sharded dimension (divided by the axis size, Partial); a token-local module's node calls the module
+(``autopart.regions.run``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopart import regions
 from autopart.placement import Partial, Shard, local_shape
 from autopart.runtime import collectives as C
 
@@ -28,7 +30,10 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
         if node.op != "call_function" or out is None or ins is None:
             continue
         val = node.meta.get("val")
-        if node.target in _SIZE_ARG_OPS:
+        if node.target is regions.OP:
+            node.target = regions.run  # the module's own forward on this rank's tokens, autograd through it
+            changed = True
+        elif node.target in _SIZE_ARG_OPS:
             loc = list(local_shape(tuple(val.shape), out, mesh_shape))
             node.args = (node.args[0], loc) + tuple(node.args[2:])
             changed = True

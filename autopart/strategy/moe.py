@@ -1,4 +1,5 @@
-"""Ops of mixture-of-experts routing in its dense (GShard) form: ``einsum``, ``topk``, ``one_hot``.
+"""Ops of mixture-of-experts routing in its dense (GShard) form: ``einsum``, ``topk``, ``one_hot``; and the node of
+a token-local module (a Hugging Face experts layer, ``autopart.regions``).
 
 ``torch.export``'s training IR keeps ``torch.einsum`` as one ``aten.einsum`` node (it is decomposed into
 permute/view/bmm only later), so the equation itself is the rule: each letter gives one sharding, as for the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from autopart import regions
 from autopart.placement import Shard
 from autopart.strategy.matrix import _matmul_rule
 from autopart.strategy.registry import NodeInfo, Option1D, R, register, replicate_only
@@ -55,3 +57,25 @@ def _one_hot(info: NodeInfo, n: int) -> list[Option1D]:
         return replicate_only(info, n)
     shape = info.shape(0)
     return [Option1D((R,), R)] + [Option1D((Shard(d),), Shard(d)) for d in range(len(shape)) if shape[d] > 1]
+
+
+@register(regions.OP)
+def _token_local(info: NodeInfo, n: int) -> list[Option1D]:
+    """A token-local module's call (``autopart.regions``): everything whole, or the tokens split: every tensor
+    argument whose first dimension is the tokens ``Shard(0)``, its parameters whole, every output ``Shard(0)``
+    (the module runs on the rank's own tokens). Never Partial: the module is not linear."""
+    r = regions.region(info.args[0])
+    outs = list(info.val)
+    whole = Option1D(tuple(R for _ in info.inputs), tuple(R for _ in outs))
+    args = set(info.args[1][: r.n_args])
+    t = r.tokens
+
+    def tokens_first(v) -> bool:
+        return v.dim() > 0 and v.shape[0] == t
+
+    if not t or t % n or not all(tokens_first(o) for o in outs):
+        return [whole]
+    ins = tuple(Shard(0) if a in args and tokens_first(a.meta["val"]) else R for a in info.inputs)
+    if not any(isinstance(p, Shard) for p in ins):
+        return [whole]
+    return [whole, Option1D(ins, tuple(Shard(0) for _ in outs))]

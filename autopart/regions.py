@@ -1,0 +1,343 @@
+"""Token-local modules: traced as one opaque node, run on each rank's own tokens.
+
+A mixture-of-experts layer in Hugging Face transformers 5 (``@use_experts_implementation``: Mixtral, Qwen2-MoE,
+OLMoE, DeepSeek, ...) dispatches tokens to experts by sorting the expert ids of *all* tokens of the flattened batch,
+counting them (``histc``), gathering the tokens in that order, running a grouped matmul per expert and scattering
+the results back. No op of that chain can be split along the tokens on its own: a sort or a histogram over half the
+tokens is not half of the global one. The layer as a whole is *token-local*, though: the output row of a token
+depends only on that token's hidden state, expert ids and weights. Run on any subset of the tokens it gives those
+tokens' rows of the full result.
+
+So autopart does not trace into such a module. ``trace`` replaces its forward, for the export only, by one call of
+the custom op ``autopart::token_local`` whose inputs are the module's tensor arguments and its parameters. The
+planner gives that node two layouts per mesh axis (``autopart.strategy.moe``): everything whole, or the tokens split
+(every argument whose first dimension is the token count split on it, the parameters whole, the outputs split). At
+run time the node calls the module's own forward on the rank's local tensors (``run``), with autograd through it as
+usual; the parameters' gradients are reduced over the data-parallel axes like any replicated weight's.
+
+Which modules: Hugging Face's experts classes are recognised by the attributes their decorator sets; any other
+module class (or a predicate) can be declared with ``autopart.register_token_local``. Declaring a module that is not
+token-local (capacity-based token dropping, a norm over the batch, ...) gives wrong results under a token split:
+that is the declaration's promise.
+
+The node's price comes from one run of the module's forward and backward on fake tensors at trace time (``measure``):
+its FLOPs (autopart's per-op formulas, grouped matmuls included) and the bytes autograd saves, both per token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopart import _torch_private
+
+_DECLARED: list[Callable[[nn.Module], bool]] = []
+_LOCAL = threading.local()
+
+
+def _hf_experts(module: nn.Module) -> bool:
+    """A Hugging Face experts module (``transformers.integrations.moe.use_experts_implementation`` sets these)."""
+    return all(hasattr(module, a) for a in ("_is_expert_parallel", "is_concatenated", "has_gate", "config")) \
+        and not getattr(module, "_is_expert_parallel", False)
+
+
+def register_token_local(kind: type | Callable[[nn.Module], bool]) -> None:
+    """Declare modules whose output for each token depends only on that token's inputs (the first dimension of each
+    tensor argument and output is the tokens): a module class, or a predicate on module instances. autopart traces
+    each such module as one node that runs whole or on each rank's own tokens (``autopart.regions``)."""
+    if isinstance(kind, type):
+        if not issubclass(kind, nn.Module):
+            raise TypeError(f"register_token_local needs an nn.Module subclass or a predicate, got {kind!r}")
+        _DECLARED.append(lambda m, k=kind: isinstance(m, k))
+    elif callable(kind):
+        _DECLARED.append(kind)
+    else:
+        raise TypeError(f"register_token_local needs an nn.Module subclass or a predicate, got {kind!r}")
+
+
+def is_token_local(module: nn.Module) -> bool:
+    return _hf_experts(module) or any(pred(module) for pred in _DECLARED)
+
+
+@dataclass
+class Region:
+    """One call of a token-local module in a traced graph."""
+
+    module: nn.Module
+    path: str  # the module's name in the model
+    leaves: list[Any]  # the call's (args, kwargs) leaves; tensors replaced by None
+    spec: Any  # their pytree spec
+    n_args: int  # tensor arguments, before the parameters in the op's input list
+    names: list[str]  # parameter and buffer names (relative to the module), after them
+    out_spec: Any = None  # the forward's output structure
+    tokens: int = 0  # the first dimension of the first tensor argument at trace time
+    flops_per_token: float = 0.0  # forward
+    backward_flops_per_token: float = 0.0
+    saved_per_token: float = 0.0  # bytes autograd keeps for backward
+    measured: str = ""  # why the measurement failed, when it did
+    extra: dict = field(default_factory=dict)
+
+    def call(self, flat: list[torch.Tensor], hooks: bool = True) -> list[torch.Tensor]:
+        """The module's forward on ``flat`` (tensor arguments, then parameters and buffers); outputs flattened.
+        ``hooks=False``: its ``forward`` without ``__call__`` (no module hooks; a trace's module-call records stay
+        balanced when the forward raises on fake tensors)."""
+        tensors = iter(flat[: self.n_args])
+        leaves = [next(tensors) if leaf is None else leaf for leaf in self.leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        state = dict(zip(self.names, flat[self.n_args:]))
+        _LOCAL.inside = getattr(_LOCAL, "inside", 0) + 1
+        try:
+            if hooks:
+                out = torch.func.functional_call(self.module, state, tuple(args), dict(kwargs), strict=False)
+            else:
+                with _torch_private.reparametrize(self.module, state):
+                    out = type(self.module).forward(self.module, *args, **kwargs)
+        finally:
+            _LOCAL.inside -= 1
+        outs, spec = pytree.tree_flatten(out)
+        if self.out_spec is None:
+            self.out_spec = spec
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise TypeError(f"token-local module {self.path} returned {type(out).__name__} with non-tensor leaves; "
+                            "only tensors (in any nesting) can be returned")
+        return list(outs)
+
+
+_REGIONS: list[Region] = []
+
+
+def region(key: int) -> Region:
+    return _REGIONS[key]
+
+
+@torch.library.custom_op("autopart::token_local", mutates_args=())
+def token_local(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The opaque node of a token-local module call (``Region``); eagerly, its forward without autograd through it
+    (the runtime calls ``run`` instead)."""
+    return [o.clone() for o in _REGIONS[key].call(list(inputs))]
+
+
+@token_local.register_fake
+def _(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    r = _REGIONS[key]
+    try:
+        # sizes the forward computes from data (nonzero) stay inside it: token-local outputs are sized by the tokens
+        with _torch_private.ignore_fresh_unbacked_symbols(inputs[0]):
+            return [o.clone() for o in r.call(list(inputs), hooks=False)]
+    except Exception as exc:  # noqa: BLE001 - e.g. a data-dependent shape (nonzero) the fake tensors cannot follow
+        if r.out_spec is None:
+            # a Hugging Face experts layer returns one tensor shaped as its hidden states; so must a declared one
+            # whose forward cannot run on fake tensors
+            r.out_spec = pytree.tree_flatten(inputs[0])[1]
+        r.measured = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return [torch.empty_like(inputs[0])]
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.key = inputs[0]
+    ctx.save_for_backward(*inputs[1])
+
+
+def _backward(ctx, *grads):
+    """Recompute the forward with autograd and differentiate it (only when the op itself runs eagerly)."""
+    grads = grads[0] if len(grads) == 1 and isinstance(grads[0], (list, tuple)) else grads
+    flat = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+    with torch.enable_grad():
+        outs = _REGIONS[ctx.key].call(flat)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    wrt = [t for t in flat if t.requires_grad]
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+               if pairs else [None] * len(wrt))
+    return None, [next(got) if t.requires_grad else None for t in flat]
+
+
+token_local.register_autograd(_backward, setup_context=_setup)
+OP = torch.ops.autopart.token_local.default
+
+
+def _flops(args: tuple, kwargs: dict, out: Any) -> int:
+    """Forward FLOPs of a token-local node: measured per token (``measure``) times its tokens."""
+    r = _REGIONS[args[0]]
+    return int(r.flops_per_token * args[1][0].shape[0])
+
+
+def _install_formulas() -> None:
+    from autopart.cost.compute import _FORMULAS, BACKWARD_RATIO
+
+    _FORMULAS[OP.overloadpacket] = _flops
+    BACKWARD_RATIO[OP] = 2.0  # its grouped matmuls' (``measure`` finds 2.0 for Hugging Face's experts)
+
+
+_install_formulas()
+
+
+def describe(node: Any) -> str:
+    """How a plan names a token-local node: the op and the module it stands for."""
+    return f"{OP}({_REGIONS[node.args[0]].path})"
+
+
+def run(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The runtime's target for a token-local node: the module's forward on this rank's tensors, autograd through
+    it (no recomputation)."""
+    return _REGIONS[key].call(list(inputs))
+
+
+def _wrapped_forward(module: nn.Module, path: str, forward: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        if getattr(_LOCAL, "inside", 0):
+            return forward(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if not tensors:
+            return forward(*args, **kwargs)
+        state = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers())
+        r = Region(module=module, path=path, leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
+                   spec=spec, n_args=len(tensors), names=[n for n, _ in state], tokens=int(tensors[0].shape[0])
+                   if tensors[0].dim() else 0)
+        key = len(_REGIONS)
+        _REGIONS.append(r)
+        outs = token_local(key, [*tensors, *(t for _, t in state)])
+        return pytree.tree_unflatten(list(outs), r.out_spec)
+
+    return wrapper
+
+
+class opaque_token_local_modules:
+    """Context manager: within it, every token-local module of ``model`` calls ``autopart::token_local``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.patched: list[nn.Module] = []
+        self.first = len(_REGIONS)
+
+    def __enter__(self) -> opaque_token_local_modules:
+        for path, m in self.model.named_modules():
+            if m is self.model or not is_token_local(m):
+                continue
+            if any(path.startswith(p + ".") for p in (getattr(x, "_autopart_path", "") for x in self.patched)):
+                continue  # inside a patched module
+            m._autopart_path = path
+            m.forward = _wrapped_forward(m, path, m.forward)
+            self.patched.append(m)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self.patched:
+            del m.forward
+            del m._autopart_path
+
+    def regions(self) -> list[int]:
+        return list(range(self.first, len(_REGIONS)))
+
+
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: Any) -> tuple[tuple[int, ...], int] | None:
+    """Output shape and FLOPs of ``_grouped_mm(a, b, offs)``: (S, K) rows by (E, K, N) groups -> (S, N), each row
+    meeting one group (2·S·K·N); (M, K) by (K, N) grouped along K -> (E, M, N) (a weight's gradient, 2·M·K·N); or a
+    batch (E, M, K) by (E, K, N) -> (E, M, N). None for other layouts."""
+    if a.dim() == 2 and b.dim() == 3:
+        return (a.shape[0], b.shape[-1]), 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if a.dim() == 2 and b.dim() == 2 and offs is not None:
+        return (offs.shape[0], a.shape[0], b.shape[1]), 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 3:
+        return (a.shape[0], a.shape[1], b.shape[2]), 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return None
+
+
+def _grouped_mm_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    got = _grouped_mm_shape(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs"))
+    if got is None:
+        raise ValueError(f"grouped matmul of shapes {tuple(args[0].shape)} and {tuple(args[1].shape)}")
+    return got[1]
+
+
+def _grouped_mm_backward_flops(args: tuple, kwargs: dict, out: Any) -> int:
+    return 2 * _grouped_mm_flops(args, kwargs, out)
+
+
+def _register_grouped_mm_formulas() -> None:
+    """FLOPs of grouped matmuls (PyTorch's and transformers' fallback op), when they exist."""
+    from autopart.cost.compute import _FORMULAS
+
+    if hasattr(torch.ops.aten, "_grouped_mm"):
+        _FORMULAS[torch.ops.aten._grouped_mm] = _grouped_mm_flops
+    try:
+        ns = torch.ops.transformers
+        _FORMULAS[ns.grouped_mm_fallback] = _grouped_mm_flops
+        _FORMULAS[ns.grouped_mm_fallback_backward] = lambda a, k, o: _grouped_mm_backward_flops((a[0], a[1]), k, o)
+    except (AttributeError, RuntimeError):
+        pass
+
+
+class _Counter(_torch_private.dispatch_mode_class()):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from autopart.cost.compute import node_flops
+
+        kwargs = kwargs or {}
+        got = _grouped_mm_shape(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs")) \
+            if func._overloadpacket is getattr(torch.ops.aten, "_grouped_mm", None) else None
+        if got is not None:  # its meta kernel wants CUDA's bf16: only the shape matters here
+            self.flops += got[1]
+            return torch.empty(got[0], dtype=kwargs.get("out_dtype") or args[0].dtype, device=args[0].device)
+        out = func(*args, **kwargs)
+        try:
+            self.flops += node_flops(func, args, kwargs, out)
+        except ValueError:
+            pass
+        return out
+
+
+def measure(key: int, vals: list[Any]) -> None:
+    """Price region ``key`` from one forward and backward of its module on fake tensors shaped as ``vals`` (the
+    traced node's inputs): FLOPs per token each way and the bytes autograd saves per token. On failure (a
+    data-dependent shape in the module) the region keeps zeros and ``measured`` says why."""
+    r = _REGIONS[key]
+    _register_grouped_mm_formulas()
+    tokens = max(1, r.tokens)
+    try:
+        with _torch_private.fake_mode() as mode:
+            flat = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cpu")
+                    .requires_grad_(v.dtype.is_floating_point) for v in vals]
+            params = flat[r.n_args:]
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                base = t._base if t._base is not None else t
+                if not any(base is p for p in params):
+                    saved[id(base)] = base.numel() * base.element_size()
+                return t
+
+            fwd = _Counter()
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+                outs = r.call(flat, hooks=False)
+            grads = [torch.ones_like(o) for o in outs if o.requires_grad]
+            bwd = _Counter()
+            wrt = [t for t in flat if t.requires_grad]
+            if grads and wrt:
+                with bwd:
+                    torch.autograd.grad([o for o in outs if o.requires_grad], wrt, grads, allow_unused=True)
+            del mode
+        r.flops_per_token = fwd.flops / tokens
+        r.backward_flops_per_token = bwd.flops / tokens
+        r.saved_per_token = sum(saved.values()) / tokens
+        r.measured = ""
+    except Exception as exc:  # noqa: BLE001 - a price is best effort; the node still runs
+        r.measured = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        # estimate: each token meets top-k of the experts' weights once (a dense module: all of them), and keeps
+        # its inputs and one hidden row per weight matrix it meets
+        params = sum(v.numel() for v in vals[r.n_args:])
+        cfg = getattr(r.module, "config", None)
+        k, e = getattr(cfg, "num_experts_per_tok", 1), getattr(r.module, "num_experts", 0) or 1
+        share = k / e if _hf_experts(r.module) and e > 1 else 1.0
+        r.flops_per_token = 2 * params * share
+        r.backward_flops_per_token = 2 * r.flops_per_token
+        r.saved_per_token = sum(v[0].numel() * v.element_size() for v in vals[: r.n_args] if v.dim()) * (1 + k)
