@@ -82,7 +82,20 @@ def _check_static(node: fx.Node, model_name: str) -> None:
                 f"{tuple(v.shape)}\n  at {_source_line(node)}\n  autopart plans fixed shapes. "
                 "Try: replace boolean-mask "
                 "indexing / nonzero with a dense formulation (torch.where, masking by multiplication), or move the "
-                "code behind a torch.library.custom_op with a fake implementation.")
+                "code behind a torch.library.custom_op with a fake implementation"
+                + (f", or, if {_innermost_module(node)} computes each token's output from that token's inputs only "
+                   "(a mixture-of-experts dispatch), declare its class with autopart.register_token_local"
+                   if _innermost_module(node) else "") + ".")
+
+
+def _innermost_module(node: fx.Node) -> str:
+    """'path (Class)' of the innermost module a node was traced in, from export's ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, cls = list(stack.values())[-1]
+    name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1].strip("'>")
+    return f"{path.removeprefix('L__self__').strip('.') or 'the model'} ({name})"
 
 
 def _mutated_args(node: fx.Node) -> list[Any]:

@@ -62,6 +62,13 @@ def make_model(name: str, layers: int = 2):
                                               num_heads=8, head_dim=8, n_groups=1, conv_kernel=4, chunk_size=8,
                                               use_cache=False, vocab_size=128, bos_token_id=0, eos_token_id=0,
                                               pad_token_id=0))
+    if name == "hf-mixtral":  # experts dispatched by sort/histc/grouped_mm over all tokens: a token-local node
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        return MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                                                num_hidden_layers=layers, **_HF_LLAMALIKE))
+    if name == "routed":
+        return _Routed(layers)
     if name == "inplace":
         return _InPlace(layers)
     if name == "unruled":
@@ -124,6 +131,46 @@ class _Unruled(torch.nn.Module):
         if labels is None:
             return logits
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class LoopExperts(torch.nn.Module):
+    """Top-1 experts dispatched by a Python loop over the experts, each gathering its tokens with ``nonzero``: a
+    data-dependent shape ``torch.export`` cannot trace, declared token-local (``autopart.register_token_local``) so
+    that it runs as one node, on each rank's own tokens under data parallelism."""
+
+    def __init__(self, d: int = 32, n: int = 4) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(d, n, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(n, d, d) / d ** 0.5)
+
+    def forward(self, x):
+        probs = torch.softmax(self.router(x), dim=-1)
+        gate, choice = probs.max(dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.w.shape[0]):
+            idx = (choice == e).nonzero().squeeze(-1)
+            out = out.index_add(0, idx, (x[idx] @ self.w[e]) * gate[idx, None])
+        return out
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.experts = torch.nn.ModuleList(LoopExperts() for _ in range(layers))
+        self.head = torch.nn.Linear(32, 128)
+
+    def forward(self, ids, labels=None):
+        x = self.emb(ids)
+        for experts in self.experts:
+            x = x + experts(x.flatten(0, 1)).view_as(x)
+        logits = self.head(x)
+        if labels is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+autopart.register_token_local(LoopExperts)  # every process that imports this module (the spawned ranks too)
 
 
 def forward_only_kwargs(name: str, ids: torch.Tensor) -> dict:

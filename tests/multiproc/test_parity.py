@@ -50,8 +50,10 @@ def test_parity(model: str, config: str) -> None:
 # and list indexing (Falcon), in-place writes into new tensors (T5's labels shifted right; ``inplace``), the SSM's
 # conv1d, zero pads and repeat_interleave (Mamba-2); an op without a rule on a data-parallel batch (``unruled``:
 # gathered for it). One spawned world runs them all (start-up dominates).
+# Mixture-of-experts layers that dispatch over all tokens run as one token-local node on each rank's own tokens
+# (``hf-mixtral``: Hugging Face's sort/histc/grouped_mm; ``routed``: a declared module with a nonzero loop).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
-       ("unruled", "dp2")]
+       ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2")]
 
 
 def _zoo(cases):
@@ -72,5 +74,8 @@ def test_more_architectures() -> None:
         plan = Plan.from_json(per_rank[0][3])
         if config == "dp2":
             assert plan.reduced, (model, str(plan))
+        local = [r for r in plan.nodes.values() if "token_local" in r["op"]]
+        if model in ("hf-mixtral", "routed"):
+            assert len(local) == 2 and all(r["output"] == ["S(0)"] for r in local), local  # on the rank's tokens
         else:
             assert any("S" in v for v in plan.params.values()), (model, plan.params)

@@ -1,0 +1,133 @@
+"""Token-local modules (``autopart.regions``): traced as one node, priced from a fake run, split on the tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopart
+from autopart import regions
+from autopart.strategy import options_for
+from autopart.trace import trace
+from tests.multiproc.parity import LoopExperts, batches, make_model
+
+aten = torch.ops.aten
+
+
+def _local_nodes(traced):
+    return list(traced.gm.graph.find_nodes(op="call_function", target=regions.OP))
+
+
+def test_hf_experts_trace_as_one_node_priced_per_token() -> None:
+    pytest.importorskip("transformers")
+    ids = batches()[0]
+    traced = trace(make_model("hf-mixtral"), (ids,), {"labels": ids})
+    nodes = _local_nodes(traced)
+    assert len(nodes) == 2
+    targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
+    assert aten.sort.default not in targets and aten.histc.default not in targets  # the dispatch stays inside
+    r = regions.region(nodes[0].args[0])
+    assert r.path == "model.layers.0.mlp.experts" and r.tokens == ids.numel() and not r.measured
+    h, inter, k = 32, 64, 2  # each token meets k experts: gate+up (h -> 2 inter) and down (inter -> h)
+    assert r.flops_per_token == k * (2 * h * 2 * inter + 2 * inter * h)
+    assert r.backward_flops_per_token == 2 * r.flops_per_token
+    assert r.saved_per_token > 0
+    # the node's inputs: hidden states, expert ids and weights (tokens first), then the two stacked weights
+    shapes = [tuple(a.meta["val"].shape) for a in nodes[0].args[1]]
+    assert shapes == [(64, 32), (64, 2), (64, 2), (4, 128, 32), (4, 32, 64)]
+    from autopart.cost.compute import backward_flops, node_flops
+
+    vals = [a.meta["val"] for a in nodes[0].args[1]]
+    fwd = node_flops(regions.OP, (nodes[0].args[0], vals), {}, None)
+    assert fwd == r.flops_per_token * 64 and backward_flops(regions.OP, fwd) == 2 * fwd
+
+
+def test_rule_splits_tokens_and_keeps_weights_whole() -> None:
+    pytest.importorskip("transformers")
+    ids = batches()[0]
+    traced = trace(make_model("hf-mixtral", layers=1), (ids,), {"labels": ids})
+    (node,) = _local_nodes(traced)
+    opts, ruled = options_for(node, (2,))
+    specs = {(tuple(str(p[0]) for p in o.inputs), tuple(str(p[0]) for p in o.output)) for o in opts}
+    S0, R = "S(0)", "R"
+    assert ruled and specs == {((R,) * 5, (R,)), ((S0, S0, S0, R, R), (S0,))}
+    opts3, _ = options_for(node, (3,))  # 64 tokens do not split 3 ways: whole only
+    assert len(opts3) == 1 and all(str(p[0]) == R for p in opts3[0].inputs)
+
+
+def test_plans_split_the_tokens_on_dp_and_keep_expert_weights_whole_on_tp() -> None:
+    pytest.importorskip("transformers")
+    ids = batches()[0]
+    model = make_model("hf-mixtral", layers=1)
+    dp = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, roles={"dp": "dp"})
+    (rec,) = [r for r in dp.nodes.values() if "token_local" in r["op"]]
+    assert rec["output"] == ["S(0)"] and "model.layers.0.mlp.experts" in rec["op"]
+    # before, a dp role had no plan: the dispatch's sort/histc/index over all tokens had no batch-split option;
+    # under a tp role, weights only the token-local node uses cannot be sharded (it takes them whole)
+    tp = autopart.plan(model, autopart.mesh((2,), ("tp",)), (ids,), {"labels": ids}, roles={"tp": "tp"})
+    experts = {k: v for k, v in tp.params.items() if "experts" in k}
+    assert experts and all(v == "R" for v in experts.values()), experts
+    assert any("S" in v for v in tp.params.values())  # the attention and router weights still shard
+
+
+class _Undeclared(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.experts = torch.nn.Sequential()  # replaced below
+        self.head = torch.nn.Linear(32, 128)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.head(x + self.experts(x.flatten(0, 1)).view_as(x)).sum()
+
+
+class _Plain(torch.nn.Module):  # LoopExperts' code, not declared token-local
+    forward = LoopExperts.forward
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(32, 4, bias=False)
+        self.w = torch.nn.Parameter(torch.randn(4, 32, 32) / 32 ** 0.5)
+
+
+def test_declared_module_with_data_dependent_shapes_traces_as_one_node() -> None:
+    ids = batches()[0]
+    model = _Undeclared()
+    model.experts = _Plain()
+    with pytest.raises(ValueError, match="data-dependent shape(.|\n)*register_token_local"):  # nonzero
+        trace(model, (ids,))
+    model.experts = LoopExperts()
+    (node,) = _local_nodes(trace(model, (ids,)))
+    r = regions.region(node.args[0])
+    # its forward cannot run on fake tensors either: priced as a dense module (each token meets every weight)
+    assert r.measured and r.flops_per_token == 2 * (32 * 4 + 4 * 32 * 32)
+    assert isinstance(node.meta["val"], list) and tuple(node.meta["val"][0].shape) == (64, 32)
+
+
+def test_register_token_local_checks_its_argument() -> None:
+    with pytest.raises(TypeError, match="nn.Module subclass or a predicate"):
+        autopart.register_token_local(int)
+    with pytest.raises(TypeError, match="nn.Module subclass or a predicate"):
+        autopart.register_token_local("experts")
+
+
+def test_the_op_run_eagerly_differentiates_its_module() -> None:
+    """``autopart::token_local`` called as an op (not through the runtime's ``run``) recomputes the module's forward
+    in backward: its gradients equal the module's own."""
+    torch.manual_seed(0)
+    m = LoopExperts()
+    x = torch.randn(16, 32, requires_grad=True)
+    m(x).square().sum().backward()
+    want = [x.grad.clone(), m.router.weight.grad.clone(), m.w.grad.clone()]
+    x.grad = None
+    m.zero_grad()
+    leaves, spec = torch.utils._pytree.tree_flatten(((x,), {}))
+    r = regions.Region(module=m, path="m", leaves=[None], spec=spec, n_args=1, names=["router.weight", "w"],
+                       tokens=16)
+    regions._REGIONS.append(r)
+    key = len(regions._REGIONS) - 1
+    (out,) = regions.token_local(key, [x, m.router.weight, m.w])
+    out.square().sum().backward()
+    for got, ref in zip([x.grad, m.router.weight.grad, m.w.grad], want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
