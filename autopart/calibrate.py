@@ -675,11 +675,12 @@ def describe(cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def _spawn_worker(rank: int, world: int, port: int, mesh_shape, quick: bool, directory, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+def _spawn_worker(rank: int, world: int, store: str, mesh_shape, quick: bool, directory, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # rendezvous through a file: no TCP port to race for with another job starting on this host
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         cluster = calibrate(mesh_shape, quick=quick, directory=directory)
         if rank == 0:
@@ -693,17 +694,14 @@ def calibrate_spawn(nproc: int, mesh_shape: Sequence[int] | None = None, *, quic
                     directory: str | None = None) -> Cluster:
     """``calibrate`` on ``nproc`` freshly spawned gloo ranks on this host (one thread each, as
     ``autopart``'s multi-process runs use); returns the calibrated ``Cluster`` (and caches it)."""
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "cluster.json")
-        mp.start_processes(_spawn_worker, args=(nproc, port, tuple(mesh_shape) if mesh_shape else None, quick,
+        mp.start_processes(_spawn_worker, args=(nproc, os.path.join(d, "store"), tuple(mesh_shape) if mesh_shape
+                                                else None, quick,
                                                 directory, out), nprocs=nproc, start_method="spawn")
         with open(out) as f:
             return Cluster.from_json(json.load(f))

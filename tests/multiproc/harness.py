@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -13,19 +12,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, fn, args, outdir: str, backend: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, fn, args, outdir: str, backend: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # rendezvous through a file in the world's own directory, not a TCP port: worlds started at once by parallel
+    # test workers cannot collide (a free port found by one can be taken by another before its store listens)
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'store')}", rank=rank,
+                            world_size=world)
     try:
         result = fn(*args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"{rank}.pt"))
@@ -44,7 +39,7 @@ def _worker(rank: int, world: int, port: int, fn, args, outdir: str, backend: st
 def run_ranks(world: int, fn, *args, backend: str = "gloo"):
     """``fn(*args)`` on every rank of a fresh gloo (or NCCL) world; returns the list of per-rank results."""
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_worker, args=(world, _free_port(), fn, args, d, backend), nprocs=world,
+        mp.start_processes(_worker, args=(world, fn, args, d, backend), nprocs=world,
                            start_method="spawn")
         out, errs = [], []
         for r in range(world):
