@@ -26,6 +26,7 @@ its FLOPs (autopart's per-op formulas, grouped matmuls included) and the bytes a
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ _DECLARED: list[Callable[[nn.Module], bool]] = []
 _LOCAL = threading.local()
 
 
-def _hf_experts(module: nn.Module) -> bool:
+def _hf_experts(module: nn.Module | None) -> bool:
     """A Hugging Face experts module (``transformers.integrations.moe.use_experts_implementation`` sets these)."""
     return all(hasattr(module, a) for a in ("_is_expert_parallel", "is_concatenated", "has_gate", "config")) \
         and not getattr(module, "_is_expert_parallel", False)
@@ -76,12 +77,29 @@ class Region:
     n_args: int  # tensor arguments, before the parameters in the op's input list
     names: list[str]  # parameter and buffer names (relative to the module), after them
     out_spec: Any = None  # the forward's output structure
-    tokens: int = 0  # the first dimension of the first tensor argument at trace time
+    hf: bool = False  # a Hugging Face experts layer or its sparse-MoE block
+    grid: tuple[int, ...] = ()  # the token dims: the first tensor argument's shape less its last (feature) dim
     flops_per_token: float = 0.0  # forward
     backward_flops_per_token: float = 0.0
     saved_per_token: float = 0.0  # bytes autograd keeps for backward
     measured: str = ""  # why the measurement failed, when it did
     extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(self.grid) if self.grid else 0
+
+    def token_dim(self, v: Any, d: int) -> int | None:
+        """The dim of tensor ``v`` that a split of the token grid's dim ``d`` splits: ``d`` where ``v``'s leading
+        dims are the grid; 0 for a split of the grid's first dim where ``v`` holds the tokens flattened (batch-major
+        rows, as router logits of a (batch, sequence) block); None where ``v`` is not split with the tokens."""
+        if not isinstance(v, torch.Tensor) or not self.grid:
+            return None
+        if tuple(v.shape[: len(self.grid)]) == self.grid:
+            return d
+        if d == 0 and len(self.grid) > 1 and v.dim() and v.shape[0] == self.tokens:
+            return 0
+        return None
 
     def call(self, flat: list[torch.Tensor], hooks: bool = True) -> list[torch.Tensor]:
         """The module's forward on ``flat`` (tensor arguments, then parameters and buffers); outputs flattened.
@@ -126,6 +144,12 @@ def token_local(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 @token_local.register_fake
 def _(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _REGIONS[key]
+    if r.hf:
+        # a Hugging Face MoE block or experts layer returns one tensor shaped as its hidden states; its forward is
+        # not run here: an eager experts loop (nonzero) would fail inside a submodule's call, which export's
+        # module-call records cannot unwind
+        r.out_spec = pytree.tree_flatten(inputs[0])[1]
+        return [torch.empty_like(inputs[0])]
     try:
         # sizes the forward computes from data (nonzero) stay inside it: token-local outputs are sized by the tokens
         with _torch_private.ignore_fresh_unbacked_symbols(inputs[0]):
@@ -164,7 +188,7 @@ OP = torch.ops.autopart.token_local.default
 def _flops(args: tuple, kwargs: dict, out: Any) -> int:
     """Forward FLOPs of a token-local node: measured per token (``measure``) times its tokens."""
     r = _REGIONS[args[0]]
-    return int(r.flops_per_token * args[1][0].shape[0])
+    return int(r.flops_per_token * math.prod(args[1][0].shape[: len(r.grid)]))
 
 
 def _install_formulas() -> None:
@@ -197,9 +221,11 @@ def _wrapped_forward(module: nn.Module, path: str, forward: Callable) -> Callabl
         if not tensors:
             return forward(*args, **kwargs)
         state = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers())
+        first = tuple(int(d) for d in tensors[0].shape)
         r = Region(module=module, path=path, leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
-                   spec=spec, n_args=len(tensors), names=[n for n, _ in state], tokens=int(tensors[0].shape[0])
-                   if tensors[0].dim() else 0)
+                   spec=spec, n_args=len(tensors), names=[n for n, _ in state],
+                   grid=first[:-1] if len(first) > 1 else first,
+                   hf=_hf_experts(module) or _hf_experts(getattr(module, "experts", None)))
         key = len(_REGIONS)
         _REGIONS.append(r)
         outs = token_local(key, [*tensors, *(t for _, t in state)])
@@ -217,11 +243,22 @@ class opaque_token_local_modules:
         self.first = len(_REGIONS)
 
     def __enter__(self) -> opaque_token_local_modules:
-        for path, m in self.model.named_modules():
+        modules = dict(self.model.named_modules())
+        chosen: dict[str, nn.Module] = {}
+        for path, m in modules.items():
             if m is self.model or not is_token_local(m):
                 continue
-            if any(path.startswith(p + ".") for p in (getattr(x, "_autopart_path", "") for x in self.patched)):
-                continue  # inside a patched module
+            parent_path = path.rpartition(".")[0]
+            parent = modules.get(parent_path)
+            if _hf_experts(m) and parent is not None and parent is not self.model and \
+                    getattr(parent, "experts", None) is m and hasattr(parent, "gate"):
+                # the whole sparse-MoE block (router, experts, shared expert): its (batch, sequence, hidden)
+                # input and output let a plan split the tokens by batch on one axis and by sequence on another
+                path, m = parent_path, parent
+            chosen.setdefault(path, m)
+        for path, m in sorted(chosen.items()):
+            if any(path.startswith(p + ".") for p in chosen if p != path):
+                continue  # inside another token-local module
             m._autopart_path = path
             m.forward = _wrapped_forward(m, path, m.forward)
             self.patched.append(m)
@@ -335,9 +372,10 @@ def measure(key: int, vals: list[Any]) -> None:
         # estimate: each token meets top-k of the experts' weights once (a dense module: all of them), and keeps
         # its inputs and one hidden row per weight matrix it meets
         params = sum(v.numel() for v in vals[r.n_args:])
-        cfg = getattr(r.module, "config", None)
-        k, e = getattr(cfg, "num_experts_per_tok", 1), getattr(r.module, "num_experts", 0) or 1
-        share = k / e if _hf_experts(r.module) and e > 1 else 1.0
+        experts = getattr(r.module, "experts", r.module)  # a Hugging Face block's experts layer
+        cfg = getattr(experts, "config", None)
+        k, e = getattr(cfg, "num_experts_per_tok", 1), getattr(experts, "num_experts", 0) or 1
+        share = k / e if _hf_experts(experts) and e > 1 else 1.0
         r.flops_per_token = 2 * params * share
         r.backward_flops_per_token = 2 * r.flops_per_token
         r.saved_per_token = sum(v[0].numel() * v.element_size() for v in vals[: r.n_args] if v.dim()) * (1 + k)

@@ -61,21 +61,20 @@ def _one_hot(info: NodeInfo, n: int) -> list[Option1D]:
 
 @register(regions.OP)
 def _token_local(info: NodeInfo, n: int) -> list[Option1D]:
-    """A token-local module's call (``autopart.regions``): everything whole, or the tokens split: every tensor
-    argument whose first dimension is the tokens ``Shard(0)``, its parameters whole, every output ``Shard(0)``
-    (the module runs on the rank's own tokens). Never Partial: the module is not linear."""
+    """A token-local module's call (``autopart.regions``): everything whole, or the tokens split along one dim of
+    their grid (the flat token dim of an experts layer; batch or sequence of a (batch, sequence, hidden) block):
+    every tensor argument and output that holds the tokens split with them (``Region.token_dim``), the parameters
+    whole (the module runs on the rank's own tokens). Never Partial: the module is not linear."""
     r = regions.region(info.args[0])
     outs = list(info.val)
-    whole = Option1D(tuple(R for _ in info.inputs), tuple(R for _ in outs))
+    opts = [Option1D(tuple(R for _ in info.inputs), tuple(R for _ in outs))]
     args = set(info.args[1][: r.n_args])
-    t = r.tokens
-
-    def tokens_first(v) -> bool:
-        return v.dim() > 0 and v.shape[0] == t
-
-    if not t or t % n or not all(tokens_first(o) for o in outs):
-        return [whole]
-    ins = tuple(Shard(0) if a in args and tokens_first(a.meta["val"]) else R for a in info.inputs)
-    if not any(isinstance(p, Shard) for p in ins):
-        return [whole]
-    return [whole, Option1D(ins, tuple(Shard(0) for _ in outs))]
+    for d, size in enumerate(r.grid):
+        out_dims = [r.token_dim(o, d) for o in outs]
+        if size % n or size < n or None in out_dims:
+            continue
+        in_dims = [r.token_dim(a.meta["val"], d) if a in args else None for a in info.inputs]
+        if all(x is None for x in in_dims):
+            continue
+        opts.append(Option1D(tuple(R if x is None else Shard(x) for x in in_dims), tuple(Shard(x) for x in out_dims)))
+    return opts

@@ -18,7 +18,7 @@ def _local_nodes(traced):
     return list(traced.gm.graph.find_nodes(op="call_function", target=regions.OP))
 
 
-def test_hf_experts_trace_as_one_node_priced_per_token() -> None:
+def test_hf_moe_block_traces_as_one_node_priced_per_token() -> None:
     pytest.importorskip("transformers")
     ids = batches()[0]
     traced = trace(make_model("hf-mixtral"), (ids,), {"labels": ids})
@@ -27,14 +27,15 @@ def test_hf_experts_trace_as_one_node_priced_per_token() -> None:
     targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
     assert aten.sort.default not in targets and aten.histc.default not in targets  # the dispatch stays inside
     r = regions.region(nodes[0].args[0])
-    assert r.path == "model.layers.0.mlp.experts" and r.tokens == ids.numel() and not r.measured
-    h, inter, k = 32, 64, 2  # each token meets k experts: gate+up (h -> 2 inter) and down (inter -> h)
-    assert r.flops_per_token == k * (2 * h * 2 * inter + 2 * inter * h)
+    # the experts' sparse-MoE block (router and experts), on its (batch, sequence) grid of tokens
+    assert r.path == "model.layers.0.mlp" and r.grid == tuple(ids.shape) and not r.measured
+    h, inter, k, e = 32, 64, 2, 4  # the router (h -> e); each token meets k experts: h -> 2 inter, inter -> h
+    assert r.flops_per_token == 2 * h * e + k * (2 * h * 2 * inter + 2 * inter * h)
     assert r.backward_flops_per_token == 2 * r.flops_per_token
     assert r.saved_per_token > 0
-    # the node's inputs: hidden states, expert ids and weights (tokens first), then the two stacked weights
+    # the node's inputs: the hidden states, then the router's weight and the two stacked expert weights
     shapes = [tuple(a.meta["val"].shape) for a in nodes[0].args[1]]
-    assert shapes == [(64, 32), (64, 2), (64, 2), (4, 128, 32), (4, 32, 64)]
+    assert shapes == [(4, 16, 32), (4, 32), (4, 128, 32), (4, 32, 64)]
     from autopart.cost.compute import backward_flops, node_flops
 
     vals = [a.meta["val"] for a in nodes[0].args[1]]
@@ -49,10 +50,43 @@ def test_rule_splits_tokens_and_keeps_weights_whole() -> None:
     (node,) = _local_nodes(traced)
     opts, ruled = options_for(node, (2,))
     specs = {(tuple(str(p[0]) for p in o.inputs), tuple(str(p[0]) for p in o.output)) for o in opts}
-    S0, R = "S(0)", "R"
-    assert ruled and specs == {((R,) * 5, (R,)), ((S0, S0, S0, R, R), (S0,))}
-    opts3, _ = options_for(node, (3,))  # 64 tokens do not split 3 ways: whole only
+    S0, S1, R = "S(0)", "S(1)", "R"  # whole, split by batch, split by sequence
+    assert ruled and specs == {((R,) * 4, (R,)), ((S0, R, R, R), (S0,)), ((S1, R, R, R), (S1,))}
+    opts3, _ = options_for(node, (3,))  # neither 4 sequences nor 16 positions split 3 ways: whole only
     assert len(opts3) == 1 and all(str(p[0]) == R for p in opts3[0].inputs)
+
+
+class _Block(torch.nn.Module):
+    """Returns its (batch, sequence, hidden) output and per-token router logits flattened (b*s, experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        logits = self.router(x).flatten(0, 1)
+        return x * torch.sigmoid(logits.sum(-1)).view(x.shape[:2] + (1,)), logits
+
+
+class _WithBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.block = _Block()
+
+    def forward(self, ids):
+        y, logits = self.block(self.emb(ids))
+        return y.sum() + logits.square().mean()
+
+
+def test_flattened_token_outputs_split_with_the_batch_only() -> None:
+    """An output holding the grid's tokens flattened (batch-major) splits with the batch (its rows of a batch
+    split are contiguous) but not with the sequence."""
+    autopart.register_token_local(_Block)
+    (node,) = _local_nodes(trace(_WithBlock(), (batches()[0],)))
+    opts, _ = options_for(node, (2,))
+    specs = {(tuple(str(p[0]) for p in o.inputs), tuple(str(p[0]) for p in o.output)) for o in opts}
+    assert specs == {(("R",) * 3, ("R", "R")), (("S(0)", "R", "R"), ("S(0)", "S(0)"))}
 
 
 def test_plans_split_the_tokens_on_dp_and_keep_expert_weights_whole_on_tp() -> None:
@@ -61,7 +95,7 @@ def test_plans_split_the_tokens_on_dp_and_keep_expert_weights_whole_on_tp() -> N
     model = make_model("hf-mixtral", layers=1)
     dp = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, roles={"dp": "dp"})
     (rec,) = [r for r in dp.nodes.values() if "token_local" in r["op"]]
-    assert rec["output"] == ["S(0)"] and "model.layers.0.mlp.experts" in rec["op"]
+    assert rec["output"] == ["S(0)"] and rec["op"].endswith("(model.layers.0.mlp)")
     # before, a dp role had no plan: the dispatch's sort/histc/index over all tokens had no batch-split option;
     # under a tp role, weights only the token-local node uses cannot be sharded (it takes them whole)
     tp = autopart.plan(model, autopart.mesh((2,), ("tp",)), (ids,), {"labels": ids}, roles={"tp": "tp"})
@@ -124,7 +158,7 @@ def test_the_op_run_eagerly_differentiates_its_module() -> None:
     m.zero_grad()
     leaves, spec = torch.utils._pytree.tree_flatten(((x,), {}))
     r = regions.Region(module=m, path="m", leaves=[None], spec=spec, n_args=1, names=["router.weight", "w"],
-                       tokens=16)
+                       grid=(16,))
     regions._REGIONS.append(r)
     key = len(regions._REGIONS) - 1
     (out,) = regions.token_local(key, [x, m.router.weight, m.w])
