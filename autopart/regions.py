@@ -26,6 +26,8 @@ its FLOPs (autopart's per-op formulas, grouped matmuls included) and the bytes a
 
 from __future__ import annotations
 
+import copy
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -212,7 +214,20 @@ def run(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return _REGIONS[key].call(list(inputs))
 
 
+def _skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device: what a region calls with the
+    rank's tensors in their place, without keeping the user's full-size weights alive (``ParallelModule`` holds
+    the model only weakly)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
 def _wrapped_forward(module: nn.Module, path: str, forward: Callable) -> Callable:
+    skeleton = _skeleton(module)
+
     def wrapper(*args, **kwargs):
         if getattr(_LOCAL, "inside", 0):
             return forward(*args, **kwargs)
@@ -222,7 +237,7 @@ def _wrapped_forward(module: nn.Module, path: str, forward: Callable) -> Callabl
             return forward(*args, **kwargs)
         state = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers())
         first = tuple(int(d) for d in tensors[0].shape)
-        r = Region(module=module, path=path, leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
+        r = Region(module=skeleton, path=path, leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
                    spec=spec, n_args=len(tensors), names=[n for n, _ in state],
                    grid=first[:-1] if len(first) > 1 else first,
                    hf=_hf_experts(module) or _hf_experts(getattr(module, "experts", None)))

@@ -29,6 +29,8 @@ def test_hf_moe_block_traces_as_one_node_priced_per_token() -> None:
     r = regions.region(nodes[0].args[0])
     # the experts' sparse-MoE block (router and experts), on its (batch, sequence) grid of tokens
     assert r.path == "model.layers.0.mlp" and r.grid == tuple(ids.shape) and not r.measured
+    # the region calls a copy of the block whose weights are meta: the user's full-size weights are not kept
+    assert all(t.is_meta for t in r.module.parameters()) and len(list(r.module.parameters())) == 3
     h, inter, k, e = 32, 64, 2, 4  # the router (h -> e); each token meets k experts: h -> 2 inter, inter -> h
     assert r.flops_per_token == 2 * h * e + k * (2 * h * 2 * inter + 2 * inter * h)
     assert r.backward_flops_per_token == 2 * r.flops_per_token
