@@ -10,15 +10,19 @@ tokens' rows of the full result.
 
 So autopart does not trace into such a module. ``trace`` replaces its forward, for the export only, by one call of
 the custom op ``autopart::token_local`` whose inputs are the module's tensor arguments and its parameters. The
-planner gives that node two layouts per mesh axis (``autopart.strategy.moe``): everything whole, or the tokens split
-(every argument whose first dimension is the token count split on it, the parameters whole, the outputs split). At
-run time the node calls the module's own forward on the rank's local tensors (``run``), with autograd through it as
-usual; the parameters' gradients are reduced over the data-parallel axes like any replicated weight's.
+tokens form a grid: the first argument's dims less its last (feature) dim. The planner gives the node, per mesh
+axis (``autopart.strategy.moe``), everything whole, or the tokens split along one dim of that grid: every argument
+and output holding the tokens split with them (``Region.token_dim``), the parameters whole. At run time the node
+calls the module's own forward on the rank's local tensors (``run``), with autograd through it as usual, on a copy
+of the module whose own weights are meta (``_skeleton``); the parameters' gradients are reduced over the
+data-parallel axes like any replicated weight's.
 
-Which modules: Hugging Face's experts classes are recognised by the attributes their decorator sets; any other
-module class (or a predicate) can be declared with ``autopart.register_token_local``. Declaring a module that is not
-token-local (capacity-based token dropping, a norm over the batch, ...) gives wrong results under a token split:
-that is the declaration's promise.
+Which modules: Hugging Face's experts classes are recognised by the attributes their decorator sets, and the
+region is their whole sparse-MoE block (router, experts, shared expert) where the parent has ``gate`` and
+``experts``: its (batch, sequence, hidden) input lets a 2-D plan split the batch on one axis and the sequence on
+the other. Any other module class (or a predicate) can be declared with ``autopart.register_token_local``.
+Declaring a module that is not token-local (capacity-based token dropping, a norm over the batch, ...) gives wrong
+results under a token split: that is the declaration's promise.
 
 The node's price comes from one run of the module's forward and backward on fake tensors at trace time (``measure``):
 its FLOPs (autopart's per-op formulas, grouped matmuls included) and the bytes autograd saves, both per token.
