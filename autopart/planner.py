@@ -757,8 +757,9 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
     its log-probabilities and, at the start of backward where the peak is, two more logits-sized temporaries.
     """
     if node.target is regions.OP:  # what its module's autograd keeps, measured per token at trace time
-        split = math.prod(n for n, p in zip(mesh, option.inputs[0]) if isinstance(p, Shard))
-        return regions.region(node.args[0]).saved_per_token * regions.region(node.args[0]).tokens / split
+        r, split = regions.region(node.args[0]), math.prod(n for n, p in zip(mesh, option.inputs[0])
+                                                            if isinstance(p, Shard))
+        return r.saved_per_token * r.tokens / split
     save_in, save_out = _saves(node)
     total = 0.0
     if save_in:

@@ -33,9 +33,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +44,6 @@ from torch.utils import _pytree as pytree
 from autopart import _torch_private
 
 _DECLARED: list[Callable[[nn.Module], bool]] = []
-_LOCAL = threading.local()
 
 
 def _hf_experts(module: nn.Module | None) -> bool:
@@ -89,7 +87,6 @@ class Region:
     backward_flops_per_token: float = 0.0
     saved_per_token: float = 0.0  # bytes autograd keeps for backward
     measured: str = ""  # why the measurement failed, when it did
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -115,15 +112,11 @@ class Region:
         leaves = [next(tensors) if leaf is None else leaf for leaf in self.leaves]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         state = dict(zip(self.names, flat[self.n_args:]))
-        _LOCAL.inside = getattr(_LOCAL, "inside", 0) + 1
-        try:
-            if hooks:
-                out = torch.func.functional_call(self.module, state, tuple(args), dict(kwargs), strict=False)
-            else:
-                with _torch_private.reparametrize(self.module, state):
-                    out = type(self.module).forward(self.module, *args, **kwargs)
-        finally:
-            _LOCAL.inside -= 1
+        if hooks:
+            out = torch.func.functional_call(self.module, state, tuple(args), dict(kwargs), strict=False)
+        else:
+            with _torch_private.reparametrize(self.module, state):
+                out = type(self.module).forward(self.module, *args, **kwargs)
         outs, spec = pytree.tree_flatten(out)
         if self.out_spec is None:
             self.out_spec = spec
@@ -150,23 +143,23 @@ def token_local(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 @token_local.register_fake
 def _(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     r = _REGIONS[key]
-    if r.hf:
-        # a Hugging Face MoE block or experts layer returns one tensor shaped as its hidden states; its forward is
-        # not run here: an eager experts loop (nonzero) would fail inside a submodule's call, which export's
-        # module-call records cannot unwind
-        r.out_spec = pytree.tree_flatten(inputs[0])[1]
+
+    def like_first() -> list[torch.Tensor]:
+        # a Hugging Face MoE block or experts layer returns one tensor shaped as its hidden states; so must a
+        # declared module whose forward cannot run on fake tensors
+        if r.out_spec is None:
+            r.out_spec = pytree.tree_flatten(inputs[0])[1]
         return [torch.empty_like(inputs[0])]
+
+    if r.hf:  # not run: an eager experts loop (nonzero) would fail inside a submodule's call, which export's
+        return like_first()  # module-call records cannot unwind
     try:
         # sizes the forward computes from data (nonzero) stay inside it: token-local outputs are sized by the tokens
         with _torch_private.ignore_fresh_unbacked_symbols(inputs[0]):
             return [o.clone() for o in r.call(list(inputs), hooks=False)]
     except Exception as exc:  # noqa: BLE001 - e.g. a data-dependent shape (nonzero) the fake tensors cannot follow
-        if r.out_spec is None:
-            # a Hugging Face experts layer returns one tensor shaped as its hidden states; so must a declared one
-            # whose forward cannot run on fake tensors
-            r.out_spec = pytree.tree_flatten(inputs[0])[1]
         r.measured = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        return [torch.empty_like(inputs[0])]
+        return like_first()
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -229,12 +222,12 @@ def _skeleton(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _wrapped_forward(module: nn.Module, path: str, forward: Callable) -> Callable:
+def _wrapped_forward(module: nn.Module, path: str, forward: Callable, hf: bool) -> Callable:
+    """``module``'s forward for the export: one ``autopart::token_local`` call (``hf``: a Hugging Face block or
+    experts layer). The region calls a meta-weight copy of it, made now, before the forward is replaced."""
     skeleton = _skeleton(module)
 
     def wrapper(*args, **kwargs):
-        if getattr(_LOCAL, "inside", 0):
-            return forward(*args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if not tensors:
@@ -243,8 +236,7 @@ def _wrapped_forward(module: nn.Module, path: str, forward: Callable) -> Callabl
         first = tuple(int(d) for d in tensors[0].shape)
         r = Region(module=skeleton, path=path, leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
                    spec=spec, n_args=len(tensors), names=[n for n, _ in state],
-                   grid=first[:-1] if len(first) > 1 else first,
-                   hf=_hf_experts(module) or _hf_experts(getattr(module, "experts", None)))
+                   grid=first[:-1] if len(first) > 1 else first, hf=hf)
         key = len(_REGIONS)
         _REGIONS.append(r)
         outs = token_local(key, [*tensors, *(t for _, t in state)])
@@ -259,27 +251,27 @@ class opaque_token_local_modules:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.patched: list[nn.Module] = []
-        self.first = len(_REGIONS)
 
     def __enter__(self) -> opaque_token_local_modules:
         modules = dict(self.model.named_modules())
-        chosen: dict[str, nn.Module] = {}
+        chosen: dict[str, tuple[nn.Module, bool]] = {}
         for path, m in modules.items():
             if m is self.model or not is_token_local(m):
                 continue
+            hf = _hf_experts(m)
             parent_path = path.rpartition(".")[0]
             parent = modules.get(parent_path)
-            if _hf_experts(m) and parent is not None and parent is not self.model and \
+            if hf and parent is not None and parent is not self.model and \
                     getattr(parent, "experts", None) is m and hasattr(parent, "gate"):
                 # the whole sparse-MoE block (router, experts, shared expert): its (batch, sequence, hidden)
                 # input and output let a plan split the tokens by batch on one axis and by sequence on another
                 path, m = parent_path, parent
-            chosen.setdefault(path, m)
-        for path, m in sorted(chosen.items()):
+            chosen.setdefault(path, (m, hf))
+        for path, (m, hf) in sorted(chosen.items()):
             if any(path.startswith(p + ".") for p in chosen if p != path):
                 continue  # inside another token-local module
             m._autopart_path = path
-            m.forward = _wrapped_forward(m, path, m.forward)
+            m.forward = _wrapped_forward(m, path, m.forward, hf)
             self.patched.append(m)
         return self
 
@@ -287,9 +279,6 @@ class opaque_token_local_modules:
         for m in self.patched:
             del m.forward
             del m._autopart_path
-
-    def regions(self) -> list[int]:
-        return list(range(self.first, len(_REGIONS)))
 
 
 def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: Any) -> tuple[tuple[int, ...], int] | None:
@@ -360,7 +349,7 @@ def measure(key: int, vals: list[Any]) -> None:
     _register_grouped_mm_formulas()
     tokens = max(1, r.tokens)
     try:
-        with _torch_private.fake_mode() as mode:
+        with _torch_private.fake_mode():
             flat = [torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="cpu")
                     .requires_grad_(v.dtype.is_floating_point) for v in vals]
             params = flat[r.n_args:]
@@ -381,7 +370,6 @@ def measure(key: int, vals: list[Any]) -> None:
             if grads and wrt:
                 with bwd:
                     torch.autograd.grad([o for o in outs if o.requires_grad], wrt, grads, allow_unused=True)
-            del mode
         r.flops_per_token = fwd.flops / tokens
         r.backward_flops_per_token = bwd.flops / tokens
         r.saved_per_token = sum(saved.values()) / tokens

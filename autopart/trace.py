@@ -77,15 +77,16 @@ def _check_static(node: fx.Node, model_name: str) -> None:
     vals = node.meta.get("val")
     for v in vals if isinstance(vals, (tuple, list)) else [vals]:
         if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+            module = _innermost_module(node)
             raise ValueError(
                 f"{model_name} has a data-dependent shape at node {node.name} ({node.target}), shape "
                 f"{tuple(v.shape)}\n  at {_source_line(node)}\n  autopart plans fixed shapes. "
                 "Try: replace boolean-mask "
                 "indexing / nonzero with a dense formulation (torch.where, masking by multiplication), or move the "
                 "code behind a torch.library.custom_op with a fake implementation"
-                + (f", or, if {_innermost_module(node)} computes each token's output from that token's inputs only "
+                + (f", or, if {module} computes each token's output from that token's inputs only "
                    "(a mixture-of-experts dispatch), declare its class with autopart.register_token_local"
-                   if _innermost_module(node) else "") + ".")
+                   if module else "") + ".")
 
 
 def _innermost_module(node: fx.Node) -> str:
