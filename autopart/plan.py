@@ -201,6 +201,11 @@ class Plan:
                                          f"{'+'.join(self.axis_names[int(i)] for i in a.split(','))}"
                                          for a, b in sizes.items()) + " (latency-bound at the default 25 MiB)"
                 if sizes else ""))
+        ep = [(r["op"].rpartition("(")[2].rstrip(")"), r["experts"], r["ep_axes"]) for r in self.nodes.values()
+              if r.get("ep_axes")]
+        if ep:
+            lines.append("expert parallel (tokens to their experts' ranks by all-to-all): " + ", ".join(
+                f"{path} ({e} experts over {'+'.join(self.axis_names[a] for a in axes)})" for path, e, axes in ep))
         if self.unsupported_ops:
             lines.append("ops without a sharding rule (replicated): " + ", ".join(self.unsupported_ops))
         if self.pipeline:

@@ -833,12 +833,15 @@ def kept_input_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, sav
     return total
 
 
-def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> float:
+def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backward: bool = True) -> float:
     """Collectives an option runs inside its lowering (not on an edge): vocab-parallel cross-entropy's three
     all-reduces of one value per token, and the global count of a batch-sharded mean cross-entropy; context-parallel
-    attention's K/V exchange and causal imbalance (``strategy.context.cp_comm_time``)."""
+    attention's K/V exchange and causal imbalance (``strategy.context.cp_comm_time``); an expert-parallel
+    token-local node's all-to-alls (``ep_comm_time``)."""
     if option.tag in CP_TAGS:
         return cp_comm_time(node, option, cluster)
+    if node.target is regions.OP:
+        return ep_comm_time(node, option, cluster, with_backward)
     if node.target != aten.cross_entropy_loss.default:
         return 0.0
     mesh = cluster.mesh_shape
@@ -855,6 +858,35 @@ def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster) -> flo
     return t
 
 
+
+
+def ep_axes(node: fx.Node, inputs: tuple) -> tuple[int, ...]:
+    """The mesh axes a token-local node's option (its input specs ``inputs``) splits the experts over."""
+    r = regions.region(node.args[0])
+    if not r.expert_inputs:
+        return ()
+    ins = tensor_inputs(node)
+    specs = [inputs[ins.index(node.args[1][i])] for i in r.expert_inputs]
+    return tuple(a for a in range(len(specs[0])) if any(sp[a] == Shard(0) for sp in specs))
+
+
+def ep_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backward: bool = True) -> float:
+    """Expert parallelism inside a token-local node (``regions._ep_experts``): per axis the experts are split
+    over, the rank's (token, expert) pairs -- its tokens times top-k hidden rows -- go to their experts' ranks and
+    come back, two all-to-alls forward and two more backward (their gradients), each rank keeping 1/n of its
+    buffer on average (balanced routing). Axes nest: the pairs the first axis delivers are dispatched again over the
+    second."""
+    axes = ep_axes(node, option.inputs)
+    if not axes:
+        return 0.0
+    r = regions.region(node.args[0])
+    x = node.args[1][0].meta["val"]
+    mesh = cluster.mesh_shape
+    first = option.inputs[tensor_inputs(node).index(node.args[1][0])]
+    split = math.prod(n for a, n in enumerate(mesh) if isinstance(first[a], Shard))
+    nbytes = x.numel() / split * max(1, r.top_k) * x.element_size()
+    one = sum(collective_time("all_to_all", nbytes, mesh[a], cluster.link(a)) for a in axes)
+    return one * (4 if with_backward else 2)
 
 
 def _fx_vals(x: Any) -> Any:
@@ -1602,7 +1634,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
             comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target, rep.kwargs, with_backward=g)
             fwd[a] = roofline_time(flops / f, nbytes / f, device, rep.target, rep.kwargs)
-            icomm[a] = internal_comm_time(rep, o, cluster)
+            icomm[a] = internal_comm_time(rep, o, cluster, with_backward=g)
             if g:
                 mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
                 if info.layer.get(rep.name):
@@ -2714,6 +2746,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                "memory_bytes": float(prob.node_memory[gid][a]) / k, "region": prob.region[gid]}
         if o.tag and info.kind[n.name] == "op":  # e.g. context parallelism's strategy, read by passes.context
             rec["tag"] = o.tag
+        if n.target is regions.OP and ep_axes(n, o.inputs):  # expert parallel: what the plan prints
+            rec["ep_axes"] = list(ep_axes(n, o.inputs))
+            rec["experts"] = regions.region(n.args[0]).num_experts
         if info.kind[n.name] == "op" and info.needs_grad[n.name]:
             rec["transient_bytes"] = transient_bytes(n, o, mesh)
             if prob.keep_full:

@@ -87,6 +87,15 @@ class Region:
     backward_flops_per_token: float = 0.0
     saved_per_token: float = 0.0  # bytes autograd keeps for backward
     measured: str = ""  # why the measurement failed, when it did
+    # expert parallelism (a Hugging Face block or experts layer): the experts layer's path in the module ("" for
+    # the module itself), its expert count, top-k, the op inputs (indices into its input list) holding one slice
+    # per expert along dim 0, and whether the layer was seen called as ``experts(hidden (T, h), ids (T, k),
+    # weights (T, k))``, which ``_ep_experts`` dispatches
+    experts: str | None = None
+    num_experts: int = 0
+    top_k: int = 0
+    expert_inputs: tuple[int, ...] = ()
+    ep_ok: bool = False
 
     @property
     def tokens(self) -> int:
@@ -205,10 +214,78 @@ def describe(node: Any) -> str:
     return f"{OP}({_REGIONS[node.args[0]].path})"
 
 
-def run(key: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def run(key: int, inputs: list[torch.Tensor], ep_axes: tuple[int, ...] = ()) -> list[torch.Tensor]:
     """The runtime's target for a token-local node: the module's forward on this rank's tensors, autograd through
-    it (no recomputation)."""
-    return _REGIONS[key].call(list(inputs))
+    it (no recomputation). ``ep_axes``: the mesh axes its expert weights are split over (dim 0, in axis order):
+    the experts layer then sends each (token, expert) pair to the rank holding the expert and back
+    (``_ep_experts``)."""
+    r = _REGIONS[key]
+    # a split along the sequence leaves a rank's hidden states strided; the module may view them
+    inputs = [t.contiguous() if i < r.n_args else t for i, t in enumerate(inputs)]
+    if not ep_axes:
+        return r.call(inputs)
+    experts = r.module.get_submodule(r.experts) if r.experts else r.module
+    forward = type(experts).forward
+
+    def dispatched(hidden, ids, weights):
+        return _ep_experts(experts, forward, hidden, ids, weights, tuple(ep_axes), r.num_experts)
+
+    experts.forward = dispatched
+    try:
+        return r.call(inputs)
+    finally:
+        del experts.forward
+
+
+def _ep_experts(experts: nn.Module, forward: Callable, hidden: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor, axes: tuple[int, ...], num_experts: int) -> torch.Tensor:
+    """An experts layer's ``forward(hidden (T, h), ids (T, k), weights (T, k))`` with its experts split over
+    ``axes`` (this rank holds experts ``[c * E/n, (c+1) * E/n)`` of the first axis, and so on within them): each
+    (token, expert) pair's hidden row goes to its expert's rank (an all-to-all per axis), the rank's experts run
+    the layer's own forward on what it received (each row with one expert, weight 1), the rows come back, and
+    each token sums its k rows times its routing weights, as the layer does."""
+    if ids.shape != weights.shape or ids.dim() != 2 or hidden.dim() != 2 or ids.shape[0] != hidden.shape[0]:
+        raise NotImplementedError(
+            f"expert parallelism of {type(experts).__name__}: its call passed hidden {tuple(hidden.shape)}, ids "
+            f"{tuple(ids.shape)}, weights {tuple(weights.shape)}; only experts(hidden (T, h), ids (T, k), "
+            "weights (T, k)) is dispatched. Pin its weights whole: pins={'<experts weight>': 'R'}")
+    tokens, k = ids.shape
+    rows = hidden.repeat_interleave(k, dim=0)  # pair (t, j) at row t*k + j
+    out = _ep_rows(experts, forward, rows, ids.reshape(-1), axes, num_experts)
+    return (out.view(tokens, k, -1) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden.dtype)
+
+
+def _ep_rows(experts: nn.Module, forward: Callable, rows: torch.Tensor, ids: torch.Tensor, axes: tuple[int, ...],
+             num_experts: int) -> torch.Tensor:
+    """Expert ``ids[i]`` applied to ``rows[i]``, the experts split over ``axes``."""
+    from autopart.runtime import collectives as C
+
+    if not axes:  # this rank's experts: the layer's own forward, one expert per row
+        own = [p for _, p in experts.named_parameters(recurse=False)]
+        saved = experts.num_experts
+        experts.num_experts = num_experts
+        try:
+            out = forward(experts, rows, ids.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
+        finally:
+            experts.num_experts = saved
+        # the output depends on the rows received and on every expert weight even where no row came (an eager
+        # loop then touches neither): each backward all-to-all runs on every rank, each rank reduces every weight's
+        # gradient (zeros here)
+        return out + sum((t.reshape(-1)[:1].sum() * 0 for t in [rows, *own] if t.requires_grad), out.new_zeros(()))
+    n = C.axis_size(axes[0])
+    per = num_experts // n
+    owner = torch.div(ids, per, rounding_mode="floor")
+    order = torch.argsort(owner, stable=True)
+    send_counts = torch.bincount(owner, minlength=n)
+    recv_counts = C.exchange_counts(send_counts, axes[0])
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+    local_ids = C.exchange_rows((ids - owner * per)[order], axes[0], send, recv)
+    got = C.all_to_all_rows(rows[order], axes[0], send, recv)
+    done = _ep_rows(experts, forward, got, local_ids, axes[1:], per)
+    back = C.all_to_all_rows(done, axes[0], recv, send)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return back.index_select(0, inverse)
 
 
 def _skeleton(module: nn.Module) -> nn.Module:
@@ -220,6 +297,24 @@ def _skeleton(module: nn.Module) -> nn.Module:
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(module, memo)
+
+
+def _find_experts(r: Region, module: nn.Module) -> None:
+    """Where a Hugging Face region's experts are: the layer (the module or its ``experts``), its expert count and
+    top-k, and the inputs stacked per expert (the layer's own parameters with the experts along dim 0)."""
+    path = "" if _hf_experts(module) else "experts"
+    experts = module if not path else getattr(module, "experts", None)
+    e = getattr(experts, "num_experts", 0)
+    if not _hf_experts(experts) or not isinstance(e, int) or e < 2:
+        return
+    cfg = experts.config
+    r.experts, r.num_experts = path, e
+    r.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or getattr(cfg, "top_k", 0) or 0)
+    prefix = f"{path}." if path else ""
+    own = {prefix + n for n, _ in experts.named_parameters(recurse=False)}
+    state = dict(itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers()))
+    r.expert_inputs = tuple(r.n_args + i for i, name in enumerate(r.names)
+                            if name in own and state[name].dim() and state[name].shape[0] == e)
 
 
 def _wrapped_forward(module: nn.Module, path: str, forward: Callable, hf: bool) -> Callable:
@@ -237,6 +332,8 @@ def _wrapped_forward(module: nn.Module, path: str, forward: Callable, hf: bool) 
         r = Region(module=skeleton, path=path, leaves=[None if isinstance(x, torch.Tensor) else x for x in leaves],
                    spec=spec, n_args=len(tensors), names=[n for n, _ in state],
                    grid=first[:-1] if len(first) > 1 else first, hf=hf)
+        if hf:
+            _find_experts(r, module)
         key = len(_REGIONS)
         _REGIONS.append(r)
         outs = token_local(key, [*tensors, *(t for _, t in state)])
@@ -341,6 +438,27 @@ class _Counter(_torch_private.dispatch_mode_class()):
         return out
 
 
+def _watch_experts(r: Region, vals: list[Any]):
+    """A hook that sets ``r.ep_ok`` when the experts layer is called as ``_ep_experts`` can dispatch (run before
+    its forward, so an experts loop that fails on fake tensors is still seen); None for other regions."""
+    if r.experts is None or not r.expert_inputs:
+        return None
+    experts = r.module.get_submodule(r.experts) if r.experts else r.module
+
+    def check(module, args, kwargs):
+        got = list(args) + [kwargs[n] for n in ("top_k_index", "top_k_weights") if n in kwargs]
+        if len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got):
+            x, ids, w = got
+            r.ep_ok = (x.dim() == 2 and ids.dim() == 2 and not ids.is_floating_point() and w.shape == ids.shape
+                       and ids.shape[0] == x.shape[0])
+
+    r.ep_ok = False
+    if not r.experts:  # the region is the layer: its own call, which ``measure`` makes without hooks
+        check(experts, tuple(vals[: r.n_args]), {})
+        return None
+    return experts.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def measure(key: int, vals: list[Any]) -> None:
     """Price region ``key`` from one forward and backward of its module on fake tensors shaped as ``vals`` (the
     traced node's inputs): FLOPs per token each way and the bytes autograd saves per token. On failure (a
@@ -362,8 +480,13 @@ def measure(key: int, vals: list[Any]) -> None:
                 return t
 
             fwd = _Counter()
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
-                outs = r.call(flat, hooks=False)
+            seen = _watch_experts(r, vals)
+            try:
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+                    outs = r.call(flat, hooks=False)
+            finally:
+                if seen is not None:
+                    seen.remove()
             grads = [torch.ones_like(o) for o in outs if o.requires_grad]
             bwd = _Counter()
             wrt = [t for t in flat if t.requires_grad]

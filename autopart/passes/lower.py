@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autopart import regions
 from autopart.placement import Partial, Shard, local_shape
+from autopart.planner import ep_axes
 from autopart.runtime import collectives as C
 
 aten = torch.ops.aten
@@ -31,7 +32,9 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             continue
         val = node.meta.get("val")
         if node.target is regions.OP:
-            node.target = regions.run  # the module's own forward on this rank's tokens, autograd through it
+            # the module's own forward on this rank's tokens, autograd through it; its experts split over ep_axes
+            node.args = (node.args[0], node.args[1], ep_axes(node, ins))
+            node.target = regions.run
             changed = True
         elif node.target in _SIZE_ARG_OPS:
             loc = list(local_shape(tuple(val.shape), out, mesh_shape))

@@ -149,6 +149,52 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(g, ctx.ax, ctx.dst, ctx.src), None, None, None
 
 
+def _all_to_all_rows(x: torch.Tensor, ax: Ax, send: list[int], recv: list[int]) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=ax.group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows ``send[j]`` of ``x`` (in rank order) to rank j; the rows received from each rank, in rank order.
+    Backward: the same exchange the other way."""
+
+    @staticmethod
+    def forward(ctx, x, axis, send, recv):
+        ctx.ax, ctx.send, ctx.recv = Ax(axis), send, recv
+        return _all_to_all_rows(x, ctx.ax, send, recv)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all_rows(g, ctx.ax, ctx.recv, ctx.send), None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
+    """Uneven all-to-all of rows on mesh axis ``axis`` (expert parallelism's token dispatch and return)."""
+    return _AllToAllRows.apply(x, axis, list(send), list(recv))
+
+
+def exchange_counts(send: torch.Tensor, axis: int) -> torch.Tensor:
+    """Each rank's ``send[j]`` to rank j: the counts every rank of the axis sends this one (no gradient)."""
+    ax = Ax(axis)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send.contiguous(), group=ax.group)
+    return recv
+
+
+def exchange_rows(x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
+    """``all_to_all_rows`` without a gradient (integer ids)."""
+    return _all_to_all_rows(x, Ax(axis), list(send), list(recv))
+
+
+def axis_size(axis: int) -> int:
+    return _STATE.sizes[axis]
+
+
+def axis_coord(axis: int) -> int:
+    return _STATE.coords[axis]
+
+
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):

@@ -64,11 +64,13 @@ def _token_local(info: NodeInfo, n: int) -> list[Option1D]:
     """A token-local module's call (``autopart.regions``): everything whole, or the tokens split along one dim of
     their grid (the flat token dim of an experts layer; batch or sequence of a (batch, sequence, hidden) block):
     every tensor argument and output that holds the tokens split with them (``Region.token_dim``), the parameters
-    whole (the module runs on the rank's own tokens). Never Partial: the module is not linear."""
+    whole (the module runs on the rank's own tokens); with a Hugging Face experts layer, also the tokens split and
+    the experts split along dim 0 on the same axis (expert parallelism). Never Partial: the module is not linear."""
     r = regions.region(info.args[0])
     outs = list(info.val)
     opts = [Option1D(tuple(R for _ in info.inputs), tuple(R for _ in outs))]
     args = set(info.args[1][: r.n_args])
+    experts = {info.args[1][i] for i in r.expert_inputs} if r.ep_ok and n > 1 else set()
     for d, size in enumerate(r.grid):
         out_dims = [r.token_dim(o, d) for o in outs]
         if size % n or size < n or None in out_dims:
@@ -77,4 +79,9 @@ def _token_local(info: NodeInfo, n: int) -> list[Option1D]:
         if all(x is None for x in in_dims):
             continue
         opts.append(Option1D(tuple(R if x is None else Shard(x) for x in in_dims), tuple(Shard(x) for x in out_dims)))
+        if experts and r.num_experts % n == 0:
+            # expert parallelism: the experts split along dim 0 too, each (token, expert) pair sent to its
+            # expert's rank and back (``regions._ep_experts``; priced by ``planner.internal_comm_time``)
+            opts.append(Option1D(tuple(Shard(0) if a in experts else R if x is None else Shard(x)
+                                       for a, x in zip(info.inputs, in_dims)), tuple(Shard(x) for x in out_dims)))
     return opts

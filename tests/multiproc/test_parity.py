@@ -51,9 +51,10 @@ def test_parity(model: str, config: str) -> None:
 # conv1d, zero pads and repeat_interleave (Mamba-2); an op without a rule on a data-parallel batch (``unruled``:
 # gathered for it). One spawned world runs them all (start-up dominates).
 # Mixture-of-experts layers that dispatch over all tokens run as one token-local node on each rank's own tokens
-# (``hf-mixtral``: Hugging Face's sort/histc/grouped_mm; ``routed``: a declared module with a nonzero loop).
+# (``hf-mixtral``: Hugging Face's sort/histc/grouped_mm; ``routed``: a declared module with a nonzero loop; under
+# tp2, hf-mixtral's experts split over the axis: expert parallelism).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
-       ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2")]
+       ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2")]
 
 
 def _zoo(cases):
@@ -77,5 +78,9 @@ def test_more_architectures() -> None:
         else:
             assert any("S" in v for v in plan.params.values()), (model, plan.params)
         local = [r for r in plan.nodes.values() if "token_local" in r["op"]]
-        if model in ("hf-mixtral", "routed"):
+        if model in ("hf-mixtral", "routed") and config == "dp2":
             assert len(local) == 2 and all(r["output"] == ["S(0)"] for r in local), local  # on the rank's tokens
+        if model == "hf-mixtral" and config == "tp2":  # expert parallel: each rank's tokens to their experts' ranks
+            experts = {k: v for k, v in plan.params.items() if ".experts." in k}
+            assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts
+            assert len(local) == 2 and all(r["output"][0].startswith("S(") for r in local), local

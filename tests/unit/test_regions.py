@@ -45,17 +45,53 @@ def test_hf_moe_block_traces_as_one_node_priced_per_token() -> None:
     assert fwd == r.flops_per_token * 64 and backward_flops(regions.OP, fwd) == 2 * fwd
 
 
-def test_rule_splits_tokens_and_keeps_weights_whole() -> None:
+def test_rule_splits_tokens_and_offers_expert_parallelism() -> None:
     pytest.importorskip("transformers")
     ids = batches()[0]
     traced = trace(make_model("hf-mixtral", layers=1), (ids,), {"labels": ids})
     (node,) = _local_nodes(traced)
+    r = regions.region(node.args[0])
+    assert (r.experts, r.num_experts, r.top_k, r.ep_ok) == ("experts", 4, 2, True)
+    assert [r.names[i - r.n_args] for i in r.expert_inputs] == ["experts.gate_up_proj", "experts.down_proj"]
     opts, ruled = options_for(node, (2,))
     specs = {(tuple(str(p[0]) for p in o.inputs), tuple(str(p[0]) for p in o.output)) for o in opts}
     S0, S1, R = "S(0)", "S(1)", "R"  # whole, split by batch, split by sequence
-    assert ruled and specs == {((R,) * 4, (R,)), ((S0, R, R, R), (S0,)), ((S1, R, R, R), (S1,))}
+    # the tokens split with the weights whole (data parallel), or with the 4 experts split 2 ways too (expert
+    # parallel); the router's weight (input 1) always whole
+    assert ruled and specs == {((R,) * 4, (R,)), ((S0, R, R, R), (S0,)), ((S1, R, R, R), (S1,)),
+                               ((S0, R, S0, S0), (S0,)), ((S1, R, S0, S0), (S1,))}
     opts3, _ = options_for(node, (3,))  # neither 4 sequences nor 16 positions split 3 ways: whole only
     assert len(opts3) == 1 and all(str(p[0]) == R for p in opts3[0].inputs)
+    opts8, _ = options_for(node, (8,))  # 16 positions split 8 ways; 4 experts cannot be
+    assert {tuple(str(p[0]) for p in o.inputs) for o in opts8} == {(R,) * 4, (S1, R, R, R)}
+
+
+def test_expert_parallel_all_to_alls_priced() -> None:
+    """An expert-parallel option pays two all-to-alls of its (token, expert) rows forward and two backward; the
+    data-parallel option of the same tokens pays none inside the node."""
+    pytest.importorskip("transformers")
+    from autopart.cost.comm import collective_time
+    from autopart.planner import ep_axes, internal_comm_time
+
+    ids = batches()[0]
+    traced = trace(make_model("hf-mixtral", layers=1), (ids,), {"labels": ids})
+    (node,) = _local_nodes(traced)
+    cluster = autopart.preset("h100-80gb", (2, 4))
+    opts, _ = options_for(node, (2, 4))
+    by_axes = {}
+    for o in opts:
+        by_axes.setdefault(ep_axes(node, o.inputs), []).append(o)
+    assert set(by_axes) == {(), (0,), (1,)}  # 4 experts split over 2 or 4 ranks; not 8 (both axes)
+    assert all(internal_comm_time(node, o, cluster) == 0 for o in by_axes[()])
+    for o in by_axes[(0,)] + by_axes[(1,)]:
+        split = 1
+        for a, n in enumerate((2, 4)):
+            split *= n if str(o.inputs[0][a]).startswith("S") else 1
+        rows = 4 * 16 // split * 2 * 32 * 4  # tokens on the rank x top-2 x hidden 32 x fp32
+        (a,) = ep_axes(node, o.inputs)
+        one = collective_time("all_to_all", rows, (2, 4)[a], cluster.link(a))
+        assert internal_comm_time(node, o, cluster) == pytest.approx(4 * one)
+        assert internal_comm_time(node, o, cluster, with_backward=False) == pytest.approx(2 * one)
 
 
 class _Block(torch.nn.Module):
@@ -91,19 +127,23 @@ def test_flattened_token_outputs_split_with_the_batch_only() -> None:
     assert specs == {(("R",) * 3, ("R", "R")), (("S(0)", "R", "R"), ("S(0)", "S(0)"))}
 
 
-def test_plans_split_the_tokens_on_dp_and_keep_expert_weights_whole_on_tp() -> None:
+def test_plans_split_the_tokens_on_dp_and_the_experts_on_tp() -> None:
     pytest.importorskip("transformers")
     ids = batches()[0]
     model = make_model("hf-mixtral", layers=1)
     dp = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, roles={"dp": "dp"})
     (rec,) = [r for r in dp.nodes.values() if "token_local" in r["op"]]
     assert rec["output"] == ["S(0)"] and rec["op"].endswith("(model.layers.0.mlp)")
-    # before, a dp role had no plan: the dispatch's sort/histc/index over all tokens had no batch-split option;
-    # under a tp role, weights only the token-local node uses cannot be sharded (it takes them whole)
+    assert all(v == "R" for k, v in dp.params.items() if "experts" in k)
+    # before, a dp role had no plan: the dispatch's sort/histc/index over all tokens had no batch-split option.
+    # Under a tp role the experts split over the axis (expert parallelism, tokens split with them); the router's
+    # weight, which the token-local node takes whole, stays whole instead of having no plan
     tp = autopart.plan(model, autopart.mesh((2,), ("tp",)), (ids,), {"labels": ids}, roles={"tp": "tp"})
     experts = {k: v for k, v in tp.params.items() if "experts" in k}
-    assert experts and all(v == "R" for v in experts.values()), experts
-    assert any("S" in v for v in tp.params.values())  # the attention and router weights still shard
+    assert len(experts) == 2 and all(v == "S(0)" for v in experts.values()), experts
+    assert tp.params["model.layers.0.mlp.gate.weight"] == "R"
+    assert "model.layers.0.mlp (4 experts over tp)" in str(tp)
+    assert any("S" in v for k, v in tp.params.items() if "self_attn" in k)  # the attention weights still shard
 
 
 class _Undeclared(torch.nn.Module):
