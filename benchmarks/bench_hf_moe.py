@@ -43,8 +43,8 @@ def main() -> None:
     shape = tuple(int(x) for x in a.mesh.split("x"))
     names = tuple("abcd"[: len(shape)])
     ids = torch.randint(0, 32000, (a.batch, a.seq))
-    print("| model | planning s | predicted step s | chosen | MoE block layout |")
-    print("|---|---|---|---|---|")
+    print("| model | planning s | predicted step s | memory/GPU GiB | chosen | MoE block layout | experts split over |")
+    print("|---|---|---|---|---|---|---|")
     for kind in ("mixtral", "llama"):
         model = build(kind, a.layers)
         t0 = time.perf_counter()
@@ -53,9 +53,12 @@ def main() -> None:
         took = time.perf_counter() - t0
         p = plan.predicted
         blocks = sorted({",".join(r["output"]) for r in plan.nodes.values() if "token_local" in r["op"]})
+        ep = sorted({"+".join(plan.axis_names[x] for x in r["ep_axes"]) for r in plan.nodes.values()
+                     if r.get("ep_axes")})
         chosen = str(plan).splitlines()[0].split("mesh ", 1)[1].split("  on")[0]
-        print(f"| {kind} {a.layers} layers | {took:.1f} | {p['step_time_s']:.3f} | {chosen} | "
-              f"{' '.join(blocks) or '-'} |")
+        print(f"| {kind} {a.layers} layers | {took:.1f} | {p['step_time_s']:.3f} | "
+              f"{p['memory_bytes']['total'] / 2**30:.1f} | {chosen} | {' '.join(blocks) or '-'} | "
+              f"{' '.join(ep) or '-'} |")
 
 
 if __name__ == "__main__":
