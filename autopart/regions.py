@@ -26,6 +26,15 @@ results under a token split: that is the declaration's promise.
 
 The node's price comes from one run of the module's forward and backward on fake tensors at trace time (``measure``):
 its FLOPs (autopart's per-op formulas, grouped matmuls included) and the bytes autograd saves, both per token.
+
+Expert parallelism (Hugging Face layers): on an axis its tokens are split over, the node may also take the experts
+layer's stacked weights split along dim 0 (``Region.expert_inputs``). ``run`` then swaps the layer's forward, for
+the call, for ``_ep_experts``: each (token, expert) pair's hidden row goes to the rank holding that expert (an
+uneven all-to-all per axis, nested in mesh order as the weights are chunked), the layer's own forward runs there on
+the rows it received with its local experts (one expert per row, weight 1), the rows come back and each token sums
+its top-k rows times its routing weights, as the layer does. Router and shared expert run on the rank's tokens with
+whole weights. Offered only where ``measure`` saw the layer called as ``experts(hidden (T, h), ids (T, k), weights
+(T, k))``; priced by ``planner.ep_comm_time``.
 """
 
 from __future__ import annotations
