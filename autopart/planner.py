@@ -895,8 +895,14 @@ def _fx_vals(x: Any) -> Any:
 
 def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int, str], traced: Traced,
                  info: Graphinfo, zero: int | None = None) -> list[OpOption]:
+    dp_axes = [i for i, r in roles.items() if r == "dp"]
+    # stacked expert weights may stay split along the expert dim on a data axis: expert parallelism over the
+    # data-parallel ranks (each rank's tokens go to their experts' ranks), not ZeRO (never gathered)
+    ep = [o for o in opts if not o.tag and any(o.output[i] == Shard(0) for i in dp_axes)] \
+        if kind == "param" and dp_axes and _expert_weight(node) else []
     if kind == "param" and zero is not None:
-        opts = _zero_filter(opts, [i for i, r in roles.items() if r == "dp"], zero)
+        opts = _zero_filter(opts, dp_axes, zero)
+        opts = opts + [o for o in ep if o not in opts]
     if not roles:
         return opts
     if kind not in ("param", "input"):
@@ -916,7 +922,7 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         for axis, role in roles.items():
             if kind == "param":
                 p = o.output[axis]
-                if role == "dp" and not isinstance(p, Replicate) and (zero == 0 or not o.tag):
+                if role == "dp" and not isinstance(p, Replicate) and (zero == 0 or not o.tag) and o not in ep:
                     ok = False  # sharded on a data axis: only as ZeRO-3 (ZeRO-1/2 keep the parameter replicated)
                 if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any_shard[axis]:
                     ok = False
@@ -927,6 +933,15 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         if ok:
             keep.append(o)
     return keep
+
+
+def _expert_weight(node: fx.Node) -> bool:
+    """``node`` is a parameter only token-local nodes use, each as one of its stacked expert weights
+    (``Region.expert_inputs``): split along dim 0 there, it is expert parallel."""
+    users = list(node.users)
+    return bool(users) and all(
+        u.target is regions.OP and any(u.args[1][i] is node for i in regions.region(u.args[0]).expert_inputs)
+        for u in users)
 
 
 def _used_whole(node: fx.Node, axis: int, info: Graphinfo) -> bool:
@@ -1885,7 +1900,9 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 [i for i, r in roles.items() if r == "dp" and not _whole_only(vopts, j, i)] \
                 if info.kind[u.name] in ("input", "op") else []
             bucketed = info.kind[u.name] == "param"
-            data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed else []
+            # (an expert weight may reach a token-local node split along the expert dim on a data axis)
+            data_axes = [i for i, r in roles.items() if r == "dp"] if bucketed and not (
+                v.target is regions.OP and _expert_weight(a)) else []
             kept_sharded = regathered_input(v, j, info)
             fused = (True, fwd_once[gv]) if overlap and j == 0 and linear_input_fused(a) else \
                 (False, fwd_once[gu]) if overlap and a is u and linear_output_fused(u) else None

@@ -54,11 +54,16 @@ def test_parity(model: str, config: str) -> None:
 # (``hf-mixtral``: Hugging Face's sort/histc/grouped_mm; ``routed``: a declared module with a nonzero loop; under
 # tp2, hf-mixtral's experts split over the axis: expert parallelism).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
-       ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2")]
+       ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2"),
+       ("hf-mixtral", "dp2-ep")]
+# dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
+# DeepSpeed-MoE runs it), the rest data parallel
+_EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
+ZOO_CONFIGS = {**CONFIGS, "dp2-ep": CONFIGS["dp2"] + (False, None, None, 2, dict.fromkeys(_EXPERTS, "S(0)"))}
 
 
 def _zoo(cases):
-    return [distributed(model, *CONFIGS[config]) for model, config in cases]
+    return [distributed(model, *ZOO_CONFIGS[config]) for model, config in cases]
 
 
 def test_more_architectures() -> None:
@@ -73,13 +78,15 @@ def test_more_architectures() -> None:
         per_rank = [r[i] for r in results]
         check(f"{model} {config}", per_rank, reference(model))
         plan = Plan.from_json(per_rank[0][3])
-        if config == "dp2":
+        if config.startswith("dp2"):
             assert plan.reduced, (model, str(plan))
         else:
             assert any("S" in v for v in plan.params.values()), (model, plan.params)
         local = [r for r in plan.nodes.values() if "token_local" in r["op"]]
         if model in ("hf-mixtral", "routed") and config == "dp2":
             assert len(local) == 2 and all(r["output"] == ["S(0)"] for r in local), local  # on the rank's tokens
+        if config == "dp2-ep":  # the experts' gradients are complete on their rank: not reduced
+            assert not set(_EXPERTS) & set(plan.reduced) and "4 experts over dp" in str(plan), plan.reduced
         if model == "hf-mixtral" and config == "tp2":  # expert parallel: each rank's tokens to their experts' ranks
             experts = {k: v for k, v in plan.params.items() if ".experts." in k}
             assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts
