@@ -207,3 +207,26 @@ def test_the_op_run_eagerly_differentiates_its_module() -> None:
     out.square().sum().backward()
     for got, ref in zip([x.grad, m.router.weight.grad, m.w.grad], want):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_experts_split_over_data_parallel_ranks() -> None:
+    """On a dp axis the stacked expert weights may stay split along the expert dim (expert parallelism over the
+    data-parallel ranks): not ZeRO (their gradients are complete on their rank, never reduced or gathered), under
+    any ZeRO level of the other weights. Other weights on a dp axis stay whole or ZeRO-sharded."""
+    pytest.importorskip("transformers")
+    ids = batches()[0]
+    model = make_model("hf-mixtral", layers=1)
+    experts = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+    for zero in (None, 1, 3):
+        plan = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, roles={"dp": "dp"},
+                             zero=zero, pins=dict.fromkeys(experts, "S(0)"))
+        assert [plan.params[k] for k in experts] == ["S(0)", "S(0)"], (zero, plan.params)
+        assert not set(experts) & set(plan.reduced) and not set(experts) & set(plan.zero), (zero, plan.zero)
+        assert "model.layers.0.mlp (4 experts over dp)" in str(plan)
+        if zero == 3:
+            assert plan.zero["model.layers.0.self_attn.q_proj.weight"] == 3
+    # the router's weight is not an expert weight: split on the dp axis it is ZeRO-3, gathered for its use
+    router = "model.layers.0.mlp.gate.weight"
+    plan = autopart.plan(model, autopart.mesh((2,), ("dp",)), (ids,), {"labels": ids}, roles={"dp": "dp"},
+                         pins={router: "S(0)"})
+    assert plan.zero[router] == 3
