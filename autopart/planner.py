@@ -39,6 +39,7 @@ Pricing conventions (the runtime's ``autopart.passes.collectives`` implements ex
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import math
@@ -222,9 +223,18 @@ class Step:
     bwd: str  # "none" | "all_reduce" | "reduce_scatter" | "shard" | "all_gather" | "all_to_all"
 
 
+@functools.lru_cache(maxsize=65536)
+def _nested_shard(spec, mesh_shape) -> bool:
+    """A dim of ``spec`` is split on more than one axis (only stacked expert weights are)."""
+    dims = [p.dim for p, n in zip(spec, mesh_shape) if isinstance(p, Shard) and n > 1]
+    return len(dims) != len(set(dims))
+
+
 def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape,
                      param_reduced: tuple[bool, ...] = ()) -> list[Step] | None:
     """The per-axis steps converting ``src`` to ``dst`` (None if impossible); see the module docstring table."""
+    if src != dst and (_nested_shard(tuple(src), tuple(mesh_shape)) or _nested_shard(tuple(dst), tuple(mesh_shape))):
+        return None  # a dim split over several axes (expert weights): its pieces nest, no per-axis step converts it
     steps = []
     for i, n in enumerate(mesh_shape):
         a, b = src[i], dst[i]
@@ -575,9 +585,15 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
     import itertools
 
     out = []
+    # stacked expert weights may split their expert dim over several axes (expert parallelism nested in mesh
+    # order, ``regions._ep_experts``): the one layout where a dim is sharded on more than one axis
+    experts = kind == "param" and _expert_weight(node)
     for combo in itertools.product(*per_axis):
         dims = [p.dim for p in combo if isinstance(p, Shard)]
         if len(dims) != len(set(dims)):
+            ways = math.prod(n for p, n in zip(combo, mesh_shape) if isinstance(p, Shard))
+            if experts and set(dims) == {0} and val.shape[0] % ways == 0:
+                out.append(OpOption((), tuple(combo)))
             continue
         out.append(OpOption((), tuple(combo)))
         if kind == "param" and dims:  # ZeRO-3 / FSDP: gathered for each use, freed, gathered again for backward

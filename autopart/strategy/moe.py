@@ -17,7 +17,7 @@ import torch
 from autopart import regions
 from autopart.placement import Shard
 from autopart.strategy.matrix import _matmul_rule
-from autopart.strategy.registry import NodeInfo, Option1D, R, register, replicate_only
+from autopart.strategy.registry import NESTED_INPUTS, NodeInfo, Option1D, R, register, replicate_only
 
 aten = torch.ops.aten
 
@@ -85,3 +85,14 @@ def _token_local(info: NodeInfo, n: int) -> list[Option1D]:
             opts.append(Option1D(tuple(Shard(0) if a in experts else R if x is None else Shard(x)
                                        for a, x in zip(info.inputs, in_dims)), tuple(Shard(x) for x in out_dims)))
     return opts
+
+
+def _expert_inputs(node, inputs) -> set[int]:
+    """A token-local node's stacked expert weights may split their expert dim over several axes (nested
+    expert parallelism, ``regions._ep_experts``)."""
+    r = regions.region(node.args[0])
+    ids = {id(node.args[1][i]) for i in r.expert_inputs}
+    return {j for j, a in enumerate(inputs) if id(a) in ids}
+
+
+NESTED_INPUTS[regions.OP] = _expert_inputs

@@ -126,19 +126,28 @@ def _shape_of(v: Any) -> tuple[int, ...] | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes: list[int]) -> bool:
+def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes: list[int],
+               nested: bool = False) -> bool:
+    """Even shards of ``shape`` under ``placements``; a dim split on several axes only where ``nested`` (its
+    pieces then nest in mesh order: expert weights, ``NESTED_INPUTS``)."""
     if shape is None:
         return all(not isinstance(p, Shard) for p in placements)
-    used: set[int] = set()
+    used: dict[int, int] = {}
     for p, n in zip(placements, sizes):
         if isinstance(p, Shard):
             if not shape:
                 return False
             d = p.dim % len(shape)
-            if d in used or shape[d] % n != 0 or shape[d] < n:
+            ways = used.get(d, 1) * n
+            if (d in used and not nested) or shape[d] % ways != 0 or shape[d] < ways:
                 return False
-            used.add(d)
+            used[d] = ways
     return True
+
+
+# per op: node -> the indices (into its distinct tensor inputs) that may be split on one dim over several mesh
+# axes (a token-local node's stacked expert weights: ``autopart.strategy.moe``)
+NESTED_INPUTS: dict[Any, Callable[[fx.Node, list[fx.Node]], set[int]]] = {}
 
 
 def _sig(v: Any) -> Any:
@@ -197,10 +206,11 @@ def _options_for(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ..
     multi = isinstance(out_val, (tuple, list))
     in_shapes = [info.shape(i) for i in range(len(info.inputs))]
     options = []
+    nested = NESTED_INPUTS[node.target](node, inputs) if node.target in NESTED_INPUTS else set()
     for combo in itertools.product(*per_axis):
         ok = True
         for i, shp in enumerate(in_shapes):
-            if not _divisible(shp, [c.inputs[i] for c in combo], list(mesh_shape)):
+            if not _divisible(shp, [c.inputs[i] for c in combo], list(mesh_shape), i in nested):
                 ok = False
                 break
         if not ok:

@@ -59,7 +59,8 @@ ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2"
 # dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
 # DeepSpeed-MoE runs it), the rest data parallel
 _EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
-ZOO_CONFIGS = {**CONFIGS, "dp2-ep": CONFIGS["dp2"] + (False, None, None, 2, dict.fromkeys(_EXPERTS, "S(0)"))}
+ZOO_CONFIGS = {**CONFIGS, "dp2-ep": CONFIGS["dp2"] + (False, None, None, 2, dict.fromkeys(_EXPERTS, "S(0)")),
+               "dp2xtp2-ep-both": CONFIGS["dp2xtp2"] + (False, None, None, 2, dict.fromkeys(_EXPERTS, "S(0)S(0)"))}
 
 
 def _zoo(cases):
@@ -91,3 +92,23 @@ def test_more_architectures() -> None:
             experts = {k: v for k, v in plan.params.items() if ".experts." in k}
             assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts
             assert len(local) == 2 and all(r["output"][0].startswith("S(") for r in local), local
+
+
+MOE_2X2 = [("hf-mixtral", "dp2xtp2"), ("hf-mixtral", "dp2xtp2-ep-both")]
+
+
+def test_hf_moe_expert_parallel_on_2x2() -> None:
+    """Hugging Face Mixtral on 4 ranks: dp x tp roles (the experts split over tp, the tokens over both axes), and
+    the experts pinned split over both axes (4 experts, one per rank: the dispatch nests, dp then tp), as one
+    process over 3 AdamW steps."""
+    pytest.importorskip("transformers")
+    from autopart.plan import Plan
+
+    results = run_ranks(4, _zoo, MOE_2X2)
+    for i, (model, config) in enumerate(MOE_2X2):
+        per_rank = [r[i] for r in results]
+        check(f"{model} {config}", per_rank, reference(model))
+        over = "dp+tp" if config.endswith("ep-both") else "tp"
+        assert f"model.layers.0.mlp (4 experts over {over})" in per_rank[0][2], per_rank[0][2]
+        plan = Plan.from_json(per_rank[0][3])
+        assert not set(_EXPERTS) & {k for k, axes in plan.reduced.items() if 1 in axes}, plan.reduced
