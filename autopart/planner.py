@@ -233,8 +233,6 @@ def _nested_shard(spec, mesh_shape) -> bool:
 def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape,
                      param_reduced: tuple[bool, ...] = ()) -> list[Step] | None:
     """The per-axis steps converting ``src`` to ``dst`` (None if impossible); see the module docstring table."""
-    if src != dst and (_nested_shard(tuple(src), tuple(mesh_shape)) or _nested_shard(tuple(dst), tuple(mesh_shape))):
-        return None  # a dim split over several axes (expert weights): its pieces nest, no per-axis step converts it
     steps = []
     for i, n in enumerate(mesh_shape):
         a, b = src[i], dst[i]
@@ -1736,9 +1734,14 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
     if kept_sharded:
         shard_b, gathered_b = np.zeros_like(mat), np.zeros_like(mat)
         share = max(1, saving_users.get(a.name, 1))
+    # a weight's dim split over several axes (stacked expert weights): its pieces nest, which no per-axis step
+    # converts, so such a layout is used as stored
+    mesh_t = tuple(mesh)
+    nested = [bucketed and _nested_shard(sp, mesh_t) for sp in srcs]
     for bi, bo in enumerate(vopts):
         dst = bo.inputs[j]
         dst_id = spec_ids.setdefault(dst, len(spec_ids))
+        dst_nested = bucketed and _nested_shard(dst, mesh_t)
         dst_fixed = tuple(spec_ids.setdefault((dst[i],), len(spec_ids)) for i in fixed_axes)
         split = tuple(is_split(bo, i) for i in range(len(mesh)))
         if any(not isinstance(dst[i], Replicate) for i in data_axes):
@@ -1749,7 +1752,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
         known = cache.setdefault((vkey, dst_id, split), {})  # by (source spec id, regathered, scattered)
         col = []
         for ai, sk in enumerate(src_keys):
-            if clash and src_fixed[ai] in clash:
+            if clash and src_fixed[ai] in clash or (nested[ai] or dst_nested) and srcs[ai] != dst:
                 col.append(math.inf)
                 continue
             parts = known.get(sk)

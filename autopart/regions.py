@@ -236,8 +236,9 @@ def run(key: int, inputs: list[torch.Tensor], ep_axes: tuple[int, ...] = ()) -> 
     experts = r.module.get_submodule(r.experts) if r.experts else r.module
     forward = type(experts).forward
 
-    def dispatched(hidden, ids, weights):
-        return _ep_experts(experts, forward, hidden, ids, weights, tuple(ep_axes), r.num_experts)
+    def dispatched(*args, **kwargs):
+        got = list(args) + [kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs]
+        return _ep_experts(experts, forward, *got[:3], tuple(ep_axes), r.num_experts)
 
     experts.forward = dispatched
     try:
@@ -455,7 +456,7 @@ def _watch_experts(r: Region, vals: list[Any]):
     experts = r.module.get_submodule(r.experts) if r.experts else r.module
 
     def check(module, args, kwargs):
-        got = list(args) + [kwargs[n] for n in ("top_k_index", "top_k_weights") if n in kwargs]
+        got = list(args) + [kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs]
         if len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got):
             x, ids, w = got
             r.ep_ok = (x.dim() == 2 and ids.dim() == 2 and not ids.is_floating_point() and w.shape == ids.shape
