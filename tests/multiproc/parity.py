@@ -67,6 +67,13 @@ def make_model(name: str, layers: int = 2):
 
         return MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
                                                 num_hidden_layers=layers, **_HF_LLAMALIKE))
+    if name == "hf-deepseek-v3":  # group-limited routing, a shared expert, MLA attention
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM(DeepseekV3Config(
+            n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=layers, **{**_HF_LLAMALIKE, "num_key_value_heads": 4}))
     if name == "routed":
         return _Routed(layers)
     if name == "inplace":

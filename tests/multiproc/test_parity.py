@@ -52,10 +52,10 @@ def test_parity(model: str, config: str) -> None:
 # gathered for it). One spawned world runs them all (start-up dominates).
 # Mixture-of-experts layers that dispatch over all tokens run as one token-local node on each rank's own tokens
 # (``hf-mixtral``: Hugging Face's sort/histc/grouped_mm; ``routed``: a declared module with a nonzero loop; under
-# tp2, hf-mixtral's experts split over the axis: expert parallelism).
+# tp2, hf-mixtral's and DeepSeek-V3's experts split over the axis: expert parallelism).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
        ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2"),
-       ("hf-mixtral", "dp2-ep")]
+       ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2")]
 # dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
 # DeepSpeed-MoE runs it), the rest data parallel
 _EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
@@ -88,6 +88,8 @@ def test_more_architectures() -> None:
             assert len(local) == 2 and all(r["output"] == ["S(0)"] for r in local), local  # on the rank's tokens
         if config == "dp2-ep":  # the experts' gradients are complete on their rank: not reduced
             assert not set(_EXPERTS) & set(plan.reduced) and "4 experts over dp" in str(plan), plan.reduced
+        if model == "hf-deepseek-v3":  # its experts split over tp too (with its shared expert and grouped routing)
+            assert "model.layers.1.mlp (4 experts over tp)" in per_rank[0][2], per_rank[0][2]
         if model == "hf-mixtral" and config == "tp2":  # expert parallel: each rank's tokens to their experts' ranks
             experts = {k: v for k, v in plan.params.items() if ".experts." in k}
             assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts
