@@ -259,7 +259,36 @@ def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_s
             if isinstance(a, Shard):
                 return None
             steps.append(Step(i, a, b, "mask", "none"))
-    return steps
+    return _ordered(steps, split, needs_grad) if len(steps) > 1 else steps
+
+
+def _ordered(steps: list[Step], split: tuple[bool, ...], needs_grad: bool) -> list[Step]:
+    """``steps`` (one per axis, in axis order) in an order whose intermediate layouts never split one tensor dim
+    on two axes. A step that starts splitting dim d on its axis waits for the steps that stop splitting d on
+    another axis: (R, S(0)) -> (S(0), R) gathers on axis 1 before it shards on axis 0. Sharding first would cut
+    the rank's axis-1 piece, nesting axis 1 outside axis 0, and the gather would then assemble pieces of
+    different rows. Where dims swap axes ((S(0), S(1)) -> (S(1), S(0))), one axis gathers first and splits again
+    last."""
+    def adds(st: Step):
+        return st.dst.dim if isinstance(st.dst, Shard) and st.src != st.dst else None
+
+    def removes(st: Step):
+        return st.src.dim if isinstance(st.src, Shard) and st.src != st.dst else None
+
+    pending, out = list(steps), []
+    while pending:
+        ready = [st for st in pending if adds(st) is None or
+                 not any(o is not st and removes(o) == adds(st) for o in pending)]
+        if ready:
+            out.append(ready[0])
+            pending.remove(ready[0])
+            continue
+        st = next(x for x in pending if x.fwd == "all_to_all")  # a cycle of dims changing axes
+        pending.remove(st)
+        out.append(Step(st.axis, st.src, Replicate(), "all_gather",
+                        ("reduce_scatter" if split[st.axis] else "shard") if needs_grad else "none"))
+        pending.append(Step(st.axis, Replicate(), st.dst, "shard", "all_gather" if needs_grad else "none"))
+    return out
 
 
 _COMM_KIND = {"all_gather": "all_gather", "all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter",
