@@ -259,7 +259,11 @@ def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_s
             if isinstance(a, Shard):
                 return None
             steps.append(Step(i, a, b, "mask", "none"))
-    return _ordered(steps, split, needs_grad) if len(steps) > 1 else steps
+    if len(steps) > 1:
+        added = {st.dst.dim for st in steps if isinstance(st.dst, Shard) and st.src != st.dst}
+        if added and any(isinstance(st.src, Shard) and st.src != st.dst and st.src.dim in added for st in steps):
+            return _ordered(steps, split, needs_grad)  # a dim changes axes
+    return steps
 
 
 def _ordered(steps: list[Step], split: tuple[bool, ...], needs_grad: bool) -> list[Step]:
