@@ -2815,9 +2815,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                "memory_bytes": float(prob.node_memory[gid][a]) / k, "region": prob.region[gid]}
         if o.tag and info.kind[n.name] == "op":  # e.g. context parallelism's strategy, read by passes.context
             rec["tag"] = o.tag
-        if n.target is regions.OP and ep_axes(n, o.inputs):  # expert parallel: what the plan prints
-            rec["ep_axes"] = list(ep_axes(n, o.inputs))
-            rec["experts"] = regions.region(n.args[0]).num_experts
+        ep = ep_axes(n, o.inputs) if n.target is regions.OP else ()
+        if ep:  # expert parallel: what the plan prints
+            rec["ep_axes"], rec["experts"] = list(ep), regions.region(n.args[0]).num_experts
         if info.kind[n.name] == "op" and info.needs_grad[n.name]:
             rec["transient_bytes"] = transient_bytes(n, o, mesh)
             if prob.keep_full:

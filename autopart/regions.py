@@ -107,6 +107,11 @@ class Region:
     ep_ok: bool = False
 
     @property
+    def experts_layer(self) -> nn.Module:
+        """The experts layer in the called copy (``experts`` set): the module itself or its submodule."""
+        return self.module.get_submodule(self.experts) if self.experts else self.module
+
+    @property
     def tokens(self) -> int:
         return math.prod(self.grid) if self.grid else 0
 
@@ -233,11 +238,11 @@ def run(key: int, inputs: list[torch.Tensor], ep_axes: tuple[int, ...] = ()) -> 
     inputs = [t.contiguous() if i < r.n_args else t for i, t in enumerate(inputs)]
     if not ep_axes:
         return r.call(inputs)
-    experts = r.module.get_submodule(r.experts) if r.experts else r.module
+    experts = r.experts_layer
     forward = type(experts).forward
 
     def dispatched(*args, **kwargs):
-        got = list(args) + [kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs]
+        got = _experts_call(args, kwargs)
         return _ep_experts(experts, forward, *got[:3], tuple(ep_axes), r.num_experts)
 
     experts.forward = dispatched
@@ -245,6 +250,11 @@ def run(key: int, inputs: list[torch.Tensor], ep_axes: tuple[int, ...] = ()) -> 
         return r.call(inputs)
     finally:
         del experts.forward
+
+
+def _experts_call(args: tuple, kwargs: dict) -> list[Any]:
+    """An experts layer's call arguments in order (hidden states, expert ids, routing weights), positional or not."""
+    return list(args) + [kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs]
 
 
 def _ep_experts(experts: nn.Module, forward: Callable, hidden: torch.Tensor, ids: torch.Tensor,
@@ -453,10 +463,10 @@ def _watch_experts(r: Region, vals: list[Any]):
     its forward, so an experts loop that fails on fake tensors is still seen); None for other regions."""
     if r.experts is None or not r.expert_inputs:
         return None
-    experts = r.module.get_submodule(r.experts) if r.experts else r.module
+    experts = r.experts_layer
 
     def check(module, args, kwargs):
-        got = list(args) + [kwargs[n] for n in ("hidden_states", "top_k_index", "top_k_weights") if n in kwargs]
+        got = _experts_call(args, kwargs)
         if len(got) == 3 and all(isinstance(t, torch.Tensor) for t in got):
             x, ids, w = got
             r.ep_ok = (x.dim() == 2 and ids.dim() == 2 and not ids.is_floating_point() and w.shape == ids.shape

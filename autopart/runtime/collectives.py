@@ -176,10 +176,8 @@ def all_to_all_rows(x: torch.Tensor, axis: int, send: list[int], recv: list[int]
 
 def exchange_counts(send: torch.Tensor, axis: int) -> torch.Tensor:
     """Each rank's ``send[j]`` to rank j: the counts every rank of the axis sends this one (no gradient)."""
-    ax = Ax(axis)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send.contiguous(), group=ax.group)
-    return recv
+    one = [1] * len(send)
+    return _all_to_all_rows(send, Ax(axis), one, one)
 
 
 def exchange_rows(x: torch.Tensor, axis: int, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -189,10 +187,6 @@ def exchange_rows(x: torch.Tensor, axis: int, send: list[int], recv: list[int]) 
 
 def axis_size(axis: int) -> int:
     return _STATE.sizes[axis]
-
-
-def axis_coord(axis: int) -> int:
-    return _STATE.coords[axis]
 
 
 class _GradAllReduce(torch.autograd.Function):
