@@ -259,39 +259,81 @@ def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_s
             if isinstance(a, Shard):
                 return None
             steps.append(Step(i, a, b, "mask", "none"))
-    if len(steps) > 1:
-        added = {st.dst.dim for st in steps if isinstance(st.dst, Shard) and st.src != st.dst}
-        if added and any(isinstance(st.src, Shard) and st.src != st.dst and st.src.dim in added for st in steps):
-            return _ordered(steps, split, needs_grad)  # a dim changes axes
+    moving = [st for st in steps if st.src != st.dst]
+    if moving and (len(moving) > 1 or _nested_shard(tuple(src), tuple(mesh_shape)) or
+                   _nested_shard(tuple(dst), tuple(mesh_shape))):
+        return _ordered(steps, src, dst, mesh_shape, split, needs_grad)
     return steps
 
 
-def _ordered(steps: list[Step], split: tuple[bool, ...], needs_grad: bool) -> list[Step]:
-    """``steps`` (one per axis, in axis order) in an order whose intermediate layouts never split one tensor dim
-    on two axes. A step that starts splitting dim d on its axis waits for the steps that stop splitting d on
-    another axis: (R, S(0)) -> (S(0), R) gathers on axis 1 before it shards on axis 0. Sharding first would cut
-    the rank's axis-1 piece, nesting axis 1 outside axis 0, and the gather would then assemble pieces of
-    different rows. Where dims swap axes ((S(0), S(1)) -> (S(1), S(0))), one axis gathers first and splits again
-    last."""
-    def adds(st: Step):
-        return st.dst.dim if isinstance(st.dst, Shard) and st.src != st.dst else None
+def _ordered(steps: list[Step], src, dst, mesh_shape, split: tuple[bool, ...], needs_grad: bool) -> list[Step]:
+    """``steps`` (one per axis, in axis order) in an order whose every intermediate layout is a valid one.
 
-    def removes(st: Step):
+    A dim split on several axes holds its pieces nested in mesh order: the first axis cuts the dim, the next cuts
+    that piece, and so on (``runtime.module._local_chunk``, DTensor's order). So a step may only release a dim on
+    the axis that cut it last (an all-gather of the pieces of any other axis would join pieces of different rows),
+    and may only start splitting a dim on an axis later than every axis that splits it (a shard of the rank's piece
+    nests the axis inside the others). Axes keep their part of each dim's splitting order that ``src`` and ``dst``
+    share (the longest common prefix of its axes); the rest release it innermost first, then the target's axes cut
+    it in mesh order. Examples: (R, S(0)) -> (S(0), R) gathers on axis 1 before it shards on axis 0; a swap
+    ((S(0), S(1)) -> (S(1), S(0))) gathers on one axis first and splits again last; (S(0), S(0)) -> (R, S(0))
+    gathers on axis 1, then axis 0, and cuts axis 1 again, although axis 1 splits dim 0 in both. A step releasing
+    one dim and splitting another on its axis (an all-to-all) waits until both are allowed; where dims wait on each
+    other in a cycle, one such step becomes an all-gather now and a shard later."""
+    live = [i for i, n in enumerate(mesh_shape) if n > 1]
+
+    def axes_of(spec, d):
+        return [i for i in live if isinstance(spec[i], Shard) and spec[i].dim == d]
+
+    dims = {p.dim for spec in (src, dst) for p in spec if isinstance(p, Shard)}
+    prefix = {}
+    for d in dims:
+        s_axes, d_axes = axes_of(src, d), axes_of(dst, d)
+        k = 0
+        while k < min(len(s_axes), len(d_axes)) and s_axes[k] == d_axes[k]:
+            k += 1
+        prefix[d] = k
+    pending, out = list(steps), []  # a step whose axis keeps its placement (a gradient's all-reduce) is always ready
+    for i in live:
+        a = src[i]
+        if a == dst[i] and isinstance(a, Shard) and i not in axes_of(src, a.dim)[:prefix[a.dim]]:
+            # it cuts the dim inside an axis this conversion releases: released, and cut again later
+            pending.append(Step(i, a, Replicate(), "all_gather",
+                                ("reduce_scatter" if split[i] else "shard") if needs_grad else "none"))
+            pending.append(Step(i, Replicate(), a, "shard", "all_gather" if needs_grad else "none"))
+    cur = list(src)
+
+    def releases(st):
         return st.src.dim if isinstance(st.src, Shard) and st.src != st.dst else None
 
-    pending, out = list(steps), []
+    def cuts(st):
+        return st.dst.dim if isinstance(st.dst, Shard) and st.src != st.dst else None
+
+    def can_release(st):
+        d = releases(st)
+        return d is None or axes_of(cur, d)[-1] == st.axis
+
+    def can_cut(st):
+        d = cuts(st)
+        if d is None:
+            return True
+        now, target = axes_of(cur, d), axes_of(dst, d)
+        # every axis still to release from d is gone, and st's axis is the next of the target's order
+        return now == target[:len(now)] and len(now) < len(target) and target[len(now)] == st.axis and \
+            not any(o is not st and releases(o) == d for o in pending)
+
     while pending:
-        ready = [st for st in pending if adds(st) is None or
-                 not any(o is not st and removes(o) == adds(st) for o in pending)]
-        if ready:
-            out.append(ready[0])
-            pending.remove(ready[0])
-            continue
-        st = next(x for x in pending if x.fwd == "all_to_all")  # a cycle of dims changing axes
-        pending.remove(st)
-        out.append(Step(st.axis, st.src, Replicate(), "all_gather",
-                        ("reduce_scatter" if split[st.axis] else "shard") if needs_grad else "none"))
-        pending.append(Step(st.axis, Replicate(), st.dst, "shard", "all_gather" if needs_grad else "none"))
+        ready = next((st for st in pending if can_release(st) and can_cut(st)), None)
+        if ready is None:  # a cycle of dims changing axes: release one now, cut it again later
+            st = next(x for x in pending if x.fwd == "all_to_all" and can_release(x))
+            pending.remove(st)
+            ready = Step(st.axis, st.src, Replicate(), "all_gather",
+                         ("reduce_scatter" if split[st.axis] else "shard") if needs_grad else "none")
+            pending.append(Step(st.axis, Replicate(), st.dst, "shard", "all_gather" if needs_grad else "none"))
+        else:
+            pending.remove(ready)
+        out.append(ready)
+        cur[ready.axis] = ready.dst
     return out
 
 
