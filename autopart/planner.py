@@ -1197,8 +1197,8 @@ def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], floa
             fwd = roofline_time(flops / world, nbytes / world, device, n.target, n.kwargs)
             clock += fwd
             if info.needs_grad[n.name]:
-                both = roofline_time((flops + backward_flops(n.target, flops)) / world, 3 * nbytes / world, device,
-                                     n.target, n.kwargs, with_backward=True)
+                both = roofline_time((flops + backward_flops(n.target, flops, n.args)) / world, 3 * nbytes / world,
+                                     device, n.target, n.kwargs, with_backward=True)
                 bwd[n.name] = max(0.0, both - fwd)
     if len(_FORWARD_FLOOR) >= 8:
         _FORWARD_FLOOR.pop(next(iter(_FORWARD_FLOOR)))
@@ -1732,7 +1732,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
         flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
         nbytes = node_bytes(_fx_vals(list(rep.args) + list(rep.kwargs.values())), val, rep.target)
         g = info.needs_grad[rep.name]
-        tflops = flops + (backward_flops(rep.target, flops) if g else 0)
+        tflops = flops + (backward_flops(rep.target, flops, rep.args) if g else 0)
         tbytes = nbytes * (3 if g else 1)
         for a, o in enumerate(opts_r):
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))

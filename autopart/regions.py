@@ -213,11 +213,20 @@ def _flops(args: tuple, kwargs: dict, out: Any) -> int:
     return int(r.flops_per_token * math.prod(args[1][0].shape[: len(r.grid)]))
 
 
+def _backward_ratio(args: tuple) -> float:
+    """Backward over forward FLOPs of a token-local node, as ``measure`` counted them on its module (2.0 for Hugging
+    Face's experts: grouped matmuls); 2.0 where nothing was measured (a module whose fake run failed)."""
+    r = _REGIONS[args[0]] if args and isinstance(args[0], int) and 0 <= args[0] < len(_REGIONS) else None
+    if r is None or r.measured or r.flops_per_token <= 0:
+        return 2.0
+    return r.backward_flops_per_token / r.flops_per_token
+
+
 def _install_formulas() -> None:
     from autopart.cost.compute import _FORMULAS, BACKWARD_RATIO
 
     _FORMULAS[OP.overloadpacket] = _flops
-    BACKWARD_RATIO[OP] = 2.0  # its grouped matmuls' (``measure`` finds 2.0 for Hugging Face's experts)
+    BACKWARD_RATIO[OP] = _backward_ratio
 
 
 _install_formulas()

@@ -209,19 +209,22 @@ def node_flops(target: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 # custom ops whose backward is not the rule below: their own forward-to-backward FLOP ratio (Mamba's scan
-# recomputes its forward in backward: ``autopart.strategy.ssm``)
-BACKWARD_RATIO: dict[Any, float] = {}
+# recomputes its forward in backward: ``autopart.strategy.ssm``), or a function of the call's arguments giving it
+# (a token-local module's, measured at trace time: ``autopart.regions``)
+BACKWARD_RATIO: dict[Any, float | Callable[[tuple], float]] = {}
 
 
-def backward_flops(target: Any, fwd_flops: int) -> int:
-    """FLOPs of the backward of a call whose forward took ``fwd_flops``.
+def backward_flops(target: Any, fwd_flops: int, args: tuple = ()) -> int:
+    """FLOPs of the backward of a call whose forward took ``fwd_flops`` (``args``: the call's arguments, for a
+    ``BACKWARD_RATIO`` that depends on them).
 
     Matmul family 2× (grad input and grad weight are one product each); attention 2.5× (flash backward: QKᵀ
     recomputed plus dV, dP, dQ, dK); everything else 1× (N21 counts backward as 2× forward overall).
     """
     packet = _packet(target)
     if target in BACKWARD_RATIO:
-        return int(fwd_flops * BACKWARD_RATIO[target])
+        ratio = BACKWARD_RATIO[target]
+        return int(fwd_flops * (ratio(args) if callable(ratio) else ratio))
     if packet in _SDPA_FORWARD or packet is torch.ops.higher_order.flex_attention:
         return fwd_flops * 5 // 2
     if packet in _MATMUL_FAMILY:

@@ -253,3 +253,40 @@ def test_experts_nest_over_two_axes_and_never_convert() -> None:
     assert rec["inputs"][2:] == ["S(0)S(0)", "S(0)S(0)"] and rec["ep_axes"] == [0, 1], rec
     touched = {c["value"] for c in plan.collectives}
     assert not any("experts" in v for v in touched), touched
+
+
+class _DetachedMiddle(torch.nn.Module):
+    """A token-local block whose backward is not 2x its forward: the second projection's input is detached, so
+    backward runs its weight gradient only (one product of the forward's two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32, bias=False)
+        self.b = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x).detach())
+
+
+class _WithDetached(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, 32)
+        self.block = _DetachedMiddle()
+
+    def forward(self, ids):
+        return self.block(self.emb(ids)).square().mean()
+
+
+def test_backward_priced_at_the_measured_ratio() -> None:
+    """A token-local node's backward FLOPs are its module's own, measured at trace time, not a fixed 2x."""
+    from autopart.cost.compute import backward_flops, node_flops
+
+    autopart.register_token_local(_DetachedMiddle)
+    (node,) = _local_nodes(trace(_WithDetached(), (batches()[0],)))
+    r = regions.region(node.args[0])
+    assert not r.measured and r.flops_per_token == 2 * (2 * 32 * 32)
+    assert r.backward_flops_per_token == 2 * 32 * 32  # b's weight gradient only
+    vals = [a.meta["val"] for a in node.args[1]]
+    fwd = node_flops(regions.OP, (node.args[0], vals), {}, None)
+    assert backward_flops(regions.OP, fwd, node.args) == fwd // 2
