@@ -81,3 +81,19 @@ def ignore_fresh_unbacked_symbols(t: Any):
 
     env = getattr(getattr(t, "fake_mode", None), "shape_env", None)
     return env.ignore_fresh_unbacked_symbols() if env is not None else contextlib.nullcontext()
+
+
+def strided_shard(dim: int, blocks: int):
+    """DTensor's placement for a dim cut into ``blocks`` equal blocks, each split evenly over the axis, a rank
+    holding its piece of every block in order (``torch.distributed.tensor.placement_types._StridedShard`` with
+    ``split_factor=blocks``: the layout FSDP2 gives a tensor-parallel shard; DTensor redistributes it to and from
+    the other placements, and pointwise ops and optimizers run on it)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=blocks)
+
+
+def is_strided_shard(p: Any) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(p, _StridedShard)

@@ -1,8 +1,12 @@
 """The sharding vocabulary: one placement per mesh axis, as in DTensor.
 
 ``Shard(dim)`` splits tensor dimension ``dim`` evenly over the axis, ``Replicate()`` keeps a full copy on every
-rank of the axis, ``Partial()`` holds addends whose sum over the axis is the value. A ``Spec`` is a tuple with
-one placement per mesh axis and prints compactly (``S(0)R``).
+rank of the axis, ``Partial()`` holds addends whose sum over the axis is the value. ``Strided(dim, blocks)`` cuts
+``dim`` into ``blocks`` equal blocks and splits each evenly over the axis, a rank holding its piece of every block,
+in order: the layout a fused projection (GPT-2's ``c_attn``, [q | k | v]) is split in for tensor parallelism, so
+that splitting its output into the blocks leaves each rank its own heads of q, k and v (DTensor's
+``_StridedShard``). A ``Spec`` is a tuple with one placement per mesh axis and prints compactly (``S(0)R``,
+``S(1)/3R``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,23 @@ class Shard:
 
 
 @dataclass(frozen=True, order=True)
+class Strided:
+    dim: int
+    blocks: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})/{self.blocks}"
+
+    def to_json(self) -> str:
+        return str(self)
+
+
+def is_shard(p) -> bool:
+    """``p`` splits a dim over its axis: ``Shard`` or ``Strided``."""
+    return isinstance(p, (Shard, Strided))
+
+
+@dataclass(frozen=True, order=True)
 class Replicate:
     def __str__(self) -> str:
         return "R"
@@ -40,7 +61,7 @@ class Partial:
         return "P"
 
 
-Placement = Union[Shard, Replicate, Partial]
+Placement = Union[Shard, Strided, Replicate, Partial]
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
 R = Replicate()
@@ -48,7 +69,7 @@ P = Partial()
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of ``str``: ``"S(1)"``, ``"R"``, ``"P"``."""
+    """Inverse of ``str``: ``"S(1)"``, ``"S(1)/3"``, ``"R"``, ``"P"``."""
     text = text.strip()
     if text == "R":
         return R
@@ -56,7 +77,10 @@ def parse_placement(text: str) -> Placement:
         return P
     if text.startswith("S(") and text.endswith(")"):
         return Shard(int(text[2:-1]))
-    raise ValueError(f"cannot parse placement {text!r}: expected 'R', 'P' or 'S(<dim>)'")
+    if text.startswith("S(") and ")/" in text:
+        dim, blocks = text[2:].split(")/")
+        return Strided(int(dim), int(blocks))
+    raise ValueError(f"cannot parse placement {text!r}: expected 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<blocks>'")
 
 
 def spec_str(spec: Spec) -> str:
@@ -70,9 +94,13 @@ def parse_spec(text: str) -> Spec:
             out.append(parse_placement(text[i]))
             i += 1
         elif text.startswith("S(", i):
-            j = text.index(")", i)
-            out.append(parse_placement(text[i : j + 1]))
-            i = j + 1
+            j = text.index(")", i) + 1
+            if text.startswith("/", j):  # S(d)/blocks
+                j += 1
+                while j < len(text) and text[j].isdigit():
+                    j += 1
+            out.append(parse_placement(text[i:j]))
+            i = j
         else:
             raise ValueError(f"cannot parse spec {text!r} at position {i}")
     return tuple(out)
@@ -82,7 +110,7 @@ def local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...])
     """Shape of one rank's piece of a tensor of global ``shape`` under ``spec`` (even sharding only)."""
     out = list(shape)
     for p, n in zip(spec, mesh_shape):
-        if isinstance(p, Shard):
+        if is_shard(p):
             d = p.dim % len(out)
             assert out[d] % n == 0, f"dim {d} of {shape} not divisible by {n}"
             out[d] //= n
@@ -95,5 +123,7 @@ def to_dtensor_placements(spec: Spec):
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
 
-    return tuple(DShard(p.dim) if isinstance(p, Shard) else DPartial() if isinstance(p, Partial) else DReplicate()
-                 for p in spec)
+    from autopart._torch_private import strided_shard
+
+    return tuple(DShard(p.dim) if isinstance(p, Shard) else strided_shard(p.dim, p.blocks) if isinstance(p, Strided)
+                 else DPartial() if isinstance(p, Partial) else DReplicate() for p in spec)

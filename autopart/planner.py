@@ -66,7 +66,7 @@ from autopart.cost import (
     roofline_time,
 )
 from autopart.cost.comm import exposed_before
-from autopart.placement import Partial, Replicate, Shard, parse_spec, spec_str
+from autopart.placement import Partial, Replicate, Shard, Strided, is_shard, parse_spec, spec_str
 
 # the runtime's reduction and gather bucket, and how many reduction buckets it holds at once: priced as run
 from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_key, bucket_limit
@@ -197,7 +197,7 @@ def tensor_bytes(shape, dtype) -> int:
 def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
     f = 1
     for p, n in zip(spec, mesh_shape):
-        if isinstance(p, Shard):
+        if is_shard(p):
             f *= n
     return tensor_bytes(val.shape, val.dtype) / f
 
@@ -226,13 +226,18 @@ class Step:
 @functools.lru_cache(maxsize=65536)
 def _nested_shard(spec, mesh_shape) -> bool:
     """A dim of ``spec`` is split on more than one axis (only stacked expert weights are)."""
-    dims = [p.dim for p, n in zip(spec, mesh_shape) if isinstance(p, Shard) and n > 1]
+    dims = [p.dim for p, n in zip(spec, mesh_shape) if is_shard(p) and n > 1]
     return len(dims) != len(set(dims))
 
 
 def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape,
                      param_reduced: tuple[bool, ...] = ()) -> list[Step] | None:
-    """The per-axis steps converting ``src`` to ``dst`` (None if impossible); see the module docstring table."""
+    """The per-axis steps converting ``src`` to ``dst`` (None if impossible); see the module docstring table. A
+    ``Strided`` layout (a fused projection's blocks) converts to nothing else: it is a parameter's, used as stored
+    by the ops that split it into its blocks."""
+    if any(a != b and n > 1 and (isinstance(a, Strided) or isinstance(b, Strided))
+           for a, b, n in zip(src, dst, mesh_shape)):
+        return None
     steps = []
     for i, n in enumerate(mesh_shape):
         a, b = src[i], dst[i]
@@ -647,13 +652,27 @@ def _layer_of(node: fx.Node, traced: Traced) -> str:
     return ""
 
 
+def _strided_uses(node: fx.Node, mesh_shape) -> list[Strided]:
+    """The ``Strided`` layouts the users of a parameter take it in (a fused projection's weight and bias:
+    ``strategy.views.fused_blocks``), which the parameter can only be stored in (no step converts them)."""
+    out: set[Strided] = set()
+    for u in node.users:
+        ins = tensor_inputs(u) if u.op == "call_function" else []
+        if node in ins:
+            j = ins.index(node)
+            out.update(p for o in options_for(u, tuple(mesh_shape))[0] for p in o.inputs[j] if isinstance(p, Strided))
+    return sorted(out)
+
+
 def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]:
     val = value_of(node)
+    strided = _strided_uses(node, mesh_shape) if kind == "param" else []
     per_axis = []
     for n in mesh_shape:
         choices = [Replicate()]
         if kind in ("param", "input") and n > 1:
             choices += [Shard(d) for d in range(val.dim()) if val.shape[d] % n == 0 and val.shape[d] >= n]
+            choices += [p for p in strided if val.shape[p.dim] % (p.blocks * n) == 0]
         per_axis.append(choices)
     import itertools
 
@@ -662,7 +681,11 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
     # order, ``regions._ep_experts``): the one layout where a dim is sharded on more than one axis
     experts = kind == "param" and _expert_weight(node)
     for combo in itertools.product(*per_axis):
-        dims = [p.dim for p in combo if isinstance(p, Shard)]
+        dims = [p.dim for p in combo if is_shard(p)]
+        if any(isinstance(p, Strided) for p in combo):  # a fused projection's blocks: on one axis, no ZeRO-3
+            if len(dims) == len(set(dims)):
+                out.append(OpOption((), tuple(combo)))
+            continue
         if len(dims) != len(set(dims)):
             ways = math.prod(n for p, n in zip(combo, mesh_shape) if isinstance(p, Shard))
             if experts and set(dims) == {0} and val.shape[0] % ways == 0:
@@ -998,7 +1021,7 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         return opts
     val = value_of(node)
     # per axis, computed once: can a parameter be sharded there / can an input be split on its batch dim there
-    any_shard = {axis: any(isinstance(q.output[axis], Shard) for q in opts) for axis in roles}
+    any_shard = {axis: any(is_shard(q.output[axis]) for q in opts) for axis in roles}
     any_batch = {axis: any(q.output[axis] == Shard(0) for q in opts) for axis in roles}
     if kind == "param":
         # a weight every user takes whole on a tensor axis (a token-local module's, an op without a rule) stays
@@ -1060,11 +1083,11 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
     def ok(o: OpOption) -> bool:
         sharded = all(isinstance(o.output[i], Shard) for i in dp_axes)
         if zero < 3:
-            return not any(isinstance(o.output[i], Shard) for i in dp_axes) and o.tag == ("", "zero1", "zero2")[zero]
+            return not any(is_shard(o.output[i]) for i in dp_axes) and o.tag == ("", "zero1", "zero2")[zero]
         return sharded and o.tag == "zero3"
 
     keep = [o for o in opts if ok(o)]
-    return keep or [o for o in opts if not o.tag and not any(isinstance(o.output[i], Shard) for i in dp_axes)]
+    return keep or [o for o in opts if not o.tag and not any(is_shard(o.output[i]) for i in dp_axes)]
 
 
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
@@ -1799,7 +1822,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
     srcs = [output_spec(ao, idx) for ao in uopts]
     src_ids = [spec_ids.setdefault(sp, len(spec_ids)) for sp in srcs]
-    src_fixed = [tuple(spec_ids.setdefault((sp[i],), len(spec_ids)) if isinstance(sp[i], Shard) else -1
+    src_fixed = [tuple(spec_ids.setdefault((sp[i],), len(spec_ids)) if is_shard(sp[i]) else -1
                        for i in fixed_axes) for sp in srcs]
     regathers = [ao.tag == "zero3" for ao in uopts]
     scatters = [ao.tag in ("zero1", "zero2") for ao in uopts]  # gradient reduce-scattered into slices
@@ -2879,7 +2902,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             params[fqn] = spec_str(o.output)
             for alias in traced.aliases.get(fqn, []):  # tied names share the one parameter's placement
                 params[alias] = spec_str(o.output)
-            gathered = [i for i in range(len(mesh)) if isinstance(o.output[i], Shard) and n.users and all(
+            gathered = [i for i in range(len(mesh)) if is_shard(o.output[i]) and n.users and all(
                 isinstance(chosen[u.name].inputs[tensor_inputs(u).index(n)][i], Replicate) for u in n.users)]
             if gathered and o.tag == "zero3":
                 zero[fqn] = 3

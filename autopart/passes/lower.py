@@ -4,7 +4,8 @@ Requires: ``annotate`` and ``insert_collectives`` ran. Ensures: size arguments o
 local shapes; options whose local program is not "the same op on the shard" are replaced: vocab-parallel
 embedding (rows sharded, Partial output), cross-entropy over a sharded batch (sum / global count), mean over a
 sharded dimension (divided by the axis size, Partial); a token-local module's node calls the module
-(``autopart.regions.run``).
+(``autopart.regions.run``); a split of a ``Strided`` fused projection cuts the rank's piece of each block (its
+sizes divided by the axis sizes).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from autopart import regions
-from autopart.placement import Partial, Shard, local_shape
+from autopart.placement import Partial, Shard, Strided, local_shape
 from autopart.planner import ep_axes
 from autopart.runtime import collectives as C
 
@@ -58,6 +59,15 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             node.target = C.sharded_cross_entropy
             node.args = (args[0], args[1], batch_axes, vocab[0] if vocab else None, reduction, ignore)
             node.kwargs = {}
+            changed = True
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and any(
+                isinstance(p, Strided) for p in ins[0]):
+            ways = 1
+            for p, n in zip(ins[0], mesh_shape):
+                ways *= n if isinstance(p, Strided) else 1
+            size = node.args[1]
+            size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
+            node.args = (node.args[0], size) + tuple(node.args[2:])
             changed = True
         elif node.target in (aten.mean.dim, aten.mean.default):
             x_spec = ins[0]

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopart._torch_private import dtensor_local
-from autopart.placement import Shard, parse_spec, to_dtensor_placements
+from autopart.placement import Shard, Strided, parse_spec, to_dtensor_placements
 from autopart.plan import Plan
 from autopart.runtime import collectives as C
 from autopart.runtime import context as RC
@@ -55,6 +55,8 @@ def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) 
     for p, c, n in zip(spec, coords, sizes):
         if isinstance(p, Shard):
             out = out.chunk(n, dim=p.dim)[c]
+        elif isinstance(p, Strided):  # its piece of each block, in order
+            out = torch.cat([b.chunk(n, dim=p.dim)[c] for b in out.chunk(p.blocks, dim=p.dim)], dim=p.dim)
     return out
 
 

@@ -4,13 +4,15 @@ For an equation, each index letter gives one sharding: a letter kept in the outp
 every operand holding it and in the output; a contracted letter shards it in the operands and leaves the output
 ``Partial``. The product is linear in each operand, so one ``Partial`` operand with the others replicated gives a
 ``Partial`` output. A bias added to a ``Partial`` product must itself be ``Partial`` (added once over the axis).
+A product whose output one split cuts into equal blocks along its last dim (a fused projection,
+``views.fused_blocks``) may also split that dim ``Strided``, with the weight's and the bias's matching dim.
 """
 
 from __future__ import annotations
 
 import torch
 
-from autopart.placement import Placement, Shard
+from autopart.placement import Placement, Shard, Strided
 from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
 
 aten = torch.ops.aten
@@ -63,7 +65,37 @@ def _matmul_rule(equation: str, info: NodeInfo, tensor_args: list, bias_arg=None
         if len(placement) != len(info.inputs):
             continue
         opts.append(Option1D(tuple(placement[i] for i in range(len(info.inputs))), out))
-    return opts
+    return opts + _strided(equation, info, tensor_args, bias_arg)
+
+
+def _strided(equation: str, info: NodeInfo, tensor_args: list, bias_arg) -> list[Option1D]:
+    """The fused-projection option: the output's last dim ``Strided`` in the blocks one split cuts it into, with
+    every operand holding that letter (the weight) and the bias split alike, the rest whole."""
+    from autopart.strategy.views import fused_blocks
+
+    lhs, out = equation.split("->")
+    c = out[-1]
+    k = fused_blocks(info.node, -1) if info.node is not None else None
+    if not k:
+        return []
+    placement: dict[int, Placement] = {}
+    for a, op in zip(tensor_args, lhs.split(",")):
+        i = info.index(a)
+        if i is None:
+            continue
+        p = Strided(op.index(c), k) if c in op else R
+        if placement.get(i, p) != p:
+            return []
+        placement[i] = p
+    bi = info.index(bias_arg)
+    if bi is not None:
+        bias_shape = info.shape(bi)
+        if bi in placement or not bias_shape or bias_shape[-1] != info.out_shape[-1]:
+            return []
+        placement[bi] = Strided(len(bias_shape) - 1, k)
+    if len(placement) != len(info.inputs) or not any(isinstance(p, Strided) for p in placement.values()):
+        return []
+    return [Option1D(tuple(placement[i] for i in range(len(info.inputs))), Strided(len(info.out_shape) - 1, k))]
 
 
 @register(aten.linear.default)

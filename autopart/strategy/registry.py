@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopart.placement import Partial, Placement, Replicate, Shard, Spec
+from autopart.placement import Partial, Placement, Replicate, Shard, Spec, Strided, is_shard
 
 R = Replicate()
 P = Partial()
@@ -131,16 +131,22 @@ def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes
     """Even shards of ``shape`` under ``placements``; a dim split on several axes only where ``nested`` (its
     pieces then nest in mesh order: expert weights, ``NESTED_INPUTS``)."""
     if shape is None:
-        return all(not isinstance(p, Shard) for p in placements)
+        return all(not is_shard(p) for p in placements)
     used: dict[int, int] = {}
+    strided: set[int] = set()
     for p, n in zip(placements, sizes):
-        if isinstance(p, Shard):
+        if is_shard(p):
             if not shape:
                 return False
             d = p.dim % len(shape)
             ways = used.get(d, 1) * n
-            if (d in used and not nested) or shape[d] % ways != 0 or shape[d] < ways:
+            if (d in used and (not nested or d in strided or isinstance(p, Strided))) or shape[d] % ways != 0 or \
+                    shape[d] < ways:
                 return False
+            if isinstance(p, Strided):  # each of its blocks splits evenly
+                if shape[d] % (p.blocks * n) != 0:
+                    return False
+                strided.add(d)
             used[d] = ways
     return True
 
@@ -170,7 +176,22 @@ def _call_key(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...])
         return repr(a)
 
     return (node.target, tuple(mesh_shape), enc(node.args), enc(dict(node.kwargs)),
-            tuple(_sig(a.meta.get("val")) for a in inputs), _sig(node.meta.get("val")))
+            tuple(_sig(a.meta.get("val")) for a in inputs), _sig(node.meta.get("val")), _blocks(node))
+
+
+def _blocks(node: fx.Node) -> tuple:
+    """What the rules that offer ``Strided`` see beyond the call (``views.fused_blocks``): into how many equal
+    blocks the consumers cut each output dim."""
+    from autopart.strategy.views import _SAME_VIEWS, fused_blocks
+
+    val = node.meta.get("val")
+    if node.target not in _SAME_VIEWS and node.target not in _MATMULS or not isinstance(val, torch.Tensor):
+        return ()
+    return tuple(fused_blocks(node, d) for d in range(val.dim()))
+
+
+_MATMULS = frozenset([torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
+                      torch.ops.aten.bmm.default, torch.ops.aten.matmul.default, torch.ops.aten.outer.default])
 
 
 _OPTIONS_CACHE: dict[Any, tuple[list[OpOption], bool]] = {}

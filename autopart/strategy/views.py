@@ -3,6 +3,11 @@
 A sharded dimension survives a layout op when it maps to one output dimension that holds its elements as
 contiguous equal blocks: for ``view`` that is the outermost dimension of a merged or split group. ``Partial``
 passes through every layout op (they are linear).
+
+A fused projection's output ([q | k | v] of GPT-2's ``c_attn``) that one split cuts into equal blocks, maybe after
+views that keep that dim whole, may be ``Strided(dim, blocks)``: each rank holds its piece of every block, so the
+split leaves it its own part of each block (``fused_blocks``; the matmul rules offer the layout, the views carry
+it, the split turns it into ``Shard`` of each block).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import math
 
 import torch
 
-from autopart.placement import Shard
+from autopart.placement import Shard, Strided
 from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
 
 aten = torch.ops.aten
@@ -44,6 +49,60 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
     return groups
 
 
+_SPLITS = frozenset([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default])
+_SAME_VIEWS = frozenset([aten.view.default, aten.reshape.default, aten._unsafe_view.default])
+
+
+def _kept_dim(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int | None:
+    """The output dim of a view ``src -> dst`` that holds input dim ``d`` whole (merged or split only with size-1
+    dims), None if the view merges or splits it."""
+    for gi, gj in view_groups(src, dst):
+        if d in gi:
+            big_i, big_j = [x for x in gi if src[x] > 1], [x for x in gj if dst[x] > 1]
+            return big_j[0] if big_i == [d] and len(big_j) == 1 and dst[big_j[0]] == src[d] else None
+    return None
+
+
+def split_dim(node) -> int | None:
+    """The dim a split/chunk node cuts."""
+    if node.target == aten.chunk.default or node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        return dim % node.args[0].meta["val"].dim()
+    return None
+
+
+def equal_parts(node) -> int | None:
+    """How many equal parts a split/chunk node cuts its input into (None: unequal, or one)."""
+    d, outs = split_dim(node), node.meta.get("val")
+    if d is None or not isinstance(outs, (list, tuple)) or len(outs) < 2:
+        return None
+    return len(outs) if len({int(o.shape[d]) for o in outs}) == 1 else None
+
+
+def fused_blocks(node, dim: int) -> int | None:
+    """Into how many equal blocks the one consumer of ``node``'s output cuts its dim ``dim``: a split or chunk
+    along it into equal parts, after views that keep the dim whole (GPT-2's ``addmm -> view -> split``); None
+    where the output has other users or nothing cuts it so."""
+    cur = node
+    val = cur.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    d = dim % val.dim()
+    while True:
+        users = list(cur.users)
+        if len(users) != 1 or not users[0].args or users[0].args[0] is not cur:
+            return None
+        u = users[0]
+        if u.target in _SPLITS:
+            return equal_parts(u) if split_dim(u) == d else None
+        if u.target not in _SAME_VIEWS:
+            return None
+        d = _kept_dim(tuple(cur.meta["val"].shape), tuple(u.meta["val"].shape), d)
+        if d is None:
+            return None
+        cur = u
+
+
 def _view_rule(info: NodeInfo, n: int) -> list[Option1D]:
     src, dst = info.shape(0), info.out_shape
     opts = [Option1D((R,), R), Option1D((P,), P)]
@@ -54,6 +113,10 @@ def _view_rule(info: NodeInfo, n: int) -> list[Option1D]:
             continue
         if src[a] % n == 0 and dst[b] % n == 0:
             opts.append(Option1D((Shard(a),), Shard(b)))
+        if _kept_dim(src, dst, a) == b and info.node.target in _SAME_VIEWS:
+            k = fused_blocks(info.node, b)
+            if k and dst[b] % (k * n) == 0:
+                opts.append(Option1D((Strided(a, k),), Strided(b, k)))
     return opts
 
 
@@ -164,7 +227,13 @@ def _split(info: NodeInfo, n: int) -> list[Option1D]:
         dim = info.args[1] if len(info.args) > 1 else 0
     else:
         dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
-    return _other_dims(info, dim, multi=len(info.val))
+    opts = _other_dims(info, dim, multi=len(info.val))
+    k = equal_parts(info.node) if info.node.target in _SPLITS else None
+    if k and info.shape(0)[dim % len(info.shape(0))] % (k * n) == 0 and len(info.inputs) == 1:
+        # a fused projection's blocks, each rank holding its piece of each: its piece of every part
+        d = dim % len(info.shape(0))
+        opts.append(Option1D((Strided(d, k),), tuple(Shard(d) for _ in range(k))))
+    return opts
 
 
 @register(aten.select.int)
