@@ -45,7 +45,7 @@ from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
-from autopart.placement import Replicate, Shard, parse_spec
+from autopart.placement import Replicate, Shard, is_shard, parse_spec
 from autopart.solver.ilp import SolverTimeout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -271,7 +271,7 @@ def model_flops(model: nn.Module, traced, tokens: int) -> tuple[float, int, int]
 
 # ---- reading a plan --------------------------------------------------------------------------------------------
 def _local_bytes(val: torch.Tensor, spec, mesh) -> float:
-    f = math.prod(n for p, n in zip(spec, mesh) if isinstance(p, Shard))
+    f = math.prod(n for p, n in zip(spec, mesh) if is_shard(p))
     return math.prod(val.shape) * val.dtype.itemsize / f
 
 
@@ -494,7 +494,7 @@ def strategy(plan, traced=None) -> dict[str, Any]:
         if not _block_param(fqn):
             continue
         for i, p in enumerate(parse_spec(spec)):
-            if isinstance(p, Shard) and mesh[i] > 1:
+            if is_shard(p) and mesh[i] > 1:
                 roles[i].add("zero" if (node_of.get(fqn), i) in gathered else "tp")
     attn = [r for r in plan.nodes.values() if "scaled_dot_product" in r["op"] and r["layer"]]
     acts = attn or [r for r in plan.nodes.values() if r["layer"] and ("linear" in r["op"] or "mm" in r["op"])]

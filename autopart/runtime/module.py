@@ -60,6 +60,25 @@ def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) 
     return out
 
 
+def _savable_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    from autopart.runtime.optim_state import savable
+
+    for k, v in list(state_dict.items()):
+        state_dict[k] = savable(v)
+
+
+def _strided_state_dict(module, state_dict, prefix, *args) -> None:
+    """Values for strided parameters, saved split plainly (``_savable_state_dict``), back in their layout."""
+    from autopart._torch_private import is_strided_shard
+    from autopart.runtime.optim_state import redistribute
+
+    for key, p in module._params.items():
+        k = f"{prefix}_params.{key}"
+        v = state_dict.get(k)
+        if isinstance(v, DTensor) and any(is_strided_shard(q) for q in p.placements):
+            state_dict[k] = redistribute(v, p.placements)
+
+
 @dataclass
 class Program:
     """One traced signature's rewritten graph and how to feed it."""
@@ -261,6 +280,10 @@ class ParallelModule(nn.Module):
         self.register_load_state_dict_pre_hook(lambda module, *args: module._finish_param_gathers())
         self._shadow_optimizers: list[weakref.ref] = []  # ShadowOptimizers built by self.optimizer
         self.register_load_state_dict_post_hook(lambda module, incompatible: module._sync_shadow_optimizers())
+        # a fused projection's strided parameters leave as the plain split of their dim (DCP cannot write a strided
+        # piece; any plan loads the plain one) and come back strided
+        self.register_state_dict_post_hook(_savable_state_dict)
+        self.register_load_state_dict_pre_hook(_strided_state_dict)
 
     # ---- parameters ----------------------------------------------------------------------------------------
     def _key(self, fqn: str) -> str:

@@ -95,9 +95,52 @@ def _saved_placements(s) -> list:
     taken = {pl.dim for pl in p.placements if isinstance(pl, Shard)}
     free = [d for d in range(p.dim()) if d not in taken]
     if not free:
-        return list(p.placements)
+        return savable_placements(p.placements)
     k = max(free, key=lambda d: p.shape[d])
-    return [Shard(k) if i in s.axes else pl for i, pl in enumerate(p.placements)]
+    return savable_placements([Shard(k) if i in s.axes else pl for i, pl in enumerate(p.placements)])
+
+
+def savable_placements(placements) -> list:
+    """``placements`` as saved: a fused projection's strided split (``placement.Strided``, DTensor's
+    ``_StridedShard``) as the plain split of its dim, which DCP can write (a rank's strided piece is not one block
+    of the tensor) and any plan can load."""
+    from autopart._torch_private import is_strided_shard
+
+    return [Shard(p.dim) if is_strided_shard(p) else p for p in placements]
+
+
+def redistribute(t: DTensor, placements) -> DTensor:
+    """``t.redistribute(mesh, placements)``, where a strided split (``_StridedShard``) in ``placements`` is cut by
+    hand from the dim gathered on its axis: DTensor's own redistribution into one fails on a 2-D mesh (torch 2.13,
+    a tensor-parallel state loaded from a plain split)."""
+    from autopart._torch_private import is_strided_shard
+
+    placements = list(placements)
+    if list(t.placements) == placements:
+        return t
+    with _quiet_redistribute():
+        if not any(is_strided_shard(p) for p in placements):
+            return t.redistribute(t.device_mesh, placements)
+        mesh = t.device_mesh
+        mid = t.redistribute(mesh, [Replicate() if is_strided_shard(p) else p for p in placements])
+    local, coords = mid.to_local(), mesh.get_coordinate()
+    for i, p in enumerate(placements):
+        if is_strided_shard(p):
+            n = mesh.size(i)
+            local = torch.cat([b.chunk(n, dim=p.dim)[coords[i]] for b in local.chunk(p.split_factor, dim=p.dim)],
+                              dim=p.dim)
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def savable(t: Any) -> Any:
+    """A DTensor in ``savable_placements`` (redistributed, a copy, where they differ); anything else as it is."""
+    if not isinstance(t, DTensor):
+        return t
+    target = savable_placements(t.placements)
+    if target == list(t.placements):
+        return t
+    with _quiet_redistribute():
+        return t.redistribute(t.device_mesh, target)
 
 
 @contextlib.contextmanager
@@ -141,10 +184,10 @@ def _to_saved(e: _Entry, t: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(local, block.device_mesh, block.placements, run_check=False, shape=block.shape,
                                   stride=block.stride())
     if isinstance(t, DTensor) or not isinstance(e.device, DTensor):
-        return t
+        return savable(t)
     p = e.device
-    return DTensor.from_local(t.detach(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                              stride=p.stride())
+    return savable(DTensor.from_local(t.detach(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride()))
 
 
 def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
@@ -152,10 +195,11 @@ def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
         return v
     if e.slice is not None and isinstance(v, DTensor):  # the saved layout, back to this rank's slice
         s = e.slice
-        with _quiet_redistribute():
-            whole = v.to(s.param.to_local().device).redistribute(s.param.device_mesh, s.param.placements).to_local()
+        whole = redistribute(v.to(s.param.to_local().device), s.param.placements).to_local()
         local = whole.reshape(-1)[s.start: s.end]
         return local.to(like.device) if isinstance(like, torch.Tensor) else local
+    if isinstance(v, DTensor) and isinstance(e.device, DTensor):  # saved split plainly (``savable``): back to the
+        v = redistribute(v, e.device.placements)  # parameter's strided split
     return v.to_local() if isinstance(v, DTensor) and not isinstance(like, DTensor) else v
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopart.placement import Partial, Placement, Replicate, Shard, Spec, Strided, is_shard
+from autopart.placement import Partial, Placement, Replicate, Spec, Strided, is_shard
 
 R = Replicate()
 P = Partial()

@@ -306,11 +306,11 @@ def _parallelize(model, name: str, **kw):
                                 offload=offload, pipeline=pipeline, **kw)
 
 
-def _save_run(path: str, plan: str):
+def _save_run(path: str, plan: str, model: str = "gpt"):
     """One AdamW step on ``plan``, then a DCP checkpoint of weights and optimizer state."""
     import torch.distributed.checkpoint as dcp
 
-    pm = _parallelize(make_model("gpt", 4), plan)
+    pm = _parallelize(make_model(model, 4), plan)
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     ids = batches()[0]
     loss = pm.forward_backward(ids, labels=ids).item()
@@ -321,15 +321,15 @@ def _save_run(path: str, plan: str):
     # what the rank saves of its optimizer state (its blocks), against what its optimizer holds (its slices)
     held = sum(getattr(v, "_local_tensor", v).numel() for st in opt.state.values() for v in st.values() if v.dim())
     saved = sum(v.to_local().numel() for st in optim["state"].values() for v in st.values() if v.dim())
-    return loss, held, saved
+    return loss, held, saved, pm.plan.to_json()
 
 
-def _load_run(path: str, plan: str):
+def _load_run(path: str, plan: str, model: str = "gpt"):
     """A fresh module on ``plan`` (another initialisation), loaded from the checkpoint another plan saved; two
     more steps."""
     import torch.distributed.checkpoint as dcp
 
-    other = make_model("gpt", 4)
+    other = make_model(model, 4)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -362,7 +362,29 @@ def test_resume_on_another_plan(tmp_path, saved, loaded):
     first = run_ranks(world[saved], _save_run, path, saved)
     results = run_ranks(world[loaded], _load_run, path, loaded)
     ref_losses, ref_params, ref_logits = reference("gpt", 4)
-    assert all(abs(loss - ref_losses[0]) <= 1e-5 for loss, _, _ in first), (first, ref_losses)
+    assert all(abs(loss - ref_losses[0]) <= 1e-5 for loss, _, _, _ in first), (first, ref_losses)
     # ZeRO-sharded states are saved sharded: each rank writes about its slices, not the gathered states
-    assert all(saved <= 1.2 * held for _, held, saved in first), first
+    assert all(saved <= 1.2 * held for _, held, saved, _ in first), first
     check("gpt", results, (ref_losses[1:], ref_params, ref_logits))
+
+
+@pytest.mark.parametrize("saved,loaded", [("tp2xdp2-zero2", "dp2-zero1"), ("dp2-zero1", "dp2xtp2-zero1")])
+def test_fused_projection_checkpoint_resumes_on_another_plan(tmp_path, saved, loaded):
+    """GPT-2's fused ``c_attn`` split over tp in blocks (``Strided``: each rank its heads of q, k and v) is saved as
+    the plain split of its dim and resumes on a plan without it, and the other way round (weights and AdamW states,
+    ZeRO-1/2 slices included), as one process's 3 uninterrupted steps."""
+    pytest.importorskip("transformers")
+    from autopart.plan import Plan
+    from tests.multiproc.parity import check, reference
+
+    path = str(tmp_path / "ckpt")
+    world = {name: math.prod(v[0]) for name, v in _PLANS.items()}
+    first = run_ranks(world[saved], _save_run, path, saved, "hf-gpt2")
+    results = run_ranks(world[loaded], _load_run, path, loaded, "hf-gpt2")
+    strided = [Plan.from_json(first[0][3]).params, Plan.from_json(results[0][3]).params]
+    fused = "transformer.h.0.attn.c_attn.weight"
+    assert [any("/3" in p[k] for k in p if "c_attn" in k) for p in strided] == ["tp" in saved, "tp" in loaded], \
+        [p[fused] for p in strided]
+    ref_losses, ref_params, ref_logits = reference("hf-gpt2", 4)
+    assert all(abs(loss - ref_losses[0]) <= 1e-5 for loss, _, _, _ in first), (first, ref_losses)
+    check("hf-gpt2", results, (ref_losses[1:], ref_params, ref_logits))
