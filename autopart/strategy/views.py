@@ -79,10 +79,16 @@ def equal_parts(node) -> int | None:
     return len(outs) if len({int(o.shape[d]) for o in outs}) == 1 else None
 
 
+# whether rules offer ``Strided`` layouts at all (``benchmarks/bench_fused_qkv.py`` plans with it off to compare)
+STRIDED = True
+
+
 def fused_blocks(node, dim: int) -> int | None:
     """Into how many equal blocks the one consumer of ``node``'s output cuts its dim ``dim``: a split or chunk
     along it into equal parts, after views that keep the dim whole (GPT-2's ``addmm -> view -> split``); None
     where the output has other users or nothing cuts it so."""
+    if not STRIDED:
+        return None
     cur = node
     val = cur.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -228,7 +234,7 @@ def _split(info: NodeInfo, n: int) -> list[Option1D]:
     else:
         dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
     opts = _other_dims(info, dim, multi=len(info.val))
-    k = equal_parts(info.node) if info.node.target in _SPLITS else None
+    k = equal_parts(info.node) if info.node.target in _SPLITS and STRIDED else None
     if k and info.shape(0)[dim % len(info.shape(0))] % (k * n) == 0 and len(info.inputs) == 1:
         # a fused projection's blocks, each rank holding its piece of each: its piece of every part
         d = dim % len(info.shape(0))
