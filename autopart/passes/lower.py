@@ -17,6 +17,7 @@ from autopart import regions
 from autopart.placement import Partial, Shard, Strided, local_shape
 from autopart.planner import ep_axes
 from autopart.runtime import collectives as C
+from autopart.strategy.views import slice_block
 
 aten = torch.ops.aten
 _SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
@@ -68,6 +69,13 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             size = node.args[1]
             size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
             node.args = (node.args[0], size) + tuple(node.args[2:])
+            changed = True
+        elif node.target == aten.slice.Tensor and any(isinstance(p, Strided) for p in ins[0]):
+            ways = 1  # one block of a strided fused projection: its bounds in the rank's piece of every block
+            for p, n in zip(ins[0], mesh_shape):
+                ways *= n if isinstance(p, Strided) else 1
+            dim, start, length = slice_block(node)
+            node.args = (node.args[0], dim, start // ways, (start + length) // ways)
             changed = True
         elif node.target in (aten.mean.dim, aten.mean.default):
             x_spec = ins[0]

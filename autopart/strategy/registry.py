@@ -185,6 +185,9 @@ def _blocks(node: fx.Node) -> tuple:
     from autopart.strategy.views import _SAME_VIEWS, fused_blocks
 
     val = node.meta.get("val")
+    if node.target == torch.ops.aten.slice.Tensor and node.args and isinstance(node.args[0], fx.Node):
+        src = node.args[0]  # a slice is a block of its input when its siblings cut it in blocks
+        return tuple(fused_blocks(src, d) for d in range(src.meta["val"].dim()))
     if node.target not in _SAME_VIEWS and node.target not in _MATMULS or not isinstance(val, torch.Tensor):
         return ()
     return tuple(fused_blocks(node, d) for d in range(val.dim()))

@@ -83,10 +83,42 @@ def equal_parts(node) -> int | None:
 STRIDED = True
 
 
+def slice_block(node) -> tuple[int, int, int] | None:
+    """(dim, start, length) of a ``slice`` node with step 1, its bounds clamped to the dim."""
+    if node.target != aten.slice.Tensor:
+        return None
+    size = node.args[0].meta["val"].shape
+    args = list(node.args) + [None, 0, None, None, 1][len(node.args):]
+    d, start, end, step = args[1] % len(size), args[2] or 0, args[3], args[4]
+    if node.kwargs or not all(isinstance(x, int) for x in (start, step)) or not isinstance(end, (int, type(None))):
+        return None
+    n = int(size[d])
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = n if end is None else max(0, min(n, end + n if end < 0 else end))
+    return (d, start, end - start) if step == 1 and end > start else None
+
+
+def _sliced_blocks(node, d: int) -> int | None:
+    """Into how many equal blocks the slices that are all of ``node``'s users cut its dim ``d``, each slice one
+    block (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:2h]``, ...); None if they are not such slices."""
+    users = list(node.users)
+    if len(users) < 2 or any(u.args[0] is not node for u in users):
+        return None
+    blocks = [slice_block(u) for u in users]
+    if any(b is None or b[0] != d for b in blocks):
+        return None
+    length = blocks[0][2]
+    size = int(node.meta["val"].shape[d])
+    if any(b[2] != length or b[1] % length for b in blocks) or size % length or size == length:
+        return None
+    return size // length
+
+
 def fused_blocks(node, dim: int) -> int | None:
-    """Into how many equal blocks the one consumer of ``node``'s output cuts its dim ``dim``: a split or chunk
-    along it into equal parts, after views that keep the dim whole (GPT-2's ``addmm -> view -> split``); None
-    where the output has other users or nothing cuts it so."""
+    """Into how many equal blocks the consumers of ``node``'s output cut its dim ``dim``: one split or chunk
+    along it into equal parts, or slices that are each one such block, after views that keep the dim whole
+    (GPT-2's ``addmm -> view -> split``, Phi-3's ``linear -> slice, slice, slice``); None where the output has
+    other users or nothing cuts it so."""
     if not STRIDED:
         return None
     cur = node
@@ -96,6 +128,8 @@ def fused_blocks(node, dim: int) -> int | None:
     d = dim % val.dim()
     while True:
         users = list(cur.users)
+        if users and all(u.target == aten.slice.Tensor for u in users):
+            return _sliced_blocks(cur, d)
         if len(users) != 1 or not users[0].args or users[0].args[0] is not cur:
             return None
         u = users[0]
@@ -224,7 +258,14 @@ def _other_dims(info: NodeInfo, dim: int, multi: int | None = None) -> list[Opti
 
 @register(aten.slice.Tensor)
 def _slice(info: NodeInfo, n: int) -> list[Option1D]:
-    return _other_dims(info, info.args[1] if len(info.args) > 1 else 0)
+    opts = _other_dims(info, info.args[1] if len(info.args) > 1 else 0)
+    block = slice_block(info.node)
+    if block and len(info.inputs) == 1:  # one block of a fused projection split in blocks: this rank's piece of it
+        d, start, length = block
+        k = fused_blocks(info.inputs[0], d)
+        if k and length % n == 0 and length * k == info.shape(0)[d]:
+            opts.append(Option1D((Strided(d, k),), Shard(d)))
+    return opts
 
 
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)

@@ -43,6 +43,11 @@ def make_model(name: str, layers: int = 2):
         from transformers import GemmaConfig, GemmaForCausalLM
 
         return GemmaForCausalLM(GemmaConfig(head_dim=8, **_HF_LLAMALIKE, num_hidden_layers=layers))
+    if name == "hf-phi3":  # fused qkv_proj sliced into q, k, v and gate_up_proj chunked: split in blocks (Strided)
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        return Phi3ForCausalLM(Phi3Config(**{**_HF_LLAMALIKE, "num_key_value_heads": 4}, num_hidden_layers=layers,
+                                          resid_pdrop=0.0, embd_pdrop=0.0))
     if name == "hf-falcon":  # FalconLinear's weight.T (numpy_T), fused_qkv[:, :, [-2]] (index.Tensor)
         from transformers import FalconConfig, FalconForCausalLM
 

@@ -38,6 +38,10 @@ def test_parity(model: str, config: str) -> None:
         assert plan.axis_role(axis) in ("tensor", "data+tensor")
         sharded = [k for k, v in plan.params.items() if "S" in v and k.endswith("weight")]
         assert len(sharded) >= 4, plan.params
+        if model == "hf-gpt2":  # the fused [q | k | v] split in its blocks: each rank its heads, nothing between
+            assert all(plan.params[f"transformer.h.{i}.attn.c_attn.weight"].endswith("S(1)/3") for i in range(2))
+            assert not any(kind == "all_to_all" for kind, _ in plan.collective_counts("transformer.h.0")), \
+                plan.collective_counts("transformer.h.0")
     if "dp" in roles:
         from autopart.plan import Plan
 
@@ -49,13 +53,14 @@ def test_parity(model: str, config: str) -> None:
 # architectures whose graphs needed rules or passes beyond GPT-2 and Llama: RMSNorm's type_as (Gemma), weight.T
 # and list indexing (Falcon), in-place writes into new tensors (T5's labels shifted right; ``inplace``), the SSM's
 # conv1d, zero pads and repeat_interleave (Mamba-2); an op without a rule on a data-parallel batch (``unruled``:
-# gathered for it). One spawned world runs them all (start-up dominates).
+# gathered for it); Phi-3's fused projections sliced and chunked into blocks (split in them: ``Strided``). One
+# spawned world runs them all (start-up dominates).
 # Mixture-of-experts layers that dispatch over all tokens run as one token-local node on each rank's own tokens
 # (``hf-mixtral``: Hugging Face's sort/histc/grouped_mm; ``routed``: a declared module with a nonzero loop; under
 # tp2, hf-mixtral's and DeepSeek-V3's experts split over the axis: expert parallelism).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
        ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2"),
-       ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2")]
+       ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2"), ("hf-phi3", "tp2")]
 # dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
 # DeepSpeed-MoE runs it), the rest data parallel
 _EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
@@ -90,6 +95,9 @@ def test_more_architectures() -> None:
             assert not set(_EXPERTS) & set(plan.reduced) and "4 experts over dp" in str(plan), plan.reduced
         if model == "hf-deepseek-v3":  # its experts split over tp too (with its shared expert and grouped routing)
             assert "model.layers.1.mlp (4 experts over tp)" in per_rank[0][2], per_rank[0][2]
+        if model == "hf-phi3":  # qkv_proj sliced into q, k, v and gate_up_proj chunked: both split in their blocks
+            assert [plan.params[f"model.layers.0.{w}.weight"] for w in ("self_attn.qkv_proj", "mlp.gate_up_proj")] \
+                == ["S(0)/3", "S(0)/2"], plan.params
         if model == "hf-mixtral" and config == "tp2":  # expert parallel: each rank's tokens to their experts' ranks
             experts = {k: v for k, v in plan.params.items() if ".experts." in k}
             assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts
