@@ -682,9 +682,11 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
     experts = kind == "param" and _expert_weight(node)
     for combo in itertools.product(*per_axis):
         dims = [p.dim for p in combo if is_shard(p)]
-        if any(isinstance(p, Strided) for p in combo):  # a fused projection's blocks: on one axis, no ZeRO-3
+        if any(isinstance(p, Strided) for p in combo):  # a fused projection's blocks, on one axis
             if len(dims) == len(set(dims)):
                 out.append(OpOption((), tuple(combo)))
+                if kind == "param" and any(isinstance(p, Shard) for p in combo):  # ZeRO-3 over another dim
+                    out.append(OpOption((), tuple(combo), tag="zero3"))
             continue
         if len(dims) != len(set(dims)):
             ways = math.prod(n for p, n in zip(combo, mesh_shape) if isinstance(p, Shard))
@@ -1087,6 +1089,12 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
         return sharded and o.tag == "zero3"
 
     keep = [o for o in opts if ok(o)]
+    if zero == 3:  # a strided layout ZeRO-3 cannot split further (a fused projection's bias: its one dim is the
+        # strided one) stays, whole on the data axes, rather than leave its users no layout they can take
+        have = {tuple(p for i, p in enumerate(o.output) if i not in dp_axes) for o in keep}
+        keep += [o for o in opts if not o.tag and any(isinstance(p, Strided) for p in o.output) and
+                 not any(is_shard(o.output[i]) for i in dp_axes) and
+                 tuple(p for i, p in enumerate(o.output) if i not in dp_axes) not in have]
     return keep or [o for o in opts if not o.tag and not any(is_shard(o.output[i]) for i in dp_axes)]
 
 

@@ -279,13 +279,13 @@ def train(pm, opt) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch: bool = False,
                 checkpoint: dict[str, str] | str | None = None, pipeline: dict | str | None = None,
-                layers: int = 2, pins: dict[str, str] | None = None):
+                layers: int = 2, pins: dict[str, str] | None = None, zero: int | None = None):
     model = make_model(name, layers)
     model.train()
     mesh = autopart.mesh(shape, names)
     ids0 = batches()[0]
     pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0}, roles=roles, local_batch=False,
-                              checkpoint=checkpoint, pipeline=pipeline, pins=pins)
+                              checkpoint=checkpoint, pipeline=pipeline, pins=pins, zero=zero)
     losses, full = train(pm, torch.optim.AdamW(pm.parameters(), **OPT))
     # forward only, a signature the plan was not traced for: planned on first use
     out = pm(batches()[0], **forward_only_kwargs(name, batches()[0]))

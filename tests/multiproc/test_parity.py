@@ -122,3 +122,30 @@ def test_hf_moe_expert_parallel_on_2x2() -> None:
         assert f"model.layers.0.mlp (4 experts over {over})" in per_rank[0][2], per_rank[0][2]
         plan = Plan.from_json(per_rank[0][3])
         assert not set(_EXPERTS) & {k for k, axes in plan.reduced.items() if 1 in axes}, plan.reduced
+
+
+# GPT-2's fused c_attn split in its blocks (Strided) with FSDP on the other axis (ZeRO-3 over the weight's rows, the
+# bias, whose one dim is the strided one, whole there: torchtitan's FSDP2 + TP layout) and inside pipeline stages
+FUSED = [("dp2xtp2-zero3", (2, 2), ("dp", "tp"), {"dp": "dp", "tp": "tp"}, "off", 3),
+         ("pp2xtp2", (2, 2), ("pp", "tp"), {"pp": "pp", "tp": "tp"}, {"schedule": "1f1b", "micro_batches": 2}, None)]
+
+
+def _fused(cases):
+    return [distributed("hf-gpt2", shape, names, roles, pipeline=pp, zero=zero)
+            for _, shape, names, roles, pp, zero in cases]
+
+
+def test_fused_projection_with_fsdp_and_pipeline_stages() -> None:
+    pytest.importorskip("transformers")
+    from autopart.plan import Plan
+
+    results = run_ranks(4, _fused, FUSED)
+    for i, (label, *_rest) in enumerate(FUSED):
+        per_rank = [r[i] for r in results]
+        check(f"hf-gpt2 {label}", per_rank, reference("hf-gpt2"))
+        plan = Plan.from_json(per_rank[0][3])
+        w, b = (plan.params[f"transformer.h.0.attn.c_attn.{x}"] for x in ("weight", "bias"))
+        if label == "dp2xtp2-zero3":
+            assert (w, b) == ("S(0)S(1)/3", "RS(0)/3") and plan.zero["transformer.h.0.attn.c_attn.weight"] == 3
+        else:
+            assert (w, b) == ("RS(1)/3", "RS(0)/3") and plan.pipeline["degree"] == 2, (w, b, plan.pipeline)
