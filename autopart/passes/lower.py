@@ -24,6 +24,14 @@ _SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
 
+def _strided_ways(spec, mesh_shape) -> int:
+    """Over how many ranks a ``Strided`` input's blocks are split (1: it is not strided)."""
+    ways = 1
+    for p, n in zip(spec, mesh_shape):
+        ways *= n if isinstance(p, Strided) else 1
+    return ways
+
+
 def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModule, bool]:
     graph = gm.graph
     changed = False
@@ -61,19 +69,16 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             node.args = (args[0], args[1], batch_axes, vocab[0] if vocab else None, reduction, ignore)
             node.kwargs = {}
             changed = True
-        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and any(
-                isinstance(p, Strided) for p in ins[0]):
-            ways = 1
-            for p, n in zip(ins[0], mesh_shape):
-                ways *= n if isinstance(p, Strided) else 1
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and \
+                _strided_ways(ins[0], mesh_shape) > 1:
+            ways = _strided_ways(ins[0], mesh_shape)
             size = node.args[1]
             size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
             node.args = (node.args[0], size) + tuple(node.args[2:])
             changed = True
-        elif node.target == aten.slice.Tensor and any(isinstance(p, Strided) for p in ins[0]):
-            ways = 1  # one block of a strided fused projection: its bounds in the rank's piece of every block
-            for p, n in zip(ins[0], mesh_shape):
-                ways *= n if isinstance(p, Strided) else 1
+        elif node.target == aten.slice.Tensor and _strided_ways(ins[0], mesh_shape) > 1:
+            # one block of a strided fused projection: its bounds in the rank's piece of every block
+            ways = _strided_ways(ins[0], mesh_shape)
             dim, start, length = slice_block(node)
             node.args = (node.args[0], dim, start // ways, (start + length) // ways)
             changed = True
