@@ -1080,7 +1080,10 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={zero}: ZeRO levels are 0, 1, 2, 3")
     if not dp_axes:
-        raise ValueError("zero=... needs the data-parallel axis named: roles={'<axis>': 'dp'}")
+        if zero == 0:  # nothing is data parallel: nothing to keep whole or slice
+            return opts
+        raise ValueError(f"zero={zero} slices model states over the data-parallel axes, but no mesh axis has role "
+                         "'dp': name one, roles={'<axis>': 'dp'}, or leave zero unset")
 
     def ok(o: OpOption) -> bool:
         sharded = all(isinstance(o.output[i], Shard) for i in dp_axes)
@@ -2411,6 +2414,9 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         if name not in axis_names:
             raise ValueError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
     roles = {axis_names.index(a): r for a, r in opts.roles.items()}
+    if opts.zero and "dp" not in roles.values():  # said once, not per pipeline stage candidate
+        raise ValueError(f"zero={opts.zero} slices model states over the data-parallel axes, but no mesh axis has "
+                         f"role 'dp' (roles={opts.roles}): name one, roles={{'<axis>': 'dp'}}, or leave zero unset")
     pp_axes = [i for i, r in roles.items() if r == "pp"]
     forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
     free_axes = [i for i, n in enumerate(cluster.mesh_shape) if i not in roles and n > 1]

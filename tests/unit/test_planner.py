@@ -223,6 +223,16 @@ def test_forced_checkpoint_and_zero_recorded():
         autopart.plan(_gpt(), (2,), (IDS,), {"labels": IDS}, checkpoint="sometimes")
 
 
+def test_zero_without_a_data_parallel_axis():
+    """A ZeRO level slices over the dp axes: without one it is an error said once, naming the fix, not a failure of
+    every pipeline candidate; zero=0 asks for nothing there is to refuse."""
+    mesh = autopart.mesh((2, 2), ("pp", "tp"))
+    with pytest.raises(ValueError, match=r"zero=1 slices model states .* no mesh axis has role 'dp'"):
+        autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, roles={"pp": "pp", "tp": "tp"}, zero=1)
+    p = autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, roles={"pp": "pp", "tp": "tp"}, zero=0)
+    assert p.pipeline["degree"] == 2 and not p.zero
+
+
 @pytest.mark.parametrize("backend", ["highs", "cp-sat"])
 def test_solver_reports_hint_and_gap(backend):
     """A warm start reaches the MIP backend, the solution says so with the hint's objective, and never ends worse
