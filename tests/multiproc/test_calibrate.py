@@ -109,7 +109,9 @@ def test_calibrate_two_ranks_and_rank_correlation(tmp_path):
     table = "\n".join(f"{n}: predicted {p * 1e3:.1f} ms, measured {m * 1e3:.1f} ms" for n, p, m in rows)
     ladder = sorted(pred)
     # clearly different configurations overall (the predictions use this run's calibration, so the spacing of
-    # neighbours varies with the machine's load, 1.04-2.5x seen; an adjacent swap still leaves Spearman 0.9)
-    assert ladder[-1] / ladder[0] > 5, table
+    # neighbours varies with the machine's load, 1.04-2.5x seen; an adjacent swap still leaves Spearman 0.9). The
+    # whole ladder spans 5-9x on an idle machine; a fresh-clone CI run, its calibration sharing the 2 cores with
+    # other test workers, priced the smallest step 70.9 ms against 36.9 measured: 4.7x, with Spearman 1.0
+    assert ladder[-1] / ladder[0] > 3, table
     rho = spearman(pred, meas)
     assert rho >= 0.6, f"Spearman {rho:.2f}\n{table}"
