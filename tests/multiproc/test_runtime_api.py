@@ -306,11 +306,11 @@ def _parallelize(model, name: str, **kw):
                                 offload=offload, pipeline=pipeline, **kw)
 
 
-def _save_run(path: str, plan: str, model: str = "gpt"):
+def _save_run(path: str, plan: str, model: str = "gpt", layers: int = 4):
     """One AdamW step on ``plan``, then a DCP checkpoint of weights and optimizer state."""
     import torch.distributed.checkpoint as dcp
 
-    pm = _parallelize(make_model(model, 4), plan)
+    pm = _parallelize(make_model(model, layers), plan)
     opt = pm.optimizer(torch.optim.AdamW, **OPT)
     ids = batches()[0]
     loss = pm.forward_backward(ids, labels=ids).item()
@@ -324,12 +324,12 @@ def _save_run(path: str, plan: str, model: str = "gpt"):
     return loss, held, saved, pm.plan.to_json()
 
 
-def _load_run(path: str, plan: str, model: str = "gpt"):
+def _load_run(path: str, plan: str, model: str = "gpt", layers: int = 4):
     """A fresh module on ``plan`` (another initialisation), loaded from the checkpoint another plan saved; two
     more steps."""
     import torch.distributed.checkpoint as dcp
 
-    other = make_model(model, 4)
+    other = make_model(model, layers)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -379,12 +379,12 @@ def test_fused_projection_checkpoint_resumes_on_another_plan(tmp_path, saved, lo
 
     path = str(tmp_path / "ckpt")
     world = {name: math.prod(v[0]) for name, v in _PLANS.items()}
-    first = run_ranks(world[saved], _save_run, path, saved, "hf-gpt2")
-    results = run_ranks(world[loaded], _load_run, path, loaded, "hf-gpt2")
+    first = run_ranks(world[saved], _save_run, path, saved, "hf-gpt2", 2)
+    results = run_ranks(world[loaded], _load_run, path, loaded, "hf-gpt2", 2)
     strided = [Plan.from_json(first[0][3]).params, Plan.from_json(results[0][3]).params]
     fused = "transformer.h.0.attn.c_attn.weight"
     assert [any("/3" in p[k] for k in p if "c_attn" in k) for p in strided] == ["tp" in saved, "tp" in loaded], \
         [p[fused] for p in strided]
-    ref_losses, ref_params, ref_logits = reference("hf-gpt2", 4)
+    ref_losses, ref_params, ref_logits = reference("hf-gpt2", 2)
     assert all(abs(loss - ref_losses[0]) <= 1e-5 for loss, _, _, _ in first), (first, ref_losses)
     check("hf-gpt2", results, (ref_losses[1:], ref_params, ref_logits))
