@@ -682,19 +682,15 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
     experts = kind == "param" and _expert_weight(node)
     for combo in itertools.product(*per_axis):
         dims = [p.dim for p in combo if is_shard(p)]
-        if any(isinstance(p, Strided) for p in combo):  # a fused projection's blocks, on one axis
-            if len(dims) == len(set(dims)):
-                out.append(OpOption((), tuple(combo)))
-                if kind == "param" and any(isinstance(p, Shard) for p in combo):  # ZeRO-3 over another dim
-                    out.append(OpOption((), tuple(combo), tag="zero3"))
-            continue
-        if len(dims) != len(set(dims)):
+        if len(dims) != len(set(dims)):  # (a strided dim never nests: its parameter is no expert weight)
             ways = math.prod(n for p, n in zip(combo, mesh_shape) if isinstance(p, Shard))
             if experts and set(dims) == {0} and val.shape[0] % ways == 0:
                 out.append(OpOption((), tuple(combo)))
             continue
         out.append(OpOption((), tuple(combo)))
-        if kind == "param" and dims:  # ZeRO-3 / FSDP: gathered for each use, freed, gathered again for backward
+        if kind == "param" and any(isinstance(p, Shard) for p in combo):
+            # ZeRO-3 / FSDP: gathered for each use, freed, gathered again for backward (a fused projection's
+            # strided split stays as it is: ZeRO-3 gathers only its plain splits, over another dim)
             out.append(OpOption((), tuple(combo), tag="zero3"))
     if kind == "param":  # replicated; optimizer states (ZeRO-1), also gradients (ZeRO-2) flat-sliced where replicated
         base = [o for o in out if not o.tag and zero1_ways(o.output, mesh_shape) > 1]

@@ -70,15 +70,13 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             node.kwargs = {}
             changed = True
         elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and \
-                _strided_ways(ins[0], mesh_shape) > 1:
-            ways = _strided_ways(ins[0], mesh_shape)
+                (ways := _strided_ways(ins[0], mesh_shape)) > 1:
             size = node.args[1]
             size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
             node.args = (node.args[0], size) + tuple(node.args[2:])
             changed = True
-        elif node.target == aten.slice.Tensor and _strided_ways(ins[0], mesh_shape) > 1:
+        elif node.target == aten.slice.Tensor and (ways := _strided_ways(ins[0], mesh_shape)) > 1:
             # one block of a strided fused projection: its bounds in the rank's piece of every block
-            ways = _strided_ways(ins[0], mesh_shape)
             dim, start, length = slice_block(node)
             node.args = (node.args[0], dim, start // ways, (start + length) // ways)
             changed = True

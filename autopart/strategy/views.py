@@ -276,9 +276,9 @@ def _split(info: NodeInfo, n: int) -> list[Option1D]:
         dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
     opts = _other_dims(info, dim, multi=len(info.val))
     k = equal_parts(info.node) if info.node.target in _SPLITS and STRIDED else None
-    if k and info.shape(0)[dim % len(info.shape(0))] % (k * n) == 0 and len(info.inputs) == 1:
+    d = dim % len(info.shape(0))
+    if k and info.shape(0)[d] % (k * n) == 0 and len(info.inputs) == 1:
         # a fused projection's blocks, each rank holding its piece of each: its piece of every part
-        d = dim % len(info.shape(0))
         opts.append(Option1D((Strided(d, k),), tuple(Shard(d) for _ in range(k))))
     return opts
 
