@@ -5,8 +5,9 @@ rank of the axis, ``Partial()`` holds addends whose sum over the axis is the val
 ``dim`` into ``blocks`` equal blocks and splits each evenly over the axis, a rank holding its piece of every block,
 in order: the layout a fused projection (GPT-2's ``c_attn``, [q | k | v]) is split in for tensor parallelism, so
 that splitting its output into the blocks leaves each rank its own heads of q, k and v (DTensor's
-``_StridedShard``). A ``Spec`` is a tuple with one placement per mesh axis and prints compactly (``S(0)R``,
-``S(1)/3R``).
+``_StridedShard``). Its blocks may differ in length (``Strided(dim, 3, (h, kv, kv))``, printed ``S(0)/h+kv+kv``:
+Phi-3-medium's grouped-query ``qkv_proj``), each still split evenly. A ``Spec`` is a tuple with one placement per
+mesh axis and prints compactly (``S(0)R``, ``S(1)/3R``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,28 @@ class Shard:
 class Strided:
     dim: int
     blocks: int
+    sizes: tuple = ()  # the blocks' lengths when they differ (a grouped-query [q | k | v]); () when equal
 
     def __str__(self) -> str:
-        return f"S({self.dim})/{self.blocks}"
+        return f"S({self.dim})/{'+'.join(map(str, self.sizes)) if self.sizes else self.blocks}"
+
+    @staticmethod
+    def of(dim: int, blocks) -> Strided:
+        """The layout of ``dim`` cut into ``blocks``: a count of equal blocks, or their lengths."""
+        if isinstance(blocks, int):
+            return Strided(dim, blocks)
+        blocks = tuple(int(b) for b in blocks)
+        return Strided(dim, len(blocks)) if len(set(blocks)) == 1 else Strided(dim, len(blocks), blocks)
+
+    def parts(self, length: int) -> list[int]:
+        """The blocks' lengths along a dim of ``length``."""
+        return list(self.sizes) if self.sizes else [length // self.blocks] * self.blocks
+
+    def fits(self, length: int, n: int) -> bool:
+        """Each block of a dim of ``length`` splits evenly over ``n`` ranks."""
+        if self.sizes:
+            return sum(self.sizes) == length and all(b % n == 0 for b in self.sizes)
+        return length % (self.blocks * n) == 0
 
     def to_json(self) -> str:
         return str(self)
@@ -79,8 +99,9 @@ def parse_placement(text: str) -> Placement:
         return Shard(int(text[2:-1]))
     if text.startswith("S(") and ")/" in text:
         dim, blocks = text[2:].split(")/")
-        return Strided(int(dim), int(blocks))
-    raise ValueError(f"cannot parse placement {text!r}: expected 'R', 'P', 'S(<dim>)' or 'S(<dim>)/<blocks>'")
+        return Strided.of(int(dim), [int(b) for b in blocks.split("+")] if "+" in blocks else int(blocks))
+    raise ValueError(f"cannot parse placement {text!r}: expected 'R', 'P', 'S(<dim>)', 'S(<dim>)/<blocks>' or "
+                     f"'S(<dim>)/<size>+<size>+...'")
 
 
 def spec_str(spec: Spec) -> str:
@@ -95,9 +116,9 @@ def parse_spec(text: str) -> Spec:
             i += 1
         elif text.startswith("S(", i):
             j = text.index(")", i) + 1
-            if text.startswith("/", j):  # S(d)/blocks
+            if text.startswith("/", j):  # S(d)/blocks, S(d)/size+size+...
                 j += 1
-                while j < len(text) and text[j].isdigit():
+                while j < len(text) and (text[j].isdigit() or text[j] == "+"):
                     j += 1
             out.append(parse_placement(text[i:j]))
             i = j
@@ -125,5 +146,18 @@ def to_dtensor_placements(spec: Spec):
 
     from autopart._torch_private import strided_shard
 
-    return tuple(DShard(p.dim) if isinstance(p, Shard) else strided_shard(p.dim, p.blocks) if isinstance(p, Strided)
-                 else DPartial() if isinstance(p, Partial) else DReplicate() for p in spec)
+    def one(p):
+        if isinstance(p, Strided):  # blocks of unequal lengths: a plain split of the permuted tensor (``permuted``)
+            return DShard(p.dim) if p.sizes else strided_shard(p.dim, p.blocks)
+        return DShard(p.dim) if isinstance(p, Shard) else DPartial() if isinstance(p, Partial) else DReplicate()
+
+    return tuple(one(p) for p in spec)
+
+
+def permuted(spec: Spec) -> list[tuple[int, Strided]]:
+    """(axis, placement) of each ``Strided`` of unequal blocks in ``spec``. DTensor has no such placement
+    (``_StridedShard`` cuts equal blocks), so a parameter in one is stored as the plain split (``Shard``) of its
+    blocks' pieces in rank order -- rank 0's piece of every block, then rank 1's, ... -- a tensor whose
+    ``full_tensor()`` is that permutation of the parameter; ``ParallelModule`` saves, loads and gathers it in the
+    parameter's own order (``runtime.module.unpermute``)."""
+    return [(i, p) for i, p in enumerate(spec) if isinstance(p, Strided) and p.sizes]

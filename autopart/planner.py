@@ -672,7 +672,7 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
         choices = [Replicate()]
         if kind in ("param", "input") and n > 1:
             choices += [Shard(d) for d in range(val.dim()) if val.shape[d] % n == 0 and val.shape[d] >= n]
-            choices += [p for p in strided if val.shape[p.dim] % (p.blocks * n) == 0]
+            choices += [p for p in strided if p.fits(val.shape[p.dim], n)]
         per_axis.append(choices)
     import itertools
 

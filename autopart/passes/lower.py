@@ -5,7 +5,7 @@ local shapes; options whose local program is not "the same op on the shard" are 
 embedding (rows sharded, Partial output), cross-entropy over a sharded batch (sum / global count), mean over a
 sharded dimension (divided by the axis size, Partial); a token-local module's node calls the module
 (``autopart.regions.run``); a split of a ``Strided`` fused projection cuts the rank's piece of each block (its
-sizes divided by the axis sizes).
+sizes divided by the axis sizes); a grouped convolution split by channels convolves its share of the groups.
 """
 
 from __future__ import annotations
@@ -79,6 +79,15 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             # one block of a strided fused projection: its bounds in the rank's piece of every block
             dim, start, length = slice_block(node)
             node.args = (node.args[0], dim, start // ways, (start + length) // ways)
+            changed = True
+        elif node.target == aten.conv1d.default and any(p == Shard(1) for p in ins[0]):
+            # a grouped convolution whose groups split over ranks (``strategy.nn._conv1d``): the rank's groups
+            ways = 1
+            for p, n in zip(ins[0], mesh_shape):
+                ways *= n if p == Shard(1) else 1
+            args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:]
+            args[6] = node.kwargs.get("groups", args[6]) // ways
+            node.args, node.kwargs = tuple(args), {k: v for k, v in node.kwargs.items() if k != "groups"}
             changed = True
         elif node.target in (aten.mean.dim, aten.mean.default):
             x_spec = ins[0]

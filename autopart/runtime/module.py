@@ -26,11 +26,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopart._torch_private import dtensor_local
-from autopart.placement import Shard, Strided, parse_spec, to_dtensor_placements
+from autopart.placement import Shard, Strided, parse_spec, permuted, to_dtensor_placements
 from autopart.plan import Plan
 from autopart.runtime import collectives as C
 from autopart.runtime import context as RC
 from autopart.runtime import grads as G
+from autopart.runtime import optim_state as O
 from autopart.runtime.grads import BUCKET_BYTES  # noqa: F401 - where callers have read it from
 
 
@@ -56,27 +57,30 @@ def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) 
         if isinstance(p, Shard):
             out = out.chunk(n, dim=p.dim)[c]
         elif isinstance(p, Strided):  # its piece of each block, in order
-            out = torch.cat([b.chunk(n, dim=p.dim)[c] for b in out.chunk(p.blocks, dim=p.dim)], dim=p.dim)
+            out = torch.cat([b.chunk(n, dim=p.dim)[c] for b in out.split(p.parts(out.shape[p.dim]), dim=p.dim)],
+                            dim=p.dim)
     return out
 
 
 def _savable_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    from autopart.runtime.optim_state import savable
+    from autopart.runtime.optim_state import savable, unpermute
 
     for k, v in list(state_dict.items()):
-        state_dict[k] = savable(v)
+        key = k[len(prefix) + len("_params."):] if k.startswith(f"{prefix}_params.") else None
+        state_dict[k] = savable(unpermute(v, module._permuted.get(key, ())))
 
 
 def _strided_state_dict(module, state_dict, prefix, *args) -> None:
     """Values for strided parameters, saved split plainly (``_savable_state_dict``), back in their layout."""
     from autopart._torch_private import is_strided_shard
-    from autopart.runtime.optim_state import redistribute
+    from autopart.runtime.optim_state import permute, redistribute
 
     for key, p in module._params.items():
         k = f"{prefix}_params.{key}"
         v = state_dict.get(k)
-        if isinstance(v, DTensor) and any(is_strided_shard(q) for q in p.placements):
-            state_dict[k] = redistribute(v, p.placements)
+        perm = module._permuted.get(key, ())
+        if isinstance(v, DTensor) and (perm or any(is_strided_shard(q) for q in p.placements)):
+            state_dict[k] = permute(redistribute(v, p.placements), perm)
 
 
 @dataclass
@@ -232,6 +236,7 @@ class ParallelModule(nn.Module):
         named_buffers = dict(model.named_buffers(remove_duplicate=False))
         self._params = nn.ParameterDict()
         self._key_of: dict[str, str] = {}
+        self._permuted: dict[str, tuple] = {}  # key -> (axis, Strided) of blocks of unequal lengths (stored permuted)
         gd = plan.options.get("grad_dtype")
         # gradients kept and accumulated in it (PlanOptions.grad_dtype); None: each parameter's own dtype
         self._grad_dtype = grad_dtype = getattr(torch, gd) if gd else None
@@ -251,6 +256,8 @@ class ParallelModule(nn.Module):
             dt = DTensor.from_local(local, dm, to_dtensor_placements(spec), run_check=False,
                                     shape=full.shape, stride=full.stride())
             key = fqn.replace(".", "__")
+            if permuted(spec):  # blocks of unequal lengths: stored as the plain split of their pieces in rank order
+                self._permuted[key] = tuple(permuted(spec))
             self._params[key] = nn.Parameter(dt, requires_grad=named[fqn].requires_grad)
             if grad_dtype is not None and dt.is_floating_point():  # autograd casts, then accumulates, in it
                 self._params[key].grad_dtype = grad_dtype
@@ -333,7 +340,7 @@ class ParallelModule(nn.Module):
         self._finish_param_gathers()
         out = {}
         for fqn, key in self._key_of.items():
-            full = self._params[key].detach().full_tensor()
+            full = O.unpermute(self._params[key].detach(), self._permuted.get(key, ())).full_tensor()
             out[fqn] = full
             for alias in self._aliases.get(fqn, []):
                 out[alias] = full

@@ -45,6 +45,7 @@ class _Entry:
     key: torch.Tensor  # what ``opt.state`` is keyed by (the copy a ShadowOptimizer steps)
     device: torch.Tensor  # the module's parameter, or a ZeRO-1/2 slice leaf
     slice: Any  # zero1._Slice, or None
+    perm: tuple = ()  # the parameter's blocks of unequal lengths, stored permuted (``placement.permuted``)
 
 
 def _entries(module, opt) -> list[list[_Entry]]:
@@ -66,7 +67,7 @@ def _entries(module, opt) -> list[list[_Entry]]:
             if fqn is None:
                 raise ValueError("optimizer_state_dict: the optimizer steps a tensor that is not one of this module's "
                                  "parameters; build it with pm.optimizer(cls, ...)")
-            entries.append(_Entry(fqn, p, d, s))
+            entries.append(_Entry(fqn, p, d, s, module._permuted.get(module._key_of[fqn], ())))
         groups.append(entries)
     return groups
 
@@ -132,6 +133,44 @@ def redistribute(t: DTensor, placements) -> DTensor:
     return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
+def _gathered_on(t: DTensor, axes) -> torch.Tensor:
+    """``t``'s local tensor with ``axes`` gathered (replicated), the others as they are."""
+    with _quiet_redistribute():
+        return t.redistribute(t.device_mesh, [Replicate() if i in axes else p for i, p in enumerate(t.placements)]
+                              ).to_local()
+
+
+def unpermute(t: DTensor, perm) -> DTensor:
+    """A tensor held permuted (``placement.permuted``: each rank's pieces of unequal blocks as the plain split of a
+    permuted tensor) -> the same placements over the tensor in its own order. Gathers the permuted axes."""
+    if not perm or not isinstance(t, DTensor):
+        return t
+    mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
+    local = _gathered_on(t, [i for i, _ in perm])
+    for i, p in perm:
+        n = mesh.size(i)
+        parts = [q // n for q in p.parts(local.shape[p.dim])]
+        per_rank = [piece.split(parts, dim=p.dim) for piece in local.chunk(n, dim=p.dim)]
+        local = torch.cat([per_rank[r][j] for j in range(len(parts)) for r in range(n)], dim=p.dim)
+        local = local.chunk(n, dim=p.dim)[coords[i]]
+    return DTensor.from_local(local.contiguous(), mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def permute(t: DTensor, perm) -> DTensor:
+    """Inverse of ``unpermute``: ``t`` (its permuted axes split plainly) -> this rank's piece of each block."""
+    if not perm or not isinstance(t, DTensor):
+        return t
+    mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
+    local = _gathered_on(t, [i for i, _ in perm])
+    for i, p in perm:
+        n = mesh.size(i)
+        local = torch.cat([b.chunk(n, dim=p.dim)[coords[i]] for b in local.split(p.parts(local.shape[p.dim]),
+                                                                                   dim=p.dim)], dim=p.dim)
+    return DTensor.from_local(local.contiguous(), mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
 def savable(t: Any) -> Any:
     """A DTensor in ``savable_placements`` (redistributed, a copy, where they differ); anything else as it is."""
     if not isinstance(t, DTensor):
@@ -179,15 +218,16 @@ def _to_saved(e: _Entry, t: torch.Tensor) -> torch.Tensor:
     if e.slice is not None:  # gathered one parameter at a time, then cut into this rank's block of the saved layout
         s = e.slice
         home = s.param.to_local().device
-        block = _slice_to_param(s, t.to(home)).redistribute(s.param.device_mesh, _saved_placements(s))
+        block = unpermute(_slice_to_param(s, t.to(home)), e.perm).redistribute(s.param.device_mesh,
+                                                                               _saved_placements(s))
         local = block.to_local().to(t.device, copy=True)  # a copy: the gathered tensor is freed
         return DTensor.from_local(local, block.device_mesh, block.placements, run_check=False, shape=block.shape,
                                   stride=block.stride())
     if isinstance(t, DTensor) or not isinstance(e.device, DTensor):
-        return savable(t)
+        return savable(unpermute(t, e.perm))
     p = e.device
-    return savable(DTensor.from_local(t.detach(), p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride()))
+    return savable(unpermute(DTensor.from_local(t.detach(), p.device_mesh, p.placements, run_check=False,
+                                                shape=p.shape, stride=p.stride()), e.perm))
 
 
 def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
@@ -195,11 +235,11 @@ def _from_saved(e: _Entry, v: Any, like: Any) -> Any:
         return v
     if e.slice is not None and isinstance(v, DTensor):  # the saved layout, back to this rank's slice
         s = e.slice
-        whole = redistribute(v.to(s.param.to_local().device), s.param.placements).to_local()
+        whole = permute(redistribute(v.to(s.param.to_local().device), s.param.placements), e.perm).to_local()
         local = whole.reshape(-1)[s.start: s.end]
         return local.to(like.device) if isinstance(like, torch.Tensor) else local
     if isinstance(v, DTensor) and isinstance(e.device, DTensor):  # saved split plainly (``savable``): back to the
-        v = redistribute(v, e.device.placements)  # parameter's strided split
+        v = permute(redistribute(v, e.device.placements), e.perm)  # parameter's strided split
     return v.to_local() if isinstance(v, DTensor) and not isinstance(like, DTensor) else v
 
 

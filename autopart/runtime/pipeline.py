@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from autopart.placement import local_shape, parse_spec
 from autopart.runtime.module import ParallelModule, Program
+from autopart.runtime.optim_state import unpermute
 
 
 @dataclass
@@ -317,7 +318,8 @@ class PipelinedModule(ParallelModule):
         for fqn in sorted(self._all_params):
             owner = self._owner_rank[fqn]
             if owner == self.pp_rank:
-                full = self._params[self._key_of[fqn]].detach().full_tensor().contiguous()
+                key = self._key_of[fqn]
+                full = unpermute(self._params[key].detach(), self._permuted.get(key, ())).full_tensor().contiguous()
             else:
                 shape, dtype = self._all_params[fqn]
                 full = torch.empty(shape, dtype=dtype, device=self._device)

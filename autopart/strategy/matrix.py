@@ -4,7 +4,7 @@ For an equation, each index letter gives one sharding: a letter kept in the outp
 every operand holding it and in the output; a contracted letter shards it in the operands and leaves the output
 ``Partial``. The product is linear in each operand, so one ``Partial`` operand with the others replicated gives a
 ``Partial`` output. A bias added to a ``Partial`` product must itself be ``Partial`` (added once over the axis).
-A product whose output one split cuts into equal blocks along its last dim (a fused projection,
+A product whose output one split cuts into blocks along its last dim (a fused projection,
 ``views.fused_blocks``) may also split that dim ``Strided``, with the weight's and the bias's matching dim.
 """
 
@@ -83,7 +83,7 @@ def _strided(equation: str, info: NodeInfo, tensor_args: list, bias_arg) -> list
         i = info.index(a)
         if i is None:
             continue
-        p = Strided(op.index(c), k) if c in op else R
+        p = Strided.of(op.index(c), k) if c in op else R
         if placement.get(i, p) != p:
             return []
         placement[i] = p
@@ -92,10 +92,10 @@ def _strided(equation: str, info: NodeInfo, tensor_args: list, bias_arg) -> list
         bias_shape = info.shape(bi)
         if bi in placement or not bias_shape or bias_shape[-1] != info.out_shape[-1]:
             return []
-        placement[bi] = Strided(len(bias_shape) - 1, k)
+        placement[bi] = Strided.of(len(bias_shape) - 1, k)
     if len(placement) != len(info.inputs) or not any(isinstance(p, Strided) for p in placement.values()):
         return []
-    return [Option1D(tuple(placement[i] for i in range(len(info.inputs))), Strided(len(info.out_shape) - 1, k))]
+    return [Option1D(tuple(placement[i] for i in range(len(info.inputs))), Strided.of(len(info.out_shape) - 1, k))]
 
 
 @register(aten.linear.default)

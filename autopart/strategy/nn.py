@@ -41,8 +41,10 @@ def _embedding(info: NodeInfo, n: int) -> list[Option1D]:
 @register(aten.conv1d.default)
 def _conv1d(info: NodeInfo, n: int) -> list[Option1D]:
     """``conv1d(x [b, c, l], w [o, c / groups, k], bias [o], stride, padding, dilation, groups)``: the batch splits
-    (weights whole); without groups, the output channels split with the weight's rows and the bias. (The length
-    needs halos, the depthwise channels a local ``groups``: not offered.)"""
+    (weights whole); without groups, the output channels split with the weight's rows and the bias; with groups
+    (HF Mamba's depthwise convolution), whole groups split: the input's channels, the weight's rows, the bias and
+    the output's channels together, each rank convolving its ``groups / n`` groups (``passes.lower`` makes the
+    argument local). (The length needs halos: not offered.)"""
     xi, wi = info.index(info.args[0]), info.index(info.args[1])
     bias = info.args[2] if len(info.args) > 2 else info.kwargs.get("bias")
     bi = info.index(bias)
@@ -63,6 +65,8 @@ def _conv1d(info: NodeInfo, n: int) -> list[Option1D]:
         opts.append(opt(Shard(0), R, R, Shard(0)))
     if groups == 1 and info.shape(wi)[0] > 1:
         opts.append(opt(R, Shard(0), Shard(0), Shard(1)))
+    if groups > 1 and groups % n == 0:
+        opts.append(opt(Shard(1), Shard(0), Shard(0), Shard(1)))
     return opts
 
 

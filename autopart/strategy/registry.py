@@ -144,7 +144,7 @@ def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes
                     shape[d] < ways:
                 return False
             if isinstance(p, Strided):  # each of its blocks splits evenly
-                if shape[d] % (p.blocks * n) != 0:
+                if not p.fits(shape[d], n):
                     return False
                 strided.add(d)
             used[d] = ways
@@ -180,15 +180,16 @@ def _call_key(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...])
 
 
 def _blocks(node: fx.Node) -> tuple:
-    """What the rules that offer ``Strided`` see beyond the call (``views.fused_blocks``): into how many equal
-    blocks the consumers cut each output dim."""
-    from autopart.strategy.views import _SAME_VIEWS, fused_blocks
+    """What the rules that offer ``Strided`` see beyond the call (``views.fused_blocks``): into what blocks the
+    consumers cut each output dim."""
+    from autopart.strategy.views import _PERMUTES, _SAME_VIEWS, fused_blocks
 
     val = node.meta.get("val")
     if node.target == torch.ops.aten.slice.Tensor and node.args and isinstance(node.args[0], fx.Node):
         src = node.args[0]  # a slice is a block of its input when its siblings cut it in blocks
         return tuple(fused_blocks(src, d) for d in range(src.meta["val"].dim()))
-    if node.target not in _SAME_VIEWS and node.target not in _MATMULS or not isinstance(val, torch.Tensor):
+    if node.target not in _SAME_VIEWS and node.target not in _PERMUTES and node.target not in _MATMULS or \
+            not isinstance(val, torch.Tensor):
         return ()
     return tuple(fused_blocks(node, d) for d in range(val.dim()))
 

@@ -4,8 +4,9 @@ A sharded dimension survives a layout op when it maps to one output dimension th
 contiguous equal blocks: for ``view`` that is the outermost dimension of a merged or split group. ``Partial``
 passes through every layout op (they are linear).
 
-A fused projection's output ([q | k | v] of GPT-2's ``c_attn``) that one split cuts into equal blocks, maybe after
-views that keep that dim whole, may be ``Strided(dim, blocks)``: each rank holds its piece of every block, so the
+A fused projection's output ([q | k | v] of GPT-2's ``c_attn``; of unequal lengths in Phi-3-medium's grouped-query
+``qkv_proj``) that one split or its slices cut into blocks, maybe after views that keep that dim whole or move dims,
+may be ``Strided(dim, blocks)``: each rank holds its piece of every block, so the
 split leaves it its own part of each block (``fused_blocks``; the matmul rules offer the layout, the views carry
 it, the split turns it into ``Shard`` of each block).
 """
@@ -51,6 +52,10 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
 
 _SPLITS = frozenset([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default])
 _SAME_VIEWS = frozenset([aten.view.default, aten.reshape.default, aten._unsafe_view.default])
+# ops that move dims without touching their elements: a dim's blocks ride along (HF Mamba's ``in_proj(u).transpose(1,
+# 2).chunk(2, dim=1)``)
+_PERMUTES = frozenset([aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default,
+                       aten.mT.default])
 
 
 def _kept_dim(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int | None:
@@ -73,10 +78,25 @@ def split_dim(node) -> int | None:
 
 def equal_parts(node) -> int | None:
     """How many equal parts a split/chunk node cuts its input into (None: unequal, or one)."""
+    k = split_blocks(node)
+    return k if isinstance(k, int) else None
+
+
+def split_blocks(node):
+    """The blocks a split/chunk node cuts its input into: their count when equal, their lengths when not (a
+    grouped-query [q | k | v] split with sizes); None for one part."""
     d, outs = split_dim(node), node.meta.get("val")
     if d is None or not isinstance(outs, (list, tuple)) or len(outs) < 2:
         return None
-    return len(outs) if len({int(o.shape[d]) for o in outs}) == 1 else None
+    sizes = tuple(int(o.shape[d]) for o in outs)
+    return len(sizes) if len(set(sizes)) == 1 else sizes
+
+
+def block_bounds(blocks, length: int) -> list[tuple[int, int]]:
+    """(start, length) of each block of a dim of ``length`` cut into ``blocks`` (a count or the lengths)."""
+    sizes = [length // blocks] * blocks if isinstance(blocks, int) else list(blocks)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(starts, sizes))
 
 
 # whether rules offer ``Strided`` layouts at all (``benchmarks/bench_fused_qkv.py`` plans with it off to compare)
@@ -98,27 +118,55 @@ def slice_block(node) -> tuple[int, int, int] | None:
     return (d, start, end - start) if step == 1 and end > start else None
 
 
-def _sliced_blocks(node, d: int) -> int | None:
-    """Into how many equal blocks the slices that are all of ``node``'s users cut its dim ``d``, each slice one
-    block (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:2h]``, ...); None if they are not such slices."""
+def _sliced_blocks(node, d: int):
+    """The blocks the slices that are all of ``node``'s users cut its dim ``d`` into, each slice one block
+    (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:h + kv]``, ``qkv[..., h + kv:]``): their count when the slices have one
+    length and tile the dim in blocks of it (some blocks may go unused), their lengths when the slices tile the dim
+    exactly; None if they are not such slices."""
     users = list(node.users)
     if len(users) < 2 or any(u.args[0] is not node for u in users):
         return None
     blocks = [slice_block(u) for u in users]
     if any(b is None or b[0] != d for b in blocks):
         return None
-    length = blocks[0][2]
     size = int(node.meta["val"].shape[d])
-    if any(b[2] != length or b[1] % length for b in blocks) or size % length or size == length:
+    length = blocks[0][2]
+    if all(b[2] == length and b[1] % length == 0 for b in blocks) and size % length == 0 and size != length:
+        return size // length
+    tiles = sorted({(b[1], b[2]) for b in blocks})
+    if len(tiles) < 2 or tiles[0][0] != 0 or sum(t[1] for t in tiles) != size or \
+            any(a[0] + a[1] != b[0] for a, b in zip(tiles, tiles[1:])):
         return None
-    return size // length
+    return tuple(t[1] for t in tiles)
 
 
-def fused_blocks(node, dim: int) -> int | None:
-    """Into how many equal blocks the consumers of ``node``'s output cut its dim ``dim``: one split or chunk
-    along it into equal parts, or slices that are each one such block, after views that keep the dim whole
-    (GPT-2's ``addmm -> view -> split``, Phi-3's ``linear -> slice, slice, slice``); None where the output has
-    other users or nothing cuts it so."""
+def _dim_map(node) -> dict[int, int]:
+    """Input dim -> output dim of a ``_PERMUTES`` node."""
+    nd = node.args[0].meta["val"].dim()
+    if node.target == aten.transpose.int:
+        perm = list(range(nd))
+        a, b = node.args[1] % nd, node.args[2] % nd
+        perm[a], perm[b] = perm[b], perm[a]
+    elif node.target == aten.permute.default:
+        perm = [d % nd for d in node.args[1]]
+    elif node.target == aten.mT.default:
+        perm = list(range(nd))
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+    else:  # t, numpy_T: every dim reversed
+        perm = list(range(nd))[::-1]
+    return {perm[e]: e for e in range(nd)}
+
+
+def _permuted_dim(node, d: int) -> int:
+    return _dim_map(node)[d]
+
+
+def fused_blocks(node, dim: int):
+    """The blocks the consumers of ``node``'s output cut its dim ``dim`` into -- their count when equal, their
+    lengths when not (``split_blocks``): one split or chunk along it, or slices that are each one block, after
+    views that keep the dim whole or move dims (GPT-2's ``addmm -> view -> split``, Phi-3's ``linear -> slice,
+    slice, slice``, HF Mamba's ``linear -> transpose -> chunk``); None where the output has other users or nothing
+    cuts it so."""
     if not STRIDED:
         return None
     cur = node
@@ -134,10 +182,13 @@ def fused_blocks(node, dim: int) -> int | None:
             return None
         u = users[0]
         if u.target in _SPLITS:
-            return equal_parts(u) if split_dim(u) == d else None
-        if u.target not in _SAME_VIEWS:
+            return split_blocks(u) if split_dim(u) == d else None
+        if u.target in _PERMUTES:
+            d = _permuted_dim(u, d)
+        elif u.target in _SAME_VIEWS:
+            d = _kept_dim(tuple(cur.meta["val"].shape), tuple(u.meta["val"].shape), d)
+        else:
             return None
-        d = _kept_dim(tuple(cur.meta["val"].shape), tuple(u.meta["val"].shape), d)
         if d is None:
             return None
         cur = u
@@ -155,8 +206,8 @@ def _view_rule(info: NodeInfo, n: int) -> list[Option1D]:
             opts.append(Option1D((Shard(a),), Shard(b)))
         if _kept_dim(src, dst, a) == b and info.node.target in _SAME_VIEWS:
             k = fused_blocks(info.node, b)
-            if k and dst[b] % (k * n) == 0:
-                opts.append(Option1D((Strided(a, k),), Strided(b, k)))
+            if k and Strided.of(b, k).fits(dst[b], n):
+                opts.append(Option1D((Strided.of(a, k),), Strided.of(b, k)))
     return opts
 
 
@@ -165,13 +216,17 @@ register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)(_vi
 register(aten.flatten.using_ints)(_view_rule)
 
 
-def _dim_map_rule(info: NodeInfo, mapping: dict[int, int]) -> list[Option1D]:
-    """Output dim ``mapping[d]`` holds input dim ``d`` unchanged."""
+def _dim_map_rule(info: NodeInfo, mapping: dict[int, int], n: int = 0) -> list[Option1D]:
+    """Output dim ``mapping[d]`` holds input dim ``d`` unchanged (and its blocks, where a fused projection's
+    consumers cut it in blocks: ``fused_blocks``)."""
     opts = [Option1D((R,), R), Option1D((P,), P)]
     src = info.shape(0)
     for d, e in mapping.items():
         if src[d] > 1:
             opts.append(Option1D((Shard(d),), Shard(e)))
+            k = fused_blocks(info.node, e) if info.node is not None and info.node.target in _PERMUTES else None
+            if n and k and Strided.of(d, k).fits(src[d], n):
+                opts.append(Option1D((Strided.of(d, k),), Strided.of(e, k)))
     return opts
 
 
@@ -181,14 +236,14 @@ def _transpose(info: NodeInfo, n: int) -> list[Option1D]:
     a, b = info.args[1] % nd, info.args[2] % nd
     perm = list(range(nd))
     perm[a], perm[b] = perm[b], perm[a]
-    return _dim_map_rule(info, {perm[e]: e for e in range(nd)})
+    return _dim_map_rule(info, {perm[e]: e for e in range(nd)}, n)
 
 
 @register(aten.t.default, aten.numpy_T.default)
 def _t(info: NodeInfo, n: int) -> list[Option1D]:
     """``x.t()`` / ``x.T``: every dim reversed."""
     nd = len(info.shape(0))
-    return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)})
+    return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)}, n)
 
 
 @register(aten.mT.default, aten.mH.default, aten.adjoint.default)
@@ -197,14 +252,14 @@ def _mt(info: NodeInfo, n: int) -> list[Option1D]:
     nd = len(info.shape(0))
     perm = list(range(nd))
     perm[-1], perm[-2] = perm[-2], perm[-1]
-    return _dim_map_rule(info, {perm[e]: e for e in range(nd)})
+    return _dim_map_rule(info, {perm[e]: e for e in range(nd)}, n)
 
 
 @register(aten.permute.default)
 def _permute(info: NodeInfo, n: int) -> list[Option1D]:
     nd = len(info.shape(0))
     dims = [d % nd for d in info.args[1]]
-    return _dim_map_rule(info, {dims[e]: e for e in range(nd)})
+    return _dim_map_rule(info, {dims[e]: e for e in range(nd)}, n)
 
 
 @register(aten.unsqueeze.default)
@@ -263,8 +318,9 @@ def _slice(info: NodeInfo, n: int) -> list[Option1D]:
     if block and len(info.inputs) == 1:  # one block of a fused projection split in blocks: this rank's piece of it
         d, start, length = block
         k = fused_blocks(info.inputs[0], d)
-        if k and length % n == 0 and length * k == info.shape(0)[d]:
-            opts.append(Option1D((Strided(d, k),), Shard(d)))
+        size = info.shape(0)[d]
+        if k and (start, length) in block_bounds(k, size) and Strided.of(d, k).fits(size, n):
+            opts.append(Option1D((Strided.of(d, k),), Shard(d)))
     return opts
 
 
@@ -275,11 +331,11 @@ def _split(info: NodeInfo, n: int) -> list[Option1D]:
     else:
         dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
     opts = _other_dims(info, dim, multi=len(info.val))
-    k = equal_parts(info.node) if info.node.target in _SPLITS and STRIDED else None
+    k = split_blocks(info.node) if info.node.target in _SPLITS and STRIDED else None
     d = dim % len(info.shape(0))
-    if k and info.shape(0)[d] % (k * n) == 0 and len(info.inputs) == 1:
+    if k and Strided.of(d, k).fits(info.shape(0)[d], n) and len(info.inputs) == 1:
         # a fused projection's blocks, each rank holding its piece of each: its piece of every part
-        opts.append(Option1D((Strided(d, k),), tuple(Shard(d) for _ in range(k))))
+        opts.append(Option1D((Strided.of(d, k),), tuple(Shard(d) for _ in range(len(info.val)))))
     return opts
 
 

@@ -48,6 +48,11 @@ def make_model(name: str, layers: int = 2):
 
         return Phi3ForCausalLM(Phi3Config(**{**_HF_LLAMALIKE, "num_key_value_heads": 4}, num_hidden_layers=layers,
                                           resid_pdrop=0.0, embd_pdrop=0.0))
+    if name == "hf-phi3-gqa":  # grouped-query: qkv_proj's blocks of unequal lengths (q 32, k 16, v 16)
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        return Phi3ForCausalLM(Phi3Config(**_HF_LLAMALIKE, num_hidden_layers=layers, resid_pdrop=0.0,
+                                          embd_pdrop=0.0))
     if name == "hf-falcon":  # FalconLinear's weight.T (numpy_T), fused_qkv[:, :, [-2]] (index.Tensor)
         from transformers import FalconConfig, FalconForCausalLM
 
@@ -60,6 +65,11 @@ def make_model(name: str, layers: int = 2):
                                                    num_decoder_layers=layers, num_heads=4, dropout_rate=0.0,
                                                    use_cache=False, pad_token_id=0, eos_token_id=1,
                                                    decoder_start_token_id=0))
+    if name == "hf-mamba":  # in_proj(u).transpose(1, 2).chunk(2, dim=1), a depthwise nn.Conv1d, a scan loop
+        from transformers import MambaConfig, MambaForCausalLM
+
+        return MambaForCausalLM(MambaConfig(hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
+                                            conv_kernel=4, **_HF_COMMON))
     if name == "hf-mamba2":  # the slow path's conv1d, zero pads, repeat_interleave
         from transformers import Mamba2Config, Mamba2ForCausalLM
 
