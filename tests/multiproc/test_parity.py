@@ -60,7 +60,8 @@ def test_parity(model: str, config: str) -> None:
 # tp2, hf-mixtral's and DeepSeek-V3's experts split over the axis: expert parallelism).
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
        ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2"),
-       ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2"), ("hf-phi3", "tp2")]
+       ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2"), ("hf-phi3-gqa", "tp2"), ("hf-mamba2", "tp2"),
+       ("hf-mamba", "tp2")]
 # dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
 # DeepSpeed-MoE runs it), the rest data parallel
 _EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
@@ -95,9 +96,22 @@ def test_more_architectures() -> None:
             assert not set(_EXPERTS) & set(plan.reduced) and "4 experts over dp" in str(plan), plan.reduced
         if model == "hf-deepseek-v3":  # its experts split over tp too (with its shared expert and grouped routing)
             assert "model.layers.1.mlp (4 experts over tp)" in per_rank[0][2], per_rank[0][2]
-        if model == "hf-phi3":  # qkv_proj sliced into q, k, v and gate_up_proj chunked: both split in their blocks
+        if model == "hf-phi3-gqa":  # grouped-query qkv_proj sliced into q (32), k, v (16): split in its blocks of
+            # unequal lengths (stored permuted); gate_up_proj chunked in 2; a block's only collectives Megatron's
             assert [plan.params[f"model.layers.0.{w}.weight"] for w in ("self_attn.qkv_proj", "mlp.gate_up_proj")] \
-                == ["S(0)/3", "S(0)/2"], plan.params
+                == ["S(0)/32+16+16", "S(0)/2"], plan.params
+            block = [c for c in plan.collectives if c["layer"] == "model.layers.1"]
+            assert sorted(s for c in block for s in c["steps"][0][1:] if s.startswith(("all_", "reduce_"))) == \
+                ["all_reduce"] * 4, block
+        if model == "hf-mamba2" and config == "tp2":  # in_proj split into z (64), xBC (80), dt (8): in those
+            # blocks; the depthwise convolution split by channels (its groups made local)
+            mixer = "backbone.layers.0.mixer"
+            assert [plan.params[f"{mixer}.{w}.weight"] for w in ("in_proj", "conv1d", "out_proj")] == \
+                ["S(0)/64+80+8", "S(0)", "S(1)"], plan.params
+        if model == "hf-mamba":  # in_proj(u).transpose(1, 2).chunk(2, dim=1): the blocks ride through the transpose
+            mixer = "backbone.layers.0.mixer"
+            assert [plan.params[f"{mixer}.{w}.weight"] for w in ("in_proj", "conv1d")] == ["S(0)/2", "S(0)"], \
+                plan.params
         if model == "hf-mixtral" and config == "tp2":  # expert parallel: each rank's tokens to their experts' ranks
             experts = {k: v for k, v in plan.params.items() if ".experts." in k}
             assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts

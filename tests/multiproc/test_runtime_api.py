@@ -368,23 +368,28 @@ def test_resume_on_another_plan(tmp_path, saved, loaded):
     check("gpt", results, (ref_losses[1:], ref_params, ref_logits))
 
 
-@pytest.mark.parametrize("saved,loaded", [("tp2xdp2-zero2", "dp2-zero1"), ("dp2-zero1", "dp2xtp2-zero1")])
-def test_fused_projection_checkpoint_resumes_on_another_plan(tmp_path, saved, loaded):
+@pytest.mark.parametrize("saved,loaded,model", [("tp2xdp2-zero2", "dp2-zero1", "hf-gpt2"),
+                                                ("dp2-zero1", "dp2xtp2-zero1", "hf-gpt2"),
+                                                ("tp2xdp2-zero2", "dp2-zero1", "hf-phi3-gqa"),
+                                                ("dp2-zero1", "dp2xtp2-zero1", "hf-phi3-gqa")])
+def test_fused_projection_checkpoint_resumes_on_another_plan(tmp_path, saved, loaded, model):
     """GPT-2's fused ``c_attn`` split over tp in blocks (``Strided``: each rank its heads of q, k and v) is saved as
     the plain split of its dim and resumes on a plan without it, and the other way round (weights and AdamW states,
-    ZeRO-1/2 slices included), as one process's 3 uninterrupted steps."""
+    ZeRO-1/2 slices included), as one process's 3 uninterrupted steps. So does a grouped-query ``qkv_proj``
+    (blocks of unequal lengths, stored permuted: saved and loaded in its own order)."""
     pytest.importorskip("transformers")
     from autopart.plan import Plan
     from tests.multiproc.parity import check, reference
 
     path = str(tmp_path / "ckpt")
     world = {name: math.prod(v[0]) for name, v in _PLANS.items()}
-    first = run_ranks(world[saved], _save_run, path, saved, "hf-gpt2", 2)
-    results = run_ranks(world[loaded], _load_run, path, loaded, "hf-gpt2", 2)
+    first = run_ranks(world[saved], _save_run, path, saved, model, 2)
+    results = run_ranks(world[loaded], _load_run, path, loaded, model, 2)
     strided = [Plan.from_json(first[0][3]).params, Plan.from_json(results[0][3]).params]
-    fused = "transformer.h.0.attn.c_attn.weight"
-    assert [any("/3" in p[k] for k in p if "c_attn" in k) for p in strided] == ["tp" in saved, "tp" in loaded], \
-        [p[fused] for p in strided]
-    ref_losses, ref_params, ref_logits = reference("hf-gpt2", 2)
+    fused = "c_attn" if model == "hf-gpt2" else "qkv_proj"
+    blocks = "/3" if model == "hf-gpt2" else "/32+16+16"
+    assert [any(blocks in p[k] for k in p if fused in k) for p in strided] == ["tp" in saved, "tp" in loaded], \
+        [{k: v for k, v in p.items() if fused in k} for p in strided]
+    ref_losses, ref_params, ref_logits = reference(model, 2)
     assert all(abs(loss - ref_losses[0]) <= 1e-5 for loss, _, _, _ in first), (first, ref_losses)
-    check("hf-gpt2", results, (ref_losses[1:], ref_params, ref_logits))
+    check(model, results, (ref_losses[1:], ref_params, ref_logits))

@@ -88,3 +88,88 @@ def test_a_projection_used_whole_is_not_offered_blocks() -> None:
     linear = next(n for n in traced.gm.graph.nodes if n.target == aten.linear.default)
     assert fused_blocks(linear, -1) is None
     assert not any(isinstance(p, Strided) for o in options_for(linear, (2,))[0] for p in o.output)
+
+
+def test_unequal_blocks_layout() -> None:
+    from autopart.placement import permuted
+
+    full = torch.arange(8.0)
+    # [q | k | v] of 4, 2 and 2 over 2 ranks: rank 0 holds q0 q1 k0 v0, rank 1 q2 q3 k1 v1
+    p = Strided(0, 3, (4, 2, 2))
+    assert _local_chunk(full, (p,), [0], [2]).tolist() == [0, 1, 4, 6]
+    assert _local_chunk(full, (p,), [1], [2]).tolist() == [2, 3, 5, 7]
+    assert str(p) == "S(0)/4+2+2" and parse_spec("RS(0)/4+2+2") == (R, p) and spec_str((p, R)) == "S(0)/4+2+2R"
+    assert Strided.of(0, (2, 2, 2)) == Strided(0, 3) and Strided.of(0, [4, 2, 2]) == p and Strided.of(1, 3) == \
+        Strided(1, 3)
+    assert p.parts(8) == [4, 2, 2] and Strided(0, 2).parts(8) == [4, 4]
+    # each block splits evenly: 2 ranks yes, 4 no (k's 2 rows)
+    assert _divisible((8, 4), [p], [2]) and not _divisible((8, 4), [p], [4])
+    # DTensor has no such placement: stored as a plain split of the permuted tensor, ParallelModule told which
+    assert permuted((R, p)) == [(1, p)] and permuted((Strided(0, 3), R)) == []
+
+
+def test_grouped_query_slices_are_unequal_blocks() -> None:
+    pytest.importorskip("transformers")
+    ids = batches()[0]
+    traced = trace(make_model("hf-phi3-gqa", layers=1), (ids,), {"labels": ids})
+    linear = next(n for n in traced.gm.graph.nodes if n.target == aten.linear.default and
+                  n.meta["val"].shape[-1] == 64)  # qkv_proj: q 32, k 16, v 16
+    assert fused_blocks(linear, -1) == (32, 16, 16)
+    blocks = Strided(2, 3, (32, 16, 16))
+    assert any(o.output == (blocks,) and o.inputs == ((R,), (Strided(0, 3, (32, 16, 16)),))
+               for o in options_for(linear, (2,))[0])
+    sl = [u for u in linear.users if u.target == aten.slice.Tensor]
+    assert len(sl) == 3
+    for u in sl:
+        assert any(o.inputs == ((blocks,),) and o.output == (Shard(2),) for o in options_for(u, (2,))[0])
+    # k and v hold 16 columns (2 heads of 8): not 32 ways
+    assert not any(o.output == (Strided(2, 3, (32, 16, 16)),) for o in options_for(linear, (32,))[0])
+
+
+class _SplitSizes(torch.nn.Module):
+    """A fused projection cut by ``split`` into parts of unequal lengths (a grouped-query [q | k | v])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k, v = self.proj(x).split([8, 4, 4], dim=-1)
+        return (q[..., :4] * k + v).sum()
+
+
+def test_split_with_sizes_cuts_unequal_blocks() -> None:
+    traced = trace(_SplitSizes(), (torch.randn(4, 8),))
+    linear = next(n for n in traced.gm.graph.nodes if n.target == aten.linear.default)
+    split = next(iter(linear.users))
+    assert fused_blocks(linear, -1) == (8, 4, 4)
+    assert any(o.inputs == ((Strided(1, 3, (8, 4, 4)),),) and o.output == ((Shard(1),),) * 3
+               for o in options_for(split, (2,))[0])
+    assert any(o.output == (Strided(1, 3, (8, 4, 4)),) for o in options_for(linear, (4,))[0])
+    assert not any(isinstance(p, Strided) for o in options_for(linear, (8,))[0] for p in o.output)  # 4 rows of k
+
+
+class _MambaLike(torch.nn.Module):
+    """HF Mamba's mixer head: ``in_proj(u).transpose(1, 2).chunk(2, dim=1)``, then a depthwise convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = torch.nn.Linear(8, 32)
+        self.conv = torch.nn.Conv1d(16, 16, 3, groups=16, padding=2)
+
+    def forward(self, u):
+        x, z = self.in_proj(u).transpose(1, 2).chunk(2, dim=1)
+        return (self.conv(x)[..., :u.shape[1]] * torch.sigmoid(z)).sum()
+
+
+def test_blocks_ride_through_a_transpose_and_a_depthwise_convolution_splits_by_groups() -> None:
+    traced = trace(_MambaLike(), (torch.randn(2, 6, 8),))
+    nodes = {n.target: n for n in traced.gm.graph.nodes if n.op == "call_function"}
+    linear, transpose, conv = nodes[aten.linear.default], nodes[aten.transpose.int], nodes[aten.conv1d.default]
+    assert fused_blocks(linear, -1) == 2 and fused_blocks(transpose, 1) == 2
+    assert any(o.inputs == ((Strided(2, 2),),) and o.output == (Strided(1, 2),)
+               for o in options_for(transpose, (2,))[0])
+    # x's channels, the weight's rows and the bias split by whole groups; lower runs groups / n on each rank
+    assert any(o.inputs == ((Shard(1),), (Shard(0),), (Shard(0),)) and o.output == (Shard(1),)
+               for o in options_for(conv, (2,))[0])
+    assert not any(o.inputs[0] == (Shard(1),) for o in options_for(conv, (32,))[0])  # 16 groups: not 32 ways
