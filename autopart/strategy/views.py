@@ -89,7 +89,7 @@ def split_blocks(node):
     if d is None or not isinstance(outs, (list, tuple)) or len(outs) < 2:
         return None
     sizes = tuple(int(o.shape[d]) for o in outs)
-    return len(sizes) if len(set(sizes)) == 1 else sizes
+    return len(sizes) if len(set(sizes)) == 1 else sizes if UNEQUAL else None
 
 
 def block_bounds(blocks, length: int) -> list[tuple[int, int]]:
@@ -99,8 +99,10 @@ def block_bounds(blocks, length: int) -> list[tuple[int, int]]:
     return list(zip(starts, sizes))
 
 
-# whether rules offer ``Strided`` layouts at all (``benchmarks/bench_fused_qkv.py`` plans with it off to compare)
+# whether rules offer ``Strided`` layouts at all, and of blocks of unequal lengths (``benchmarks/bench_fused_qkv.py``
+# plans with them off to compare)
 STRIDED = True
+UNEQUAL = True
 
 
 def slice_block(node) -> tuple[int, int, int] | None:
@@ -134,7 +136,7 @@ def _sliced_blocks(node, d: int):
     if all(b[2] == length and b[1] % length == 0 for b in blocks) and size % length == 0 and size != length:
         return size // length
     tiles = sorted({(b[1], b[2]) for b in blocks})
-    if len(tiles) < 2 or tiles[0][0] != 0 or sum(t[1] for t in tiles) != size or \
+    if not UNEQUAL or len(tiles) < 2 or tiles[0][0] != 0 or sum(t[1] for t in tiles) != size or \
             any(a[0] + a[1] != b[0] for a, b in zip(tiles, tiles[1:])):
         return None
     return tuple(t[1] for t in tiles)
