@@ -57,8 +57,8 @@ def _local_chunk(full: torch.Tensor, spec, coords: list[int], sizes: list[int]) 
         if isinstance(p, Shard):
             out = out.chunk(n, dim=p.dim)[c]
         elif isinstance(p, Strided):  # its piece of each block, in order
-            out = torch.cat([b.chunk(n, dim=p.dim)[c] for b in out.split(p.parts(out.shape[p.dim]), dim=p.dim)],
-                            dim=p.dim)
+            out = torch.cat([b.narrow(p.dim, c * (b.shape[p.dim] // n), b.shape[p.dim] // n)
+                             for b in out.split(p.parts(out.shape[p.dim]), dim=p.dim)], dim=p.dim)
     return out
 
 

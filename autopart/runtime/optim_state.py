@@ -165,8 +165,8 @@ def permute(t: DTensor, perm) -> DTensor:
     local = _gathered_on(t, [i for i, _ in perm])
     for i, p in perm:
         n = mesh.size(i)
-        local = torch.cat([b.chunk(n, dim=p.dim)[coords[i]] for b in local.split(p.parts(local.shape[p.dim]),
-                                                                                   dim=p.dim)], dim=p.dim)
+        local = torch.cat([b.narrow(p.dim, coords[i] * (b.shape[p.dim] // n), b.shape[p.dim] // n)
+                           for b in local.split(p.parts(local.shape[p.dim]), dim=p.dim)], dim=p.dim)
     return DTensor.from_local(local.contiguous(), mesh, t.placements, run_check=False, shape=t.shape,
                               stride=t.stride())
 

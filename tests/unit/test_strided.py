@@ -98,6 +98,8 @@ def test_unequal_blocks_layout() -> None:
     p = Strided(0, 3, (4, 2, 2))
     assert _local_chunk(full, (p,), [0], [2]).tolist() == [0, 1, 4, 6]
     assert _local_chunk(full, (p,), [1], [2]).tolist() == [2, 3, 5, 7]
+    # an empty block (HF Mamba-2 splits off a gated MLP of width 0) holds nothing on any rank
+    assert _local_chunk(full, (Strided(0, 4, (0, 4, 2, 2)),), [1], [2]).tolist() == [2, 3, 5, 7]
     assert str(p) == "S(0)/4+2+2" and parse_spec("RS(0)/4+2+2") == (R, p) and spec_str((p, R)) == "S(0)/4+2+2R"
     assert Strided.of(0, (2, 2, 2)) == Strided(0, 3) and Strided.of(0, [4, 2, 2]) == p and Strided.of(1, 3) == \
         Strided(1, 3)
