@@ -37,11 +37,13 @@ class Strided:
         return f"S({self.dim})/{'+'.join(map(str, self.sizes)) if self.sizes else self.blocks}"
 
     @staticmethod
-    def of(dim: int, blocks) -> Strided:
+    def of(dim: int, blocks) -> Strided | Shard:
         """The layout of ``dim`` cut into ``blocks``: a count of equal blocks, or their lengths."""
         if isinstance(blocks, int):
             return Strided(dim, blocks)
-        blocks = tuple(int(b) for b in blocks)
+        blocks = tuple(int(b) for b in blocks if b)  # an empty block holds nothing on any rank
+        if len(blocks) == 1:
+            return Shard(dim)
         return Strided(dim, len(blocks)) if len(set(blocks)) == 1 else Strided(dim, len(blocks), blocks)
 
     def parts(self, length: int) -> list[int]:

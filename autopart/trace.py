@@ -259,6 +259,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
         aliases[params[canon]] = [f for f in names if f != params[canon]]
     constant_values = {name: ep.constants[t] for name, t in constants.items() if t in ep.constants}
     frozen = {fqn for fqn, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    # values nothing reads (Hugging Face computes a fused kernel's arguments, then falls back to eager code that
+    # does not use them): dropped, so that the planner prices and lays out only what runs
+    if gm.graph.eliminate_dead_code():
+        gm.recompile()
     for node in gm.graph.nodes:
         if node.op == "placeholder" and "val" not in node.meta:
             raise ValueError(f"traced placeholder {node.name} has no fake-tensor metadata")

@@ -5,7 +5,8 @@ local shapes; options whose local program is not "the same op on the shard" are 
 embedding (rows sharded, Partial output), cross-entropy over a sharded batch (sum / global count), mean over a
 sharded dimension (divided by the axis size, Partial); a token-local module's node calls the module
 (``autopart.regions.run``); a split of a ``Strided`` fused projection cuts the rank's piece of each block (its
-sizes divided by the axis sizes); a grouped convolution split by channels convolves its share of the groups.
+sizes divided by the axis sizes); a grouped convolution split by channels convolves its share of the groups;
+``repeat_interleave``'s ``output_size`` is the rank's length.
 """
 
 from __future__ import annotations
@@ -24,12 +25,19 @@ _SIZE_ARG_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defa
                  aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default}
 
 
-def _strided_ways(spec, mesh_shape) -> int:
-    """Over how many ranks a ``Strided`` input's blocks are split (1: it is not strided)."""
+def _strided_ways(spec, mesh_shape, block=None) -> int:
+    """Over how many ranks a ``Strided`` input's blocks are split (1: it is not strided); with a slice's
+    ``block`` (dim, start, length), only a layout strided along that dim counts (a slice along another dim keeps
+    its bounds)."""
     ways = 1
     for p, n in zip(spec, mesh_shape):
-        ways *= n if isinstance(p, Strided) else 1
+        ways *= n if isinstance(p, Strided) and (block is None or p.dim == block[0]) else 1
     return ways
+
+
+def _channels(p) -> bool:
+    """``p`` splits a convolution input's channels (dim 1), plainly or in blocks."""
+    return isinstance(p, (Shard, Strided)) and p.dim == 1
 
 
 def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModule, bool]:
@@ -75,19 +83,25 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
             node.args = (node.args[0], size) + tuple(node.args[2:])
             changed = True
-        elif node.target == aten.slice.Tensor and (ways := _strided_ways(ins[0], mesh_shape)) > 1:
+        elif node.target == aten.slice.Tensor and (ways := _strided_ways(ins[0], mesh_shape, slice_block(node))) > 1:
             # one block of a strided fused projection: its bounds in the rank's piece of every block
             dim, start, length = slice_block(node)
             node.args = (node.args[0], dim, start // ways, (start + length) // ways)
             changed = True
-        elif node.target == aten.conv1d.default and any(p == Shard(1) for p in ins[0]):
+        elif node.target == aten.conv1d.default and any(_channels(p) for p in ins[0]):
             # a grouped convolution whose groups split over ranks (``strategy.nn._conv1d``): the rank's groups
             ways = 1
             for p, n in zip(ins[0], mesh_shape):
-                ways *= n if p == Shard(1) else 1
+                ways *= n if _channels(p) else 1
             args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:]
             args[6] = node.kwargs.get("groups", args[6]) // ways
             node.args, node.kwargs = tuple(args), {k: v for k, v in node.kwargs.items() if k != "groups"}
+            changed = True
+        elif node.target == aten.repeat_interleave.self_int and node.kwargs.get("output_size") is not None:
+            # the length along the repeated dim, on this rank (Mamba-2 repeats each group of B and C per head)
+            nd = val.dim()
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")) % nd
+            node.kwargs = {**node.kwargs, "output_size": local_shape(tuple(val.shape), out, mesh_shape)[dim]}
             changed = True
         elif node.target in (aten.mean.dim, aten.mean.default):
             x_spec = ins[0]

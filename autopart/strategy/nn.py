@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from autopart.placement import Shard
+from autopart.placement import Shard, Strided
 from autopart.strategy.registry import NodeInfo, Option1D, P, R, register, replicate_only
 
 aten = torch.ops.aten
@@ -67,6 +67,12 @@ def _conv1d(info: NodeInfo, n: int) -> list[Option1D]:
         opts.append(opt(R, Shard(0), Shard(0), Shard(1)))
     if groups > 1 and groups % n == 0:
         opts.append(opt(Shard(1), Shard(0), Shard(0), Shard(1)))
+    from autopart.strategy.views import _depthwise, fused_blocks
+
+    blocks = fused_blocks(info.node, 1) if info.node is not None else None
+    if blocks and isinstance(Strided.of(1, blocks), Strided) and _depthwise(info.node):
+        # channels in a fused projection's blocks (Mamba-2's [x | B | C]): each rank convolves its piece of each
+        opts.append(opt(Strided.of(1, blocks), Strided.of(0, blocks), Strided.of(0, blocks), Strided.of(1, blocks)))
     return opts
 
 

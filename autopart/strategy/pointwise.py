@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from autopart.placement import Shard
+from autopart.placement import Shard, Strided
 from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
 
 aten = torch.ops.aten
@@ -27,18 +27,27 @@ def _is_float(info: NodeInfo) -> bool:
 
 
 def _shard_options(info: NodeInfo) -> list[Option1D]:
+    """Each output dim split, with the inputs that span it; and in blocks where a fused projection's consumers cut
+    it in blocks (``views.fused_blocks``: Mamba-2's xBC through the convolution's activation)."""
+    from autopart.strategy.views import fused_blocks
+
     out = info.out_shape
     nd = len(out)
     opts = [Option1D(tuple(R for _ in info.inputs), R)]
     for d in range(nd):
         if out[d] == 1:
             continue
-        ins = []
-        for i in range(len(info.inputs)):
-            s = info.shape(i)
-            di = d - (nd - len(s))
-            ins.append(R if di < 0 or s[di] == 1 else Shard(di))
-        opts.append(Option1D(tuple(ins), Shard(d)))
+        layouts = [Shard]
+        k = fused_blocks(info.node, d) if info.node is not None else None
+        if k and isinstance(Strided.of(d, k), Strided):
+            layouts.append(lambda dim, k=k: Strided.of(dim, k))
+        for layout in layouts:
+            ins = []
+            for i in range(len(info.inputs)):
+                s = info.shape(i)
+                di = d - (nd - len(s))
+                ins.append(R if di < 0 or s[di] == 1 else layout(di))
+            opts.append(Option1D(tuple(ins), layout(d)))
     return opts
 
 

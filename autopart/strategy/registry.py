@@ -181,21 +181,16 @@ def _call_key(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ...])
 
 def _blocks(node: fx.Node) -> tuple:
     """What the rules that offer ``Strided`` see beyond the call (``views.fused_blocks``): into what blocks the
-    consumers cut each output dim."""
-    from autopart.strategy.views import _PERMUTES, _SAME_VIEWS, fused_blocks
+    consumers cut each dim of the output and of the first input (a split's parts, a slice's block)."""
+    from autopart.strategy.views import fused_blocks
 
     val = node.meta.get("val")
-    if node.target == torch.ops.aten.slice.Tensor and node.args and isinstance(node.args[0], fx.Node):
-        src = node.args[0]  # a slice is a block of its input when its siblings cut it in blocks
-        return tuple(fused_blocks(src, d) for d in range(src.meta["val"].dim()))
-    if node.target not in _SAME_VIEWS and node.target not in _PERMUTES and node.target not in _MATMULS or \
-            not isinstance(val, torch.Tensor):
-        return ()
-    return tuple(fused_blocks(node, d) for d in range(val.dim()))
+    out = tuple(fused_blocks(node, d) for d in range(val.dim())) if isinstance(val, torch.Tensor) else ()
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    sval = src.meta.get("val") if src is not None else None
+    ins = tuple(fused_blocks(src, d) for d in range(sval.dim())) if isinstance(sval, torch.Tensor) else ()
+    return out, ins
 
-
-_MATMULS = frozenset([torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
-                      torch.ops.aten.bmm.default, torch.ops.aten.matmul.default, torch.ops.aten.outer.default])
 
 
 _OPTIONS_CACHE: dict[Any, tuple[list[OpOption], bool]] = {}

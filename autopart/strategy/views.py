@@ -14,6 +14,7 @@ it, the split turns it into ``Shard`` of each block).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -125,7 +126,7 @@ def _sliced_blocks(node, d: int):
     (Phi-3's ``qkv[..., :h]``, ``qkv[..., h:h + kv]``, ``qkv[..., h + kv:]``): their count when the slices have one
     length and tile the dim in blocks of it (some blocks may go unused), their lengths when the slices tile the dim
     exactly; None if they are not such slices."""
-    users = list(node.users)
+    users = _data_users(node)
     if len(users) < 2 or any(u.args[0] is not node for u in users):
         return None
     blocks = [slice_block(u) for u in users]
@@ -143,8 +144,14 @@ def _sliced_blocks(node, d: int):
 
 
 def _dim_map(node) -> dict[int, int]:
-    """Input dim -> output dim of a ``_PERMUTES`` node."""
+    """Input dim -> output dim of a ``_PERMUTES`` or ``_SQUEEZES`` node."""
     nd = node.args[0].meta["val"].dim()
+    if node.target == aten.unsqueeze.default:
+        u = node.args[1] % (nd + 1)
+        return {d: d if d < u else d + 1 for d in range(nd)}
+    if node.target in _SQUEEZES:
+        src, dst = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
+        return _squeeze_map(src, dst)
     if node.target == aten.transpose.int:
         perm = list(range(nd))
         a, b = node.args[1] % nd, node.args[2] % nd
@@ -159,41 +166,142 @@ def _dim_map(node) -> dict[int, int]:
     return {perm[e]: e for e in range(nd)}
 
 
+def _squeeze_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
+    """Input dim -> output dim of a squeeze ``src -> dst`` (its dims larger than 1)."""
+    kept = [d for d in range(len(src)) if not (src[d] == 1 and len(dst) < len(src))]
+    if len(kept) != len(dst):
+        kept = [d for d in range(len(src)) if src[d] != 1]
+    return {d: e for e, d in enumerate(kept) if src[d] > 1}
+
+
+_SQUEEZES = frozenset([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
+_DIM_MAPS = _PERMUTES | _SQUEEZES | {aten.unsqueeze.default}
+# unary ops that keep every element where it is (``strategy.pointwise._identity_like``), and dropout
+_IDENTITY = frozenset([aten.clone.default, aten.contiguous.default, aten.alias.default, aten.to.dtype,
+                       aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.detach.default,
+                       aten.dropout.default])
+
+
+def _elementwise(u, cur) -> bool:
+    """``u`` computes elementwise on ``cur``, keeping its shape (a pointwise op, a cast, a copy)."""
+    val, src = u.meta.get("val"), cur.meta.get("val")
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(src.shape):
+        return False
+    return u.target in _IDENTITY or (isinstance(u.target, torch._ops.OpOverload) and
+                                     torch.Tag.pointwise in u.target.tags)
+
+
+def _depthwise(conv) -> bool:
+    """A ``conv1d`` with one input channel per output channel (HF Mamba's): each channel convolved alone."""
+    w = conv.args[1].meta["val"].shape
+    groups = conv.args[6] if len(conv.args) > 6 else conv.kwargs.get("groups", 1)
+    return w[1] == 1 and groups == w[0] == conv.args[0].meta["val"].shape[1]
+
+
+def _next_dim(cur, u, d: int) -> int | None:
+    """The dim of ``u``'s output that holds ``cur``'s dim ``d`` element for element (channel for channel), or
+    None: the dim the walk of ``fused_blocks`` goes on with."""
+    if u.target in _DIM_MAPS and u.args[0] is cur:
+        return _dim_map(u).get(d)
+    if u.target in _SAME_VIEWS and u.args[0] is cur:
+        return _kept_dim(tuple(cur.meta["val"].shape), tuple(u.meta["val"].shape), d)
+    if u.target == aten.slice.Tensor and u.args[0] is cur:  # along another dim (a length trimmed after a conv)
+        nd = cur.meta["val"].dim()
+        return d if (u.args[1] if len(u.args) > 1 else 0) % nd != d else None
+    if u.target == aten.conv1d.default and _depthwise(u):  # input channels, weight rows, bias: output channels
+        args = list(u.args) + [None] * (3 - len(u.args))
+        roles = [a is cur for a in (args[0], args[1], args[2] if args[2] is not None else u.kwargs.get("bias"))]
+        if sum(roles) != 1:
+            return None
+        return 1 if (roles[0] and d == 1) or ((roles[1] or roles[2]) and d == 0) else None
+    if _elementwise(u, cur):
+        return d
+    return None
+
+
 def _permuted_dim(node, d: int) -> int:
     return _dim_map(node)[d]
 
 
-def fused_blocks(node, dim: int):
+def _normal(sizes: list[int]):
+    """Block lengths as ``fused_blocks`` gives them: a count when equal, the lengths when not (None when unequal
+    ones are switched off)."""
+    if len(set(sizes)) == 1:
+        return len(sizes)
+    return tuple(sizes) if UNEQUAL else None
+
+
+def fused_blocks(node, dim: int, _depth: int = 0):
     """The blocks the consumers of ``node``'s output cut its dim ``dim`` into -- their count when equal, their
     lengths when not (``split_blocks``): one split or chunk along it, or slices that are each one block, after
-    views that keep the dim whole or move dims (GPT-2's ``addmm -> view -> split``, Phi-3's ``linear -> slice,
-    slice, slice``, HF Mamba's ``linear -> transpose -> chunk``); None where the output has other users or nothing
-    cuts it so."""
+    ops that hold the dim element for element: views that keep it whole or move dims, casts and pointwise ops,
+    slices along other dims, a depthwise convolution's channels (GPT-2's ``addmm -> view -> split``, Phi-3's
+    ``linear -> slice, slice, slice``, HF Mamba's ``linear -> transpose -> chunk``). A part of the split that its
+    own consumers cut again counts as those blocks (Mamba-2's ``in_proj`` -> [z | xBC | dt], xBC convolved, then
+    cut into [x | B | C]: five blocks). None where an output on the way has other users or nothing cuts it so."""
     if not STRIDED:
         return None
     cur = node
     val = cur.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
         return None
     d = dim % val.dim()
     while True:
-        users = list(cur.users)
-        if users and all(u.target == aten.slice.Tensor for u in users):
+        users = _data_users(cur)
+        if users and all(u.target == aten.slice.Tensor and (b := slice_block(u)) and b[0] == d for u in users):
             return _sliced_blocks(cur, d)
-        if len(users) != 1 or not users[0].args or users[0].args[0] is not cur:
+        if len(users) != 1 or not users[0].args:
             return None
         u = users[0]
-        if u.target in _SPLITS:
-            return split_blocks(u) if split_dim(u) == d else None
-        if u.target in _PERMUTES:
-            d = _permuted_dim(u, d)
-        elif u.target in _SAME_VIEWS:
-            d = _kept_dim(tuple(cur.meta["val"].shape), tuple(u.meta["val"].shape), d)
-        else:
-            return None
+        if u.target in _SPLITS and u.args[0] is cur:
+            return _refined(u, d, _depth) if split_dim(u) == d else None
+        d = _next_dim(cur, u, d)
         if d is None:
             return None
         cur = u
+
+
+def _data_users(node) -> list:
+    """``node``'s users but the checks that read nothing of its values (export's ``_assert_tensor_metadata`` after a
+    cast: no output, no users)."""
+    return [u for u in node.users if not (u.op == "call_function" and u.meta.get("val") is None and not u.users)]
+
+
+def _refined(split, d: int, depth: int):
+    """The blocks of a split's input: its parts, each cut into the blocks its own consumers cut it into."""
+    parts = split_blocks(split)
+    if parts is None or depth >= 3:
+        return parts
+    size = int(split.args[0].meta["val"].shape[d])
+    items = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    sizes, refined = [], False
+    for i, (_, length) in enumerate(block_bounds(parts, size)):
+        sub = fused_blocks(items[i], d, depth + 1) if i in items and length else None
+        inner = [b for _, b in block_bounds(sub, length)] if sub else []
+        if len(inner) > 1 and sum(inner) == length:
+            sizes += inner
+            refined = True
+        else:
+            sizes.append(length)
+    return (_normal(sizes) or parts) if refined else parts
+
+
+def parts_blocks(blocks, length: int, parts) -> list | None:
+    """For each of a split's ``parts`` (a count or lengths) of a dim of ``length`` in ``blocks``: the blocks
+    inside it (a count or lengths; 1 when it is one block), or None when a block straddles two parts. Empty blocks
+    hold nothing on any rank: left out."""
+    bounds = [b for _, b in block_bounds(blocks, length) if b]
+    out, i = [], 0
+    for _, size in block_bounds(parts, length):
+        inner, total = [], 0
+        while i < len(bounds) and total < size:
+            inner.append(bounds[i])
+            total += bounds[i]
+            i += 1
+        if total != size:
+            return None
+        out.append(_normal(inner) if len(inner) > 1 else 1)
+    return out
 
 
 def _view_rule(info: NodeInfo, n: int) -> list[Option1D]:
@@ -226,7 +334,7 @@ def _dim_map_rule(info: NodeInfo, mapping: dict[int, int], n: int = 0) -> list[O
     for d, e in mapping.items():
         if src[d] > 1:
             opts.append(Option1D((Shard(d),), Shard(e)))
-            k = fused_blocks(info.node, e) if info.node is not None and info.node.target in _PERMUTES else None
+            k = fused_blocks(info.node, e) if info.node is not None and info.node.target in _DIM_MAPS else None
             if n and k and Strided.of(d, k).fits(src[d], n):
                 opts.append(Option1D((Strided.of(d, k),), Strided.of(e, k)))
     return opts
@@ -268,7 +376,7 @@ def _permute(info: NodeInfo, n: int) -> list[Option1D]:
 def _unsqueeze(info: NodeInfo, n: int) -> list[Option1D]:
     nd = len(info.shape(0))
     u = info.args[1] % (nd + 1)
-    return _dim_map_rule(info, {d: d if d < u else d + 1 for d in range(nd)})
+    return _dim_map_rule(info, {d: d if d < u else d + 1 for d in range(nd)}, n)
 
 
 @register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
@@ -277,7 +385,7 @@ def _squeeze(info: NodeInfo, n: int) -> list[Option1D]:
     kept = [d for d in range(len(src)) if not (src[d] == 1 and len(dst) < len(src))]
     if len(kept) != len(dst):
         kept = [d for d in range(len(src)) if src[d] != 1]
-    return _dim_map_rule(info, {d: e for e, d in enumerate(kept) if src[d] > 1})
+    return _dim_map_rule(info, {d: e for e, d in enumerate(kept) if src[d] > 1}, n)
 
 
 @register(aten.expand.default)
@@ -310,6 +418,9 @@ def _other_dims(info: NodeInfo, dim: int, multi: int | None = None) -> list[Opti
     for d in range(nd):
         if d != dim and src[d] > 1:
             opts.append(Option1D(tuple(Shard(d) if i == 0 else R for i in range(k)), out(Shard(d))))
+            b = fused_blocks(info.node, d) if multi is None and info.node is not None else None
+            if b and isinstance(Strided.of(d, b), Strided):  # a block layout passes along (a trimmed length)
+                opts.append(Option1D(tuple(Strided.of(d, b) if i == 0 else R for i in range(k)), Strided.of(d, b)))
     return opts
 
 
@@ -333,11 +444,16 @@ def _split(info: NodeInfo, n: int) -> list[Option1D]:
     else:
         dim = info.args[2] if len(info.args) > 2 else info.kwargs.get("dim", 0)
     opts = _other_dims(info, dim, multi=len(info.val))
-    k = split_blocks(info.node) if info.node.target in _SPLITS and STRIDED else None
     d = dim % len(info.shape(0))
-    if k and Strided.of(d, k).fits(info.shape(0)[d], n) and len(info.inputs) == 1:
-        # a fused projection's blocks, each rank holding its piece of each: its piece of every part
-        opts.append(Option1D((Strided.of(d, k),), tuple(Shard(d) for _ in range(len(info.val)))))
+    parts = split_blocks(info.node) if info.node.target in _SPLITS and STRIDED else None
+    # the input's blocks: the parts, each maybe cut again by its own consumers (``fused_blocks``)
+    k = (fused_blocks(info.inputs[0], d) or parts) if parts else None
+    size = info.shape(0)[d]
+    inner = parts_blocks(k, size, parts) if k else None
+    if inner and isinstance(Strided.of(d, k), Strided) and Strided.of(d, k).fits(size, n) and len(info.inputs) == 1:
+        # a fused projection's blocks, each rank holding its piece of each: its piece of every part (a part of
+        # several blocks in those blocks)
+        opts.append(Option1D((Strided.of(d, k),), tuple(Shard(d) if b == 1 else Strided.of(d, b) for b in inner)))
     return opts
 
 

@@ -77,6 +77,12 @@ def make_model(name: str, layers: int = 2):
                                               num_heads=8, head_dim=8, n_groups=1, conv_kernel=4, chunk_size=8,
                                               use_cache=False, vocab_size=128, bos_token_id=0, eos_token_id=0,
                                               pad_token_id=0))
+    if name == "hf-mamba2-g2":  # 2 groups of B and C: in_proj's xBC cut again into x, B, C after the convolution
+        from transformers import Mamba2Config, Mamba2ForCausalLM
+
+        return Mamba2ForCausalLM(Mamba2Config(hidden_size=32, state_size=8, num_hidden_layers=layers, expand=2,
+                                              num_heads=8, head_dim=8, n_groups=2, conv_kernel=4, chunk_size=8,
+                                              **_HF_COMMON))
     if name == "hf-mixtral":  # experts dispatched by sort/histc/grouped_mm over all tokens: a token-local node
         from transformers import MixtralConfig, MixtralForCausalLM
 

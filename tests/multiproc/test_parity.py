@@ -61,7 +61,7 @@ def test_parity(model: str, config: str) -> None:
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
        ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2"),
        ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2"), ("hf-phi3-gqa", "tp2"), ("hf-mamba2", "tp2"),
-       ("hf-mamba", "tp2")]
+       ("hf-mamba2-g2", "tp2"), ("hf-mamba", "tp2")]
 # dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
 # DeepSpeed-MoE runs it), the rest data parallel
 _EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
@@ -103,11 +103,16 @@ def test_more_architectures() -> None:
             block = [c for c in plan.collectives if c["layer"] == "model.layers.1"]
             assert sorted(s for c in block for s in c["steps"][0][1:] if s.startswith(("all_", "reduce_"))) == \
                 ["all_reduce"] * 4, block
-        if model == "hf-mamba2" and config == "tp2":  # in_proj split into z (64), xBC (80), dt (8): in those
-            # blocks; the depthwise convolution split by channels (its groups made local)
-            mixer = "backbone.layers.0.mixer"
+        if model.startswith("hf-mamba2") and config == "tp2":  # in_proj split into z (64), xBC, dt (8), and xBC
+            # after the depthwise convolution into x (64), B, C (8 each, 16 with 2 groups): in_proj in those five
+            # blocks, the convolution in x, B, C (its groups made local)
+            mixer, bc = "backbone.layers.0.mixer", 16 if model == "hf-mamba2-g2" else 8
             assert [plan.params[f"{mixer}.{w}.weight"] for w in ("in_proj", "conv1d", "out_proj")] == \
-                ["S(0)/64+80+8", "S(0)", "S(1)"], plan.params
+                [f"S(0)/64+64+{bc}+{bc}+8", f"S(0)/64+{bc}+{bc}", "S(1)"], plan.params
+        if model == "hf-mamba2-g2":  # heads and groups split alike: Mamba-2's one all-reduce forward (and backward)
+            block = [c for c in plan.collectives if c["layer"] == "backbone.layers.1"]
+            assert sorted(s for c in block for s in c["steps"][0][1:] if s.startswith(("all_", "reduce_"))) == \
+                ["all_reduce"] * 2, block
         if model == "hf-mamba":  # in_proj(u).transpose(1, 2).chunk(2, dim=1): the blocks ride through the transpose
             mixer = "backbone.layers.0.mixer"
             assert [plan.params[f"{mixer}.{w}.weight"] for w in ("in_proj", "conv1d")] == ["S(0)/2", "S(0)"], \

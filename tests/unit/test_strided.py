@@ -175,3 +175,42 @@ def test_blocks_ride_through_a_transpose_and_a_depthwise_convolution_splits_by_g
     assert any(o.inputs == ((Shard(1),), (Shard(0),), (Shard(0),)) and o.output == (Shard(1),)
                for o in options_for(conv, (2,))[0])
     assert not any(o.inputs[0] == (Shard(1),) for o in options_for(conv, (32,))[0])  # 16 groups: not 32 ways
+
+
+class _Mamba2Like(torch.nn.Module):
+    """Mamba-2's mixer head: ``in_proj`` -> [z | xBC | dt]; xBC through a depthwise convolution, its activation and
+    casts, then cut into [x | B | C]; and a value nothing reads (HF computes a fused kernel's weight view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = torch.nn.Linear(8, 48)
+        self.conv = torch.nn.Conv1d(24, 24, 3, groups=24, padding=2)
+
+    def forward(self, u):
+        unused = self.conv.weight.squeeze(1)  # noqa: F841
+        z, xbc, dt = self.in_proj(u).split([16, 24, 8], dim=-1)
+        xbc = torch.nn.functional.silu(self.conv(xbc.transpose(1, 2))[..., :u.shape[1]]).transpose(1, 2)
+        x, b, c = xbc.split([16, 4, 4], dim=-1)
+        return (x * z).sum() + (b * c).sum() + dt.sum()
+
+
+def test_blocks_cut_again_after_a_convolution_nest() -> None:
+    traced = trace(_Mamba2Like(), (torch.randn(2, 6, 8),))
+    nodes = list(traced.gm.graph.nodes)
+    # the unused weight view is dropped at trace time: it would pin the weight to a layout no user needs
+    assert not any(n.target == aten.squeeze.dim for n in nodes)
+    linear = next(n for n in nodes if n.target == aten.linear.default)
+    split, conv = next(iter(linear.users)), next(n for n in nodes if n.target == aten.conv1d.default)
+    blocks = (16, 16, 4, 4, 8)
+    assert fused_blocks(linear, -1) == blocks
+    # the outer split hands xBC on in its blocks; z and dt are one block each
+    assert any(o.inputs == ((Strided(2, 5, blocks),),) and
+               o.output == ((Shard(2),), (Strided(2, 3, (16, 4, 4)),), (Shard(2),))
+               for o in options_for(split, (2,))[0])
+    inner = Strided(1, 3, (16, 4, 4))
+    assert any(o.inputs == ((inner,), (Strided(0, 3, (16, 4, 4)),), (Strided(0, 3, (16, 4, 4)),)) and
+               o.output == (inner,) for o in options_for(conv, (2,))[0])
+    silu = next(n for n in nodes if n.target == aten.silu.default)
+    assert any(o.inputs == ((inner,),) and o.output == (inner,) for o in options_for(silu, (2,))[0])
+    # 4 rows of B do not split 8 ways: no blocks there
+    assert not any(isinstance(p, Strided) for o in options_for(conv, (8,))[0] for p in o.output)
