@@ -4,14 +4,16 @@ strided layouts (models on ``meta``, no process group, 2 CPU cores; predicted, n
     PYTHONPATH=. python benchmarks/bench_fused_qkv.py                      # GPT-2 medium shape, tp 2/4/8, h100-80gb
     PYTHONPATH=. python benchmarks/bench_fused_qkv.py --model phi3-gqa    # Phi-4-mini's shape: grouped-query qkv_proj
     PYTHONPATH=. python benchmarks/bench_fused_qkv.py --model mamba2      # Mamba-2 780M's shape: in_proj z|xBC|dt
+    PYTHONPATH=. python benchmarks/bench_fused_qkv.py --model mamba2 --groups 8   # its B and C in 8 groups
     PYTHONPATH=. python benchmarks/bench_fused_qkv.py --layers 4 --tp 2,4
 
 Models: ``gpt2`` (HF GPT-2: ``c_attn`` [q | k | v], equal blocks), ``phi3-gqa`` (HF Phi-3 with grouped-query
 attention: ``qkv_proj`` [q | k | v] of unequal lengths, ``gate_up_proj`` [gate | up]), ``mamba2`` (HF Mamba-2's
-slow path: ``in_proj`` [z | xBC | dt], then a depthwise convolution). Without the layout, a contiguous split of a
-fused output over the tp ranks gives a rank columns of q and k (or k and v), not its heads of each, so plans either
-keep the projection whole or convert its output (an all-to-all per layer) before the attention. With it, each rank
-holds its piece of q, of k and of v: Megatron's layout, no collective between the projection and the attention.
+slow path: ``in_proj`` [z | xBC | dt], xBC through a depthwise convolution, then cut into [x | B | C]). Without
+the layout, a contiguous split of a fused output over the tp ranks gives a rank columns of q and k (or k and v),
+not its heads of each, so plans either keep the projection whole or convert its output (an all-to-all per layer)
+before the attention. With it, each rank holds its piece of q, of k and of v: Megatron's layout, no collective
+between the projection and the attention.
 Settings: ``none`` (no strided layout), ``equal`` (blocks of one length only, as before unequal ones existed),
 ``all``. Reported per setting: predicted step, the first block's time (compute and the conversions it runs,
 forward and backward) and its collectives, and how the fused weight is split.
@@ -56,7 +58,7 @@ def build(args):
 
         h = args.hidden or 1536
         cfg = Mamba2Config(vocab_size=50288, hidden_size=h, num_hidden_layers=layers or 48, expand=2, head_dim=64,
-                           num_heads=2 * h // 64, state_size=128, n_groups=1, conv_kernel=4, chunk_size=256,
+                           num_heads=2 * h // 64, state_size=128, n_groups=args.groups, conv_kernel=4, chunk_size=256,
                            use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
         cls = Mamba2ForCausalLM
     else:
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="0: the model's own (gpt2 24, phi3-gqa 32, mamba2 48)")
     ap.add_argument("--hidden", type=int, default=0, help="0: the model's own (1024, 3072, 1536)")
     ap.add_argument("--heads", type=int, default=0, help="0: the model's own (16, 24)")
+    ap.add_argument("--groups", type=int, default=1, help="mamba2: groups of B and C (Codestral Mamba: 8)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--tp", default="2,4,8")
