@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 
 import torch
 
@@ -241,11 +242,26 @@ def fused_blocks(node, dim: int, _depth: int = 0):
     cut into [x | B | C]: five blocks). None where an output on the way has other users or nothing cuts it so."""
     if not STRIDED:
         return None
-    cur = node
-    val = cur.meta.get("val")
+    val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() == 0:
         return None
     d = dim % val.dim()
+    # memoised per graph (the planner asks for every node's dims, the walks overlap); a graph that gained or lost
+    # nodes since is walked afresh (the passes rewrite copies)
+    graph = node.graph
+    memo = _MEMO.get(graph)
+    if memo is None or memo[0] != len(graph.nodes):
+        memo = _MEMO[graph] = (len(graph.nodes), {})
+    key = (node.name, d, UNEQUAL, _depth)  # names, not nodes: the memo must not keep its graph alive
+    if key not in memo[1]:
+        memo[1][key] = _walk(node, d, _depth)
+    return memo[1][key]
+
+
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walk(cur, d: int, _depth: int):
     while True:
         users = _data_users(cur)
         if users and all(u.target == aten.slice.Tensor and (b := slice_block(u)) and b[0] == d for u in users):
