@@ -143,30 +143,29 @@ def _gathered_on(t: DTensor, axes) -> torch.Tensor:
 def unpermute(t: DTensor, perm) -> DTensor:
     """A tensor held permuted (``placement.permuted``: each rank's pieces of unequal blocks as the plain split of a
     permuted tensor) -> the same placements over the tensor in its own order. Gathers the permuted axes."""
-    if not perm or not isinstance(t, DTensor):
-        return t
-    mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
-    local = _gathered_on(t, [i for i, _ in perm])
-    for i, p in perm:
-        n = mesh.size(i)
-        parts = [q // n for q in p.parts(local.shape[p.dim])]
-        per_rank = [piece.split(parts, dim=p.dim) for piece in local.chunk(n, dim=p.dim)]
-        local = torch.cat([per_rank[r][j] for j in range(len(parts)) for r in range(n)], dim=p.dim)
-        local = local.chunk(n, dim=p.dim)[coords[i]]
-    return DTensor.from_local(local.contiguous(), mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())
+    return _reordered(t, perm, to_own_order=True)
 
 
 def permute(t: DTensor, perm) -> DTensor:
     """Inverse of ``unpermute``: ``t`` (its permuted axes split plainly) -> this rank's piece of each block."""
+    return _reordered(t, perm, to_own_order=False)
+
+
+def _reordered(t: DTensor, perm, to_own_order: bool) -> DTensor:
     if not perm or not isinstance(t, DTensor):
         return t
     mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
-    local = _gathered_on(t, [i for i, _ in perm])
+    local = _gathered_on(t, [i for i, _ in perm])  # on each permuted axis: the whole dim, in its stored order
     for i, p in perm:
-        n = mesh.size(i)
-        local = torch.cat([b.narrow(p.dim, coords[i] * (b.shape[p.dim] // n), b.shape[p.dim] // n)
-                           for b in local.split(p.parts(local.shape[p.dim]), dim=p.dim)], dim=p.dim)
+        n, d = mesh.size(i), p.dim
+        parts = p.parts(local.shape[d])
+        if to_own_order:  # rank r's pieces of every block, for each r -> each block whole; then the plain split
+            per_rank = [piece.split([q // n for q in parts], dim=d) for piece in local.chunk(n, dim=d)]
+            local = torch.cat([per_rank[r][j] for j in range(len(parts)) for r in range(n)], dim=d)
+            local = local.chunk(n, dim=d)[coords[i]]
+        else:  # each block whole -> this rank's piece of every block
+            local = torch.cat([b.narrow(d, coords[i] * (b.shape[d] // n), b.shape[d] // n)
+                               for b in local.split(parts, dim=d)], dim=d)
     return DTensor.from_local(local.contiguous(), mesh, t.placements, run_check=False, shape=t.shape,
                               stride=t.stride())
 

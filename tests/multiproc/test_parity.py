@@ -61,7 +61,7 @@ def test_parity(model: str, config: str) -> None:
 ZOO = [("hf-gemma", "dp2"), ("hf-falcon", "tp2"), ("hf-t5", "dp2"), ("hf-mamba2", "dp2"), ("inplace", "tp2"),
        ("unruled", "dp2"), ("hf-mixtral", "dp2"), ("routed", "dp2"), ("hf-mixtral", "tp2"),
        ("hf-mixtral", "dp2-ep"), ("hf-deepseek-v3", "tp2"), ("hf-phi3-gqa", "tp2"), ("hf-mamba2", "tp2"),
-       ("hf-mamba2-g2", "tp2"), ("hf-mamba", "tp2")]
+       ("hf-mamba2-g2", "tp2")]
 # dp2-ep: the experts pinned split over the data-parallel axis (expert parallelism over the dp ranks, as
 # DeepSpeed-MoE runs it), the rest data parallel
 _EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
@@ -113,10 +113,6 @@ def test_more_architectures() -> None:
             block = [c for c in plan.collectives if c["layer"] == "backbone.layers.1"]
             assert sorted(s for c in block for s in c["steps"][0][1:] if s.startswith(("all_", "reduce_"))) == \
                 ["all_reduce"] * 2, block
-        if model == "hf-mamba":  # in_proj(u).transpose(1, 2).chunk(2, dim=1): the blocks ride through the transpose
-            mixer = "backbone.layers.0.mixer"
-            assert [plan.params[f"{mixer}.{w}.weight"] for w in ("in_proj", "conv1d")] == ["S(0)/2", "S(0)"], \
-                plan.params
         if model == "hf-mixtral" and config == "tp2":  # expert parallel: each rank's tokens to their experts' ranks
             experts = {k: v for k, v in plan.params.items() if ".experts." in k}
             assert len(experts) == 4 and set(experts.values()) == {"S(0)"}, experts
