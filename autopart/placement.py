@@ -161,5 +161,5 @@ def permuted(spec: Spec) -> list[tuple[int, Strided]]:
     (``_StridedShard`` cuts equal blocks), so a parameter in one is stored as the plain split (``Shard``) of its
     blocks' pieces in rank order -- rank 0's piece of every block, then rank 1's, ... -- a tensor whose
     ``full_tensor()`` is that permutation of the parameter; ``ParallelModule`` saves, loads and gathers it in the
-    parameter's own order (``runtime.module.unpermute``)."""
+    parameter's own order (``runtime.optim_state.unpermute``)."""
     return [(i, p) for i, p in enumerate(spec) if isinstance(p, Strided) and p.sizes]

@@ -83,9 +83,10 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
             node.args = (node.args[0], size) + tuple(node.args[2:])
             changed = True
-        elif node.target == aten.slice.Tensor and (ways := _strided_ways(ins[0], mesh_shape, slice_block(node))) > 1:
+        elif node.target == aten.slice.Tensor and (block := slice_block(node)) and \
+                (ways := _strided_ways(ins[0], mesh_shape, block)) > 1:
             # one block of a strided fused projection: its bounds in the rank's piece of every block
-            dim, start, length = slice_block(node)
+            dim, start, length = block
             node.args = (node.args[0], dim, start // ways, (start + length) // ways)
             changed = True
         elif node.target == aten.conv1d.default and any(_channels(p) for p in ins[0]):

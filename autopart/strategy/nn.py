@@ -70,7 +70,7 @@ def _conv1d(info: NodeInfo, n: int) -> list[Option1D]:
     from autopart.strategy.views import _depthwise, fused_blocks
 
     blocks = fused_blocks(info.node, 1) if info.node is not None else None
-    if blocks and isinstance(Strided.of(1, blocks), Strided) and _depthwise(info.node):
+    if blocks and _depthwise(info.node):
         # channels in a fused projection's blocks (Mamba-2's [x | B | C]): each rank convolves its piece of each
         opts.append(opt(Strided.of(1, blocks), Strided.of(0, blocks), Strided.of(0, blocks), Strided.of(1, blocks)))
     return opts

@@ -39,7 +39,7 @@ def _shard_options(info: NodeInfo) -> list[Option1D]:
             continue
         layouts = [Shard]
         k = fused_blocks(info.node, d) if info.node is not None else None
-        if k and isinstance(Strided.of(d, k), Strided):
+        if k:
             layouts.append(lambda dim, k=k: Strided.of(dim, k))
         for layout in layouts:
             ins = []
@@ -89,16 +89,23 @@ register(
 
 
 # elementwise ops torch does not tag pointwise (Python operator aliases, where with a scalar branch); not linear
-register(
+@register(
     aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.where.ScalarOther, aten.where.ScalarSelf,
     aten.where.Scalar,
-)(lambda info, n: _shard_options(info) if isinstance(info.val, torch.Tensor) else pointwise_rule(info, n))
+)
+def _untagged(info: NodeInfo, n: int) -> list[Option1D]:
+    return _shard_options(info) if isinstance(info.val, torch.Tensor) else pointwise_rule(info, n)
 
 
 @register(aten.dropout.default, aten.native_dropout.default)
 def _dropout(info: NodeInfo, n: int) -> list[Option1D]:
     # the mask is drawn per rank: shard or replicate the data, never Partial (the mask would scale addends apart)
     return _shard_options(info)
+
+
+# the rules above: any dim of the output split with the inputs that span it (``views.fused_blocks`` walks through
+# their ops)
+ELEMENTWISE_RULES = (pointwise_rule, _identity_like, _untagged, _dropout)
 
 
 @register(aten.type_as.default)

@@ -192,7 +192,6 @@ def _blocks(node: fx.Node) -> tuple:
     return out, ins
 
 
-
 _OPTIONS_CACHE: dict[Any, tuple[list[OpOption], bool]] = {}
 
 

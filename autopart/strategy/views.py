@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from autopart.placement import Shard, Strided
-from autopart.strategy.registry import NodeInfo, Option1D, P, R, register
+from autopart.strategy.registry import NodeInfo, Option1D, P, R, register, rule_for
 
 aten = torch.ops.aten
 
@@ -76,12 +76,6 @@ def split_dim(node) -> int | None:
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         return dim % node.args[0].meta["val"].dim()
     return None
-
-
-def equal_parts(node) -> int | None:
-    """How many equal parts a split/chunk node cuts its input into (None: unequal, or one)."""
-    k = split_blocks(node)
-    return k if isinstance(k, int) else None
 
 
 def split_blocks(node):
@@ -145,7 +139,9 @@ def _sliced_blocks(node, d: int):
 
 
 def _dim_map(node) -> dict[int, int]:
-    """Input dim -> output dim of a ``_PERMUTES`` or ``_SQUEEZES`` node."""
+    """Input dim -> output dim of an op that moves dims without touching their elements: transpose, permute,
+    ``t``/``T`` (every dim reversed), ``mT``/``mH``/``adjoint`` (the last two swapped; conjugated too,
+    elementwise), unsqueeze, squeeze (its dims larger than 1)."""
     nd = node.args[0].meta["val"].dim()
     if node.target == aten.unsqueeze.default:
         u = node.args[1] % (nd + 1)
@@ -153,17 +149,16 @@ def _dim_map(node) -> dict[int, int]:
     if node.target in _SQUEEZES:
         src, dst = tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape)
         return _squeeze_map(src, dst)
+    perm = list(range(nd))
     if node.target == aten.transpose.int:
-        perm = list(range(nd))
         a, b = node.args[1] % nd, node.args[2] % nd
         perm[a], perm[b] = perm[b], perm[a]
     elif node.target == aten.permute.default:
         perm = [d % nd for d in node.args[1]]
-    elif node.target == aten.mT.default:
-        perm = list(range(nd))
+    elif node.target in (aten.mT.default, aten.mH.default, aten.adjoint.default):
         perm[-1], perm[-2] = perm[-2], perm[-1]
-    else:  # t, numpy_T: every dim reversed
-        perm = list(range(nd))[::-1]
+    else:  # t, numpy_T
+        perm.reverse()
     return {perm[e]: e for e in range(nd)}
 
 
@@ -177,19 +172,15 @@ def _squeeze_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
 
 _SQUEEZES = frozenset([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
 _DIM_MAPS = _PERMUTES | _SQUEEZES | {aten.unsqueeze.default}
-# unary ops that keep every element where it is (``strategy.pointwise._identity_like``), and dropout
-_IDENTITY = frozenset([aten.clone.default, aten.contiguous.default, aten.alias.default, aten.to.dtype,
-                       aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.detach.default,
-                       aten.dropout.default])
-
-
 def _elementwise(u, cur) -> bool:
-    """``u`` computes elementwise on ``cur``, keeping its shape (a pointwise op, a cast, a copy)."""
+    """``u`` computes elementwise on ``cur``, keeping its shape: an op whose rule splits any dim of the output with
+    the inputs that span it (``strategy.pointwise.ELEMENTWISE_RULES``: pointwise ops, casts, copies, dropout)."""
+    from autopart.strategy.pointwise import ELEMENTWISE_RULES
+
     val, src = u.meta.get("val"), cur.meta.get("val")
     if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(src.shape):
         return False
-    return u.target in _IDENTITY or (isinstance(u.target, torch._ops.OpOverload) and
-                                     torch.Tag.pointwise in u.target.tags)
+    return rule_for(u.target) in ELEMENTWISE_RULES
 
 
 def _depthwise(conv) -> bool:
@@ -220,13 +211,14 @@ def _next_dim(cur, u, d: int) -> int | None:
     return None
 
 
-def _permuted_dim(node, d: int) -> int:
-    return _dim_map(node)[d]
-
-
-def _normal(sizes: list[int]):
-    """Block lengths as ``fused_blocks`` gives them: a count when equal, the lengths when not (None when unequal
-    ones are switched off)."""
+def _normal(sizes):
+    """Block lengths as ``fused_blocks`` gives them: a count when equal, the lengths when not; empty blocks (they
+    hold nothing on any rank) left out; None for fewer than two blocks, or unequal ones switched off."""
+    if sizes is None or isinstance(sizes, int):
+        return sizes
+    sizes = [b for b in sizes if b]
+    if len(sizes) < 2:
+        return None
     if len(set(sizes)) == 1:
         return len(sizes)
     return tuple(sizes) if UNEQUAL else None
@@ -254,7 +246,7 @@ def fused_blocks(node, dim: int, _depth: int = 0):
         memo = _MEMO[graph] = (len(graph.nodes), {})
     key = (node.name, d, UNEQUAL, _depth)  # names, not nodes: the memo must not keep its graph alive
     if key not in memo[1]:
-        memo[1][key] = _walk(node, d, _depth)
+        memo[1][key] = _normal(_walk(node, d, _depth))
     return memo[1][key]
 
 
@@ -356,52 +348,10 @@ def _dim_map_rule(info: NodeInfo, mapping: dict[int, int], n: int = 0) -> list[O
     return opts
 
 
-@register(aten.transpose.int)
-def _transpose(info: NodeInfo, n: int) -> list[Option1D]:
-    nd = len(info.shape(0))
-    a, b = info.args[1] % nd, info.args[2] % nd
-    perm = list(range(nd))
-    perm[a], perm[b] = perm[b], perm[a]
-    return _dim_map_rule(info, {perm[e]: e for e in range(nd)}, n)
-
-
-@register(aten.t.default, aten.numpy_T.default)
-def _t(info: NodeInfo, n: int) -> list[Option1D]:
-    """``x.t()`` / ``x.T``: every dim reversed."""
-    nd = len(info.shape(0))
-    return _dim_map_rule(info, {d: nd - 1 - d for d in range(nd)}, n)
-
-
-@register(aten.mT.default, aten.mH.default, aten.adjoint.default)
-def _mt(info: NodeInfo, n: int) -> list[Option1D]:
-    """``x.mT`` (``mH``/``adjoint``: conjugated too, elementwise): the last two dims swapped."""
-    nd = len(info.shape(0))
-    perm = list(range(nd))
-    perm[-1], perm[-2] = perm[-2], perm[-1]
-    return _dim_map_rule(info, {perm[e]: e for e in range(nd)}, n)
-
-
-@register(aten.permute.default)
-def _permute(info: NodeInfo, n: int) -> list[Option1D]:
-    nd = len(info.shape(0))
-    dims = [d % nd for d in info.args[1]]
-    return _dim_map_rule(info, {dims[e]: e for e in range(nd)}, n)
-
-
-@register(aten.unsqueeze.default)
-def _unsqueeze(info: NodeInfo, n: int) -> list[Option1D]:
-    nd = len(info.shape(0))
-    u = info.args[1] % (nd + 1)
-    return _dim_map_rule(info, {d: d if d < u else d + 1 for d in range(nd)}, n)
-
-
-@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
-def _squeeze(info: NodeInfo, n: int) -> list[Option1D]:
-    src, dst = info.shape(0), info.out_shape
-    kept = [d for d in range(len(src)) if not (src[d] == 1 and len(dst) < len(src))]
-    if len(kept) != len(dst):
-        kept = [d for d in range(len(src)) if src[d] != 1]
-    return _dim_map_rule(info, {d: e for e, d in enumerate(kept) if src[d] > 1}, n)
+@register(aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default, aten.mT.default,
+          aten.mH.default, aten.adjoint.default, aten.unsqueeze.default, *_SQUEEZES)
+def _moved_dims(info: NodeInfo, n: int) -> list[Option1D]:
+    return _dim_map_rule(info, _dim_map(info.node), n)
 
 
 @register(aten.expand.default)
@@ -435,7 +385,7 @@ def _other_dims(info: NodeInfo, dim: int, multi: int | None = None) -> list[Opti
         if d != dim and src[d] > 1:
             opts.append(Option1D(tuple(Shard(d) if i == 0 else R for i in range(k)), out(Shard(d))))
             b = fused_blocks(info.node, d) if multi is None and info.node is not None else None
-            if b and isinstance(Strided.of(d, b), Strided):  # a block layout passes along (a trimmed length)
+            if b:  # a block layout passes along (a trimmed length)
                 opts.append(Option1D(tuple(Strided.of(d, b) if i == 0 else R for i in range(k)), Strided.of(d, b)))
     return opts
 
@@ -463,10 +413,10 @@ def _split(info: NodeInfo, n: int) -> list[Option1D]:
     d = dim % len(info.shape(0))
     parts = split_blocks(info.node) if info.node.target in _SPLITS and STRIDED else None
     # the input's blocks: the parts, each maybe cut again by its own consumers (``fused_blocks``)
-    k = (fused_blocks(info.inputs[0], d) or parts) if parts else None
+    k = (fused_blocks(info.inputs[0], d) or _normal(parts)) if parts else None
     size = info.shape(0)[d]
     inner = parts_blocks(k, size, parts) if k else None
-    if inner and isinstance(Strided.of(d, k), Strided) and Strided.of(d, k).fits(size, n) and len(info.inputs) == 1:
+    if inner and Strided.of(d, k).fits(size, n) and len(info.inputs) == 1:
         # a fused projection's blocks, each rank holding its piece of each: its piece of every part (a part of
         # several blocks in those blocks)
         opts.append(Option1D((Strided.of(d, k),), tuple(Shard(d) if b == 1 else Strided.of(d, b) for b in inner)))
