@@ -2683,9 +2683,13 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         with_self = [c + t for c, t in zip(cost, step, strict=True)]
         for u, d in self_edges:  # an edge between two members of one tied group: both ends take one option
             with_self[u] = with_self[u] + d
-        if not sliced_states:  # ZeRO-1/2 ruled out (priced out of reach: the solver takes finite costs only)
-            for gid in zero12_options:
-                with_self[gid] = with_self[gid] + np.where(zero12_options[gid], 1e6, 0.0)
+        if not sliced_states:  # ZeRO-1/2 ruled out: forbidden options (infinite cost), which presolve removes.
+            # Not priced out with a large finite cost: the MIP scales its objective by its largest coefficient, and
+            # next to 1e6 s the plans' milliseconds fell below HiGHS's tolerances (it returned "optimal" plans 3x
+            # slower than the optimum; CP-SAT rounded them to zero)
+            for gid, sliced in zero12_options.items():
+                if not sliced.all():
+                    with_self[gid] = np.where(sliced, np.inf, with_self[gid])
         try:
             # three memory rows, the moments the plan's peak is the largest of: the end of forward (states,
             # gathered parameters, saved activations, one recomputed layer), the end of backward (states,
@@ -2699,20 +2703,31 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
+                if not sliced_states:  # its ZeRO-1/2 slices are priced out here: the nearest plan without them
+                    hint = unsliced_hint(hint, with_self, edge_list, zero12_options)
+                    if bounded:
+                        hint = repair_to_budget(hint, with_self, rows, edge_list, limit - base, edge_memory=emem)
             elif bounded and sol0 is not None:  # repair the free optimum greedily into the budget
                 hint = repair_to_budget(list(sol0.choice), with_self, rows, edge_list, limit - base,
                                         edge_memory=emem)
             if hint is None:
                 hint = warm_hint
+            def problem(base: np.ndarray) -> IlpProblem:
+                return IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
+                                  memory_limit=float(limit) if bounded else None, memory_base=base, hint=hint,
+                                  memory_labels=list(MEMORY_ROWS), edge_memory=emem)
+
             for _ in range(3 if bounded else 1):
-                sol = solve(IlpProblem(names=names, node_cost=with_self, node_memory=rows, edges=edge_list,
-                                       memory_limit=float(limit) if bounded else None, memory_base=base,
-                                       hint=hint, memory_labels=list(MEMORY_ROWS), edge_memory=emem), sopts)
+                sol = solve(problem(base), sopts)
                 need = np.array([recompute_of(sol.choice), buckets_of(sol.choice)[1],
                                  optimizer_row_base(prob, sol.choice, temps, cluster)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
                 base = np.maximum(base, need)
+                # a larger base only removes plans: one solved under the smaller base that still fits under the
+                # larger is the answer there too (its bound holds), without solving again
+                if float(problem(base).peaks(sol.choice).max()) <= limit:
+                    break
             results[label] = (sol, modes, cost, mem, offload, ckpt_mem, edge_bytes(emem, sol.choice), step)
         except InfeasibleError as exc:
             errors[label] = exc
@@ -3139,6 +3154,27 @@ def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collective
         "one_pass_param_gather_exposed_s": predicted["param_gather_s"],
         "activations_bytes": predicted["memory_bytes"]["activations"]}
     return out
+
+
+def unsliced_hint(choice: list[int], cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]],
+                  sliced: dict[int, np.ndarray]) -> list[int]:
+    """``choice`` with every group whose option is a ZeRO-1/2 slice (``sliced[g]``: a mask over g's options)
+    switched to its cheapest other option, node cost and incident edges with the neighbours held: the warm start
+    of the solve that rules those slices out. Handed the plan with them, which that solve forbids, HiGHS searched
+    cold (Llama-7B on (8, 2, 4): 30 s at the time limit, gap 0.9%)."""
+    choice = list(choice)
+    adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
+    for u, v, m in edges:
+        adj[u].append((v, m, True))
+        adj[v].append((u, m, False))
+    for g, mask in sliced.items():
+        if not mask[choice[g]] or mask.all():
+            continue
+        local = np.array(cost[g], dtype=float)
+        for other, m, out in adj[g]:
+            local = local + (m[:, choice[other]] if out else m[choice[other], :])
+        choice[g] = int(np.argmin(np.where(mask, np.inf, local)))
+    return choice
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],

@@ -16,8 +16,13 @@ import torch.multiprocessing as mp
 # interpreters that each import torch, autopart and transformers again (``spawn``: 3 s for 2 ranks and 6-7 s for 4
 # on 2 cores, against ~0.1 s once the server runs). The server imports only: it holds no thread, process group or
 # CUDA context a child could inherit. Modules missing here are skipped by the server.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "autopart", "transformers",
-                                        "tests.multiproc.harness", "tests.multiproc.parity"])
+# torch.export (with dynamo and AOTAutograd), the solvers, networkx and DCP are imported on first use: preloaded
+# too, they cost each rank ~3 s of imports less (a rank traces the model, rank 0 plans).
+multiprocessing.set_forkserver_preload([
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+    "torch.distributed.pipelining", "torch.export", "torch.export._trace", "networkx", "ortools.sat.python.cp_model",
+    "ortools.math_opt.python.mathopt", "ortools.math_opt.core.python.solver", "autopart", "transformers",
+    "tests.multiproc.harness", "tests.multiproc.parity"])
 
 
 def _worker(rank: int, world: int, fn, args, outdir: str, backend: str) -> None:

@@ -171,7 +171,8 @@ def test_calibrate_one_process_measures_the_device(tmp_path):
     assert c.mesh_shape == (1,)
     d = c.device
     assert 1e8 < d.peak_flops < 1e15 and 1e8 < d.mem_bandwidth < 1e14 and d.mfu == 1.0
-    assert 1e8 < d.optimizer_bandwidth < 2 * d.mem_bandwidth
+    # the lower bound is a sanity floor: on 2 cores shared with other tests' ranks it measured 70 MB/s
+    assert 1e7 < d.optimizer_bandwidth < 2 * d.mem_bandwidth
     assert load_calibration((1,), directory=str(tmp_path)) == c
 
 

@@ -395,3 +395,16 @@ def test_highs_presolve_off_on_large_memoryless_problems_keeps_the_optimum(monke
     assert on.num_variables >= 3000 and on.status == off.status == "optimal"
     assert math.isclose(on.objective, off.objective, rel_tol=1e-9) and math.isclose(off.objective, off.bound,
                                                                                        rel_tol=1e-9)
+
+
+def test_unsliced_hint_moves_sliced_choices_to_the_cheapest_allowed_option():
+    """The warm start of the solve without ZeRO-1/2: a group on a sliced option takes its cheapest other option,
+    its edges priced with the neighbours held; groups on allowed options keep them."""
+    from autopart.planner import unsliced_hint
+
+    cost = [np.array([1.0, 0.5, 2.0]), np.array([0.0, 0.0])]
+    edge = np.array([[0.0, 9.0], [5.0, 0.0], [0.0, 0.0]])  # group 0's option 1 is dear next to group 1's option 0
+    sliced = {0: np.array([True, False, False]), 1: np.array([True, True])}  # group 1: every option sliced
+    assert unsliced_hint([0, 0], cost, [(0, 1, edge)], sliced) == [2, 0]  # 1.0 + 5.0 > 2.0 + 0.0
+    assert unsliced_hint([0, 1], cost, [(0, 1, edge)], sliced) == [1, 1]  # 0.5 + 0.0 < 2.0 + 0.0
+    assert unsliced_hint([1, 0], cost, [(0, 1, edge)], sliced) == [1, 0]  # not on a sliced option: kept
