@@ -2703,7 +2703,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
-                if not sliced_states:  # its ZeRO-1/2 slices are priced out here: the nearest plan without them
+                if not sliced_states:  # its ZeRO-1/2 slices are forbidden here: the nearest plan without them
                     hint = unsliced_hint(hint, with_self, edge_list, zero12_options)
                     if bounded:
                         hint = repair_to_budget(hint, with_self, rows, edge_list, limit - base, edge_memory=emem)
@@ -3163,18 +3163,29 @@ def unsliced_hint(choice: list[int], cost: list[np.ndarray], edges: list[tuple[i
     of the solve that rules those slices out. Handed the plan with them, which that solve forbids, HiGHS searched
     cold (Llama-7B on (8, 2, 4): 30 s at the time limit, gap 0.9%)."""
     choice = list(choice)
+    adj = _incident(edges)
+    for g, mask in sliced.items():
+        if not mask[choice[g]] or mask.all():
+            continue
+        choice[g] = int(np.argmin(np.where(mask, np.inf, _local_costs(g, cost, adj, choice))))
+    return choice
+
+
+def _incident(edges: list[tuple[int, int, np.ndarray]]) -> dict[int, list[tuple[int, np.ndarray, bool]]]:
+    """Group -> (other end, cost matrix, whether the group is its rows) of every edge at it."""
     adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
     for u, v, m in edges:
         adj[u].append((v, m, True))
         adj[v].append((u, m, False))
-    for g, mask in sliced.items():
-        if not mask[choice[g]] or mask.all():
-            continue
-        local = np.array(cost[g], dtype=float)
-        for other, m, out in adj[g]:
-            local = local + (m[:, choice[other]] if out else m[choice[other], :])
-        choice[g] = int(np.argmin(np.where(mask, np.inf, local)))
-    return choice
+    return adj
+
+
+def _local_costs(g: int, cost: list[np.ndarray], adj: dict, choice: list[int]) -> np.ndarray:
+    """(K_g,): each option's node cost plus its edges' (``_incident``), the neighbours as chosen."""
+    t = np.array(cost[g], dtype=float)
+    for other, m, rows in adj[g]:
+        t = t + (m[:, choice[other]] if rows else m[choice[other], :])
+    return t
 
 
 def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
@@ -3187,11 +3198,9 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
     the neighbours' options held. Returns None when it gets stuck (the solver then starts cold)."""
     mem = [m[:, None] if m.ndim == 1 else m for m in mem]
     limit = np.broadcast_to(np.asarray(limit, dtype=float), (mem[0].shape[1],)) if mem else np.zeros(1)
-    adj: dict[int, list[tuple[int, np.ndarray, bool]]] = defaultdict(list)
+    adj = _incident(edges)
     madj: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # group -> (other end, (K_g, K_other, R))
-    for e, (u, v, m) in enumerate(edges):
-        adj[u].append((v, m, True))
-        adj[v].append((u, m, False))
+    for e, (u, v, _) in enumerate(edges):
         em = edge_memory[e] if edge_memory is not None else None
         if em is not None:
             em = em[:, :, None] if em.ndim == 2 else em
@@ -3204,12 +3213,6 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
         for other, em in madj[g]:
             out = out + em[:, choice[other]]
         return out
-
-    def local_cost(g: int, a: int) -> float:
-        t = float(cost[g][a])
-        for other, m, out in adj[g]:
-            t += float(m[a, choice[other]] if out else m[choice[other], a])
-        return t
 
     def excess(used: np.ndarray) -> float:
         return float(np.maximum(used - limit, 0.0).sum())
@@ -3229,9 +3232,9 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
             better = np.nonzero(gain > 0)[0]
             if not len(better):
                 continue
-            cur_t = local_cost(g, choice[g])
+            local = _local_costs(g, cost, adj, choice)
             for a in better:
-                dt = local_cost(g, int(a)) - cur_t
+                dt = float(local[a] - local[choice[g]])
                 if not math.isfinite(dt):
                     continue
                 ratio = max(dt, 0.0) / gain[a]

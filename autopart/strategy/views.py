@@ -172,6 +172,8 @@ def _squeeze_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
 
 _SQUEEZES = frozenset([aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default])
 _DIM_MAPS = _PERMUTES | _SQUEEZES | {aten.unsqueeze.default}
+
+
 def _elementwise(u, cur) -> bool:
     """``u`` computes elementwise on ``cur``, keeping its shape: an op whose rule splits any dim of the output with
     the inputs that span it (``strategy.pointwise.ELEMENTWISE_RULES``: pointwise ops, casts, copies, dropout)."""
