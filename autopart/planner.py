@@ -809,7 +809,8 @@ _SAVES_NOTHING = _VIEW_OPS | {aten.add.Tensor, aten.sub.Tensor, aten.neg.default
                               aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
                               aten.embedding.default, aten.cat.default, aten.sum.dim_IntList, aten.mean.dim,
                               aten.sum.default, aten.mean.default, aten.dropout.default, aten.unbind.int,
-                              aten.split_with_sizes.default, aten.squeeze.dim, aten.squeeze.dims,
+                              aten.split_with_sizes.default, aten.tensor_split.indices,
+                              aten.tensor_split.sections, aten.squeeze.dim, aten.squeeze.dims,
                               aten.cumsum.default, aten.pad.default, aten.constant_pad_nd.default}
 
 

@@ -242,8 +242,8 @@ _INTERMEDIATE = frozenset([aten.cross_entropy_loss])
 # ops that return a view of their input (new sizes and strides over the same storage): no kernel, no bytes
 _VIEWS = frozenset([aten.view, aten._unsafe_view, aten.transpose, aten.t, aten.permute, aten.unsqueeze, aten.squeeze,
                     aten.expand, aten.alias, aten.slice, aten.select, aten.split, aten.split_with_sizes, aten.chunk,
-                    aten.unbind, aten.as_strided, aten.detach, aten.view_as, aten.unflatten, aten.narrow,
-                    aten.diagonal])
+                    aten.tensor_split, aten.unbind, aten.as_strided, aten.detach, aten.view_as, aten.unflatten,
+                    aten.narrow, aten.diagonal])
 # ops that are a view when their input's strides allow it and copy it otherwise
 _VIEW_OR_COPY = frozenset([aten.reshape, aten.contiguous, aten.flatten])
 

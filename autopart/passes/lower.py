@@ -83,6 +83,10 @@ def lower(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> tuple[fx.GraphModu
             size = [s // ways for s in size] if isinstance(size, (list, tuple)) else size // ways
             node.args = (node.args[0], size) + tuple(node.args[2:])
             changed = True
+        elif node.target == aten.tensor_split.indices and (ways := _strided_ways(ins[0], mesh_shape)) > 1:
+            # cut at block bounds (the rule offers Strided only there): the same bounds in the rank's piece
+            node.args = (node.args[0], [i // ways for i in node.args[1]]) + tuple(node.args[2:])
+            changed = True
         elif node.target == aten.slice.Tensor and (block := slice_block(node)) and \
                 (ways := _strided_ways(ins[0], mesh_shape, block)) > 1:
             # one block of a strided fused projection: its bounds in the rank's piece of every block

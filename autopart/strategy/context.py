@@ -252,7 +252,7 @@ def ring_merge_time(q_bytes: float, kv_bytes: float, e: int, c: int, device, bal
 _DIM_ARG = {aten.slice.Tensor: 1, aten.select.int: 1, aten.narrow.default: 1, aten.index_select.default: 1,
             aten.gather.default: 1, aten.cumsum.default: 1, aten.cumprod.default: 1, aten.unbind.int: 1,
             aten.cat.default: 1, aten.chunk.default: 2, aten.split.Tensor: 2, aten.split_with_sizes.default: 2,
-            aten.roll.default: 2, aten.flip.default: 1}
+            aten.tensor_split.indices: 2, aten.tensor_split.sections: 2, aten.roll.default: 2, aten.flip.default: 1}
 _ORDERED = {aten.tril.default, aten.triu.default, aten.convolution.default, aten.conv1d.default,
             aten.constant_pad_nd.default, aten.pad.default, aten.index.Tensor, aten.scatter.src,
             aten.scatter_add.default, aten.index_put.default, aten.diagonal.default, aten.unfold.default}

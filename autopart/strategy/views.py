@@ -52,7 +52,8 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
     return groups
 
 
-_SPLITS = frozenset([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default])
+_SPLITS = frozenset([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.tensor_split.indices,
+                     aten.tensor_split.sections])
 _SAME_VIEWS = frozenset([aten.view.default, aten.reshape.default, aten._unsafe_view.default])
 # ops that move dims without touching their elements: a dim's blocks ride along (HF Mamba's ``in_proj(u).transpose(1,
 # 2).chunk(2, dim=1)``)
@@ -72,7 +73,7 @@ def _kept_dim(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int | None:
 
 def split_dim(node) -> int | None:
     """The dim a split/chunk node cuts."""
-    if node.target == aten.chunk.default or node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+    if node.target in _SPLITS:
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         return dim % node.args[0].meta["val"].dim()
     return None
@@ -405,7 +406,8 @@ def _slice(info: NodeInfo, n: int) -> list[Option1D]:
     return opts
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int,
+          aten.tensor_split.indices, aten.tensor_split.sections)
 def _split(info: NodeInfo, n: int) -> list[Option1D]:
     if info.node.target == aten.unbind.int:
         dim = info.args[1] if len(info.args) > 1 else 0

@@ -214,3 +214,40 @@ def test_blocks_cut_again_after_a_convolution_nest() -> None:
     assert any(o.inputs == ((inner,),) and o.output == (inner,) for o in options_for(silu, (2,))[0])
     # 4 rows of B do not split 8 ways: no blocks there
     assert not any(isinstance(p, Strided) for o in options_for(conv, (8,))[0] for p in o.output)
+
+
+class _TensorSplit(torch.nn.Module):
+    """A fused projection cut by ``tensor_split`` at indices (unequal parts), one part then cut along its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        q, k, v = torch.tensor_split(self.proj(x), [8, 12], dim=-1)
+        head, _ = torch.tensor_split(q, [3], dim=0)  # HF Mamba-2 (transformers 5.2x) cuts x, B, C along the sequence
+        return head.sum() + (q[..., :4] * k + v).sum()
+
+
+def test_tensor_split_cuts_blocks_and_lowers_to_the_ranks_piece() -> None:
+    from autopart.passes.lower import lower
+
+    traced = trace(_TensorSplit(), (torch.randn(4, 8),))
+    nodes = [n for n in traced.gm.graph.nodes if n.target == aten.tensor_split.indices]
+    linear = next(n for n in traced.gm.graph.nodes if n.target == aten.linear.default)
+    cut, rows = nodes
+    assert fused_blocks(linear, -1) == (8, 4, 4)
+    blocks = Strided(1, 3, (8, 4, 4))
+    assert any(o.inputs == ((blocks,),) and o.output == ((Shard(1),),) * 3 for o in options_for(cut, (2,))[0])
+    # along another dim than the one split: the columns stay split, the cut along the rows is the same on each rank
+    assert any(o.inputs == ((Shard(1),),) and o.output == ((Shard(1),),) * 2 for o in options_for(rows, (2,))[0])
+    assert not any(o.inputs[0][0] == Shard(0) for o in options_for(rows, (2,))[0])
+    cut.meta["autopart.inputs"], cut.meta["autopart.output"] = ((blocks,),), ((Shard(1),),) * 3
+    lower(traced.gm, (2,))
+    assert cut.args[1] == [4, 6]  # the rank's piece of every block: 4 of q, 2 of k, 2 of v
+    full = torch.arange(32.0).view(2, 16)
+    for rank in range(2):
+        local = _local_chunk(full, (blocks,), [rank], [2])
+        parts = torch.tensor_split(local, cut.args[1], dim=-1)
+        for part, ref in zip(parts, torch.tensor_split(full, [8, 12], dim=-1)):
+            assert torch.equal(part, ref.chunk(2, dim=-1)[rank])
