@@ -231,10 +231,18 @@ def _nested_shard(spec, mesh_shape) -> bool:
 
 
 def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape,
-                     param_reduced: tuple[bool, ...] = ()) -> list[Step] | None:
+                     param_reduced: tuple[bool, ...] = ()) -> tuple[Step, ...] | None:
     """The per-axis steps converting ``src`` to ``dst`` (None if impossible); see the module docstring table. A
     ``Strided`` layout (a fused projection's blocks) converts to nothing else: it is a parameter's, used as stored
-    by the ops that split it into its blocks."""
+    by the ops that split it into its blocks. Memoised: pricing asks for the same few thousand conversions of
+    every value pattern's options (a tuple of immutable steps, shared by the callers)."""
+    return _conversion_steps(tuple(src), tuple(dst), tuple(split), bool(needs_grad), tuple(mesh_shape),
+                             tuple(param_reduced))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _conversion_steps(src: tuple, dst: tuple, split: tuple[bool, ...], needs_grad: bool, mesh_shape: tuple,
+                      param_reduced: tuple[bool, ...]) -> tuple[Step, ...] | None:
     if any(a != b and n > 1 and (isinstance(a, Strided) or isinstance(b, Strided))
            for a, b, n in zip(src, dst, mesh_shape)):
         return None
@@ -265,10 +273,9 @@ def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_s
                 return None
             steps.append(Step(i, a, b, "mask", "none"))
     moving = [st for st in steps if st.src != st.dst]
-    if moving and (len(moving) > 1 or _nested_shard(tuple(src), tuple(mesh_shape)) or
-                   _nested_shard(tuple(dst), tuple(mesh_shape))):
-        return _ordered(steps, src, dst, mesh_shape, split, needs_grad)
-    return steps
+    if moving and (len(moving) > 1 or _nested_shard(src, mesh_shape) or _nested_shard(dst, mesh_shape)):
+        return tuple(_ordered(steps, src, dst, mesh_shape, split, needs_grad))
+    return tuple(steps)
 
 
 def _ordered(steps: list[Step], src, dst, mesh_shape, split: tuple[bool, ...], needs_grad: bool) -> list[Step]:
