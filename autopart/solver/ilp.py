@@ -83,6 +83,7 @@ The memory row is what makes problems hard.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -735,16 +736,19 @@ class _RawResult:
     bound: float
 
 
-# HiGHS's own presolve on a problem without a memory row and with this many variables or more costs more than it
-# saves: the edge variables of large option sets make it slow (~1 s for 45k variables on 2 cores) while the LP
-# relaxation of such a problem is tight (its root solution is integral); off there, the same optimum in about half
-# the time (Llama-70B's free stage and no-stage problems, 43-46k variables: 1.5 -> 0.9 s; FSDP's, 3.6k: 0.65 ->
-# 0.1 s). With a memory row HiGHS's presolve is kept: there branching does the work.
+# HiGHS's own presolve on a problem with this many variables or more costs more than it saves: the edge variables
+# of large option sets make it slow (~1 s for 45k variables on 2 cores) while the LP relaxation of such a problem is
+# tight (without a memory row its root solution is integral); off there, the same optimum in about half the time
+# (Llama-70B's free stage and no-stage problems, 43-46k variables: 1.5 -> 0.9 s; FSDP's, 3.6k: 0.65 -> 0.1 s). With a
+# memory row too: the 51 memory-bounded problems over 0.3 s that six `autopart advise` runs and Llama-70B on 1024
+# H100s solve took 83.5 s with it and 49.4 s without (Llama-70B on 64 H100s without stages: 8-12 s -> 3-5 s a
+# problem, HiGHS restarting its search four times after presolving), objectives within the 1e-3 gap (worst +0.02%);
+# on bench_solver_backends' tight chains no slower (50x12: 3.1 -> 1.9 s, 250x8 tree: 5.8 -> 2.9 s).
 HIGHS_PRESOLVE_OFF_VARS = 3000
 
 
 def _skip_highs_presolve(mip: _Mip, red: _Reduced) -> bool:
-    return red.memory_limit is None and mip.num_vars >= HIGHS_PRESOLVE_OFF_VARS
+    return mip.num_vars >= HIGHS_PRESOLVE_OFF_VARS
 
 
 def _run_mathopt(
@@ -853,15 +857,27 @@ def _run_cpsat(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleError:
-    """Find the least peak memory subject only to forbidden options and pairs, and explain the shortfall.
+@dataclass
+class _MemoryProbes:
+    """The least peak memory subject only to forbidden options and pairs (``_memory_probes``): ``lower``, a bound no
+    choice goes below (the largest single-row minimum, exact); ``choice`` and ``peaks``, the best of the probes'
+    choices (a peak that is reachable); ``with_sum``: the rows' sum was probed too."""
 
-    One row: the minimum is exact. Several rows (the peak is their maximum): each row is minimised on its own, and
-    so is their sum; the best of those choices is a peak that is reachable, and the largest single-row minimum is
-    a bound no choice goes below; the message gives both when they differ. ``explain=False`` skips the solves and
-    reports the bound of every group's smallest usable option (a quick "does not fit").
-    """
+    lower: float
+    choice: tuple[int, ...]
+    peaks: np.ndarray
+    with_sum: bool
+
+
+def _memory_probes(problem: Problem, with_sum: bool = True, prior: _MemoryProbes | None = None) -> _MemoryProbes:
+    """Minimise each memory row on its own (exact, costs ignored; forbidden options and pairs kept), and, with
+    ``with_sum`` and several rows, their sum (``prior``: the single rows' probes, already made). Each probe is a
+    problem without a memory row (the tree DP or a MIP whose LP relaxation is tight): 0.1-0.3 s for Llama-70B's
+    45k-variable problems, where HiGHS took 2-13 s to prove the memory-bounded problem infeasible."""
     rows = problem.num_memory_rows
+    with_sum = with_sum and rows > 1
+    if prior is not None and (prior.with_sum or not with_sum):
+        return prior
     mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
     base = problem.base_vector()
     # edge memory over allowed pairs, (n_allowed, R) per edge; its least entries (a bound) and each edge's
@@ -873,15 +889,10 @@ def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleErro
         lo = em[ok].min(axis=0) if em is not None and ok.any() else np.zeros(rows)
         emins = emins + lo
         eshift.append(None if em is None else em - lo)
-    if not explain:
-        low = base + emins + sum(m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
-        r = int(np.argmax(low))
-        return InfeasibleError(
-            f"no sharding choice fits the memory limit of {(problem.memory_limit or 0.0) / _GIB:.3g} GiB per "
-            f"device: every choice needs at least {float(low[r]) / _GIB:.3g} GiB at the {problem.label(r)}.",
-            float(low[r]), [], problem.label(r))
-    weights = [np.eye(rows)[r] for r in range(rows)] + ([np.ones(rows)] if rows > 1 else [])
-    best, lower = None, 0.0
+    weights = [] if prior is not None else [np.eye(rows)[r] for r in range(rows)]
+    weights += [np.ones(rows)] if with_sum else []
+    best = (prior.choice, prior.peaks) if prior is not None else None
+    lower = prior.lower if prior is not None else 0.0
     for w in weights:
         probe = Problem(
             names=problem.names,
@@ -890,12 +901,48 @@ def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleErro
             edges=[(u, v, np.where(np.isfinite(mat), 0.0 if sh is None else np.maximum(sh @ w, 0.0), np.inf))
                    for (u, v, mat), sh in zip(problem.edges, eshift, strict=True)],
         )
-        sol = solve(probe, SolverOptions(relative_gap=0.0, time_limit_s=60.0))
+        global _SOLVE_LOG, _SHARED
+        # a probe is part of this solve, not one of the caller's: neither logged nor shared
+        log, shared, _SOLVE_LOG, _SHARED = _SOLVE_LOG, _SHARED, None, None
+        try:
+            sol = solve(probe, SolverOptions(relative_gap=0.0, time_limit_s=60.0))
+        finally:
+            _SOLVE_LOG, _SHARED = log, shared
         peaks = problem.peaks(sol.choice)
         if w.sum() == 1:
             lower = max(lower, float((base @ w) + (emins @ w) + sol.bound))
         if best is None or peaks.max() < best[1].max():
-            best = (sol.choice, peaks)
+            best = (tuple(sol.choice), peaks)
+    return _MemoryProbes(lower, tuple(best[0]), best[1], with_sum)
+
+
+def _memory_infeasible(problem: Problem, explain: bool = True, probes: _MemoryProbes | None = None) -> InfeasibleError:
+    """Find the least peak memory subject only to forbidden options and pairs, and explain the shortfall.
+
+    One row: the minimum is exact. Several rows (the peak is their maximum): each row is minimised on its own, and
+    so is their sum; the best of those choices is a peak that is reachable, and the largest single-row minimum is
+    a bound no choice goes below; the message gives both when they differ. ``explain=False`` skips the solves and
+    reports the bound of every group's smallest usable option (a quick "does not fit"). ``probes``: the solves
+    already made (``_memory_probes``).
+    """
+    rows = problem.num_memory_rows
+    mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
+    base = problem.base_vector()
+    if not explain and probes is None:
+        emins = np.zeros(rows)
+        for e, (_, _, mat) in enumerate(problem.edges):
+            em = problem.edge_memory_matrix(e)
+            ok = np.isfinite(np.asarray(mat, dtype=float))
+            emins = emins + (em[ok].min(axis=0) if em is not None and ok.any() else np.zeros(rows))
+        low = base + emins + sum(m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
+        r = int(np.argmax(low))
+        return InfeasibleError(
+            f"no sharding choice fits the memory limit of {(problem.memory_limit or 0.0) / _GIB:.3g} GiB per "
+            f"device: every choice needs at least {float(low[r]) / _GIB:.3g} GiB at the {problem.label(r)}.",
+            float(low[r]), [], problem.label(r))
+    probes = _memory_probes(problem, with_sum=explain, prior=probes)
+    lower = probes.lower
+    best = (probes.choice, probes.peaks)
     choice, peaks = best
     r = int(np.argmax(peaks))
     peak = float(peaks[r])
@@ -917,6 +964,21 @@ def _memory_infeasible(problem: Problem, explain: bool = True) -> InfeasibleErro
         terms,
         problem.label(r),
     )
+
+
+def _fits(problem: Problem, choice) -> bool:
+    """``choice`` is allowed (no forbidden option or pair) and within the memory limit."""
+    if choice is None:
+        return False
+    objective, peak = problem.evaluate(choice)
+    return math.isfinite(objective) and (problem.memory_limit is None or
+                                         peak <= problem.memory_limit * (1 + _MEMORY_REL_TOL))
+
+
+def _needs_fit_proof(problem: Problem, red: _Reduced) -> bool:
+    """A finite memory row is left for the MIP and the caller's hint does not show that some choice fits."""
+    return red.memory_limit is not None and problem.memory_limit is not None and \
+        math.isfinite(problem.memory_limit) and not _fits(problem, problem.hint)
 
 
 def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solution:  # noqa: B008
@@ -962,8 +1024,19 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         )
         assert red.memory_limit is None or len(keep) == len(red.groups), "memory row couples every group"
         backend_used = "highs" if options.backend == "auto" else options.backend
+        probes = None
+        if _needs_fit_proof(problem, sub):
+            # no plan known to fit: first the exact least memory of each row on its own (problems without a memory
+            # row, fast). Where one is over the limit nothing fits, proven without the MIP, which can take seconds
+            # to show it (Llama-70B on 64 H100s without recompute: 2-13 s a problem, against 0.1-0.3 s here)
+            probes = _memory_probes(problem, with_sum=False)
+            if probes.lower > problem.memory_limit * (1 + _MEMORY_REL_TOL) + 1.0:
+                raise _memory_infeasible(problem, options.explain, probes)
         mip = _build_mip(sub, problem.names)
         hint = _reduced_hint(problem, sub)
+        if probes is not None and (hint is None or not _fits(problem, problem.hint)) and \
+                _fits(problem, probes.choice):
+            hint = _reduced_hint(dataclasses.replace(problem, hint=list(probes.choice)), sub)  # a start that fits
         hint_vec = mip.hint_vector(sub, hint) if hint is not None else None
         if problem.hint is not None:
             hint_state = "used" if hint is not None else "unusable"
@@ -976,7 +1049,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         if raw.values is None:
             if raw.infeasible:
                 if sub.memory_limit is not None:
-                    raise _memory_infeasible(problem, options.explain)
+                    raise _memory_infeasible(problem, options.explain, probes)
                 raise InfeasibleError(
                     "no choice satisfies the forbidden option pairs (infinite resharding costs) around "
                     f"{', '.join(problem.names[g] for g in sub.groups[:5])}; likely cause: incompatible sharding "

@@ -408,3 +408,47 @@ def test_unsliced_hint_moves_sliced_choices_to_the_cheapest_allowed_option():
     assert unsliced_hint([0, 0], cost, [(0, 1, edge)], sliced) == [2, 0]  # 1.0 + 5.0 > 2.0 + 0.0
     assert unsliced_hint([0, 1], cost, [(0, 1, edge)], sliced) == [1, 1]  # 0.5 + 0.0 < 2.0 + 0.0
     assert unsliced_hint([1, 0], cost, [(0, 1, edge)], sliced) == [1, 0]  # not on a sliced option: kept
+
+
+def _forbidden_low_pair(limit: float) -> Problem:
+    """Two groups whose small options (cheap in memory, dear in time) may not be paired: each group's least memory is
+    1 byte, but any allowed choice holds at least 1 + 10."""
+    pair = np.array([[INF, 0.0], [0.0, 0.0]])
+    return Problem(["a", "b"], [np.array([1.0, 0.0]), np.array([1.0, 0.0])],
+                   [np.array([1.0, 10.0]), np.array([1.0, 10.0])], [(0, 1, pair)], memory_limit=limit)
+
+
+def test_infeasible_memory_is_proven_by_the_row_minima_without_the_mip(monkeypatch):
+    """Presolve's bound (every group's least option, 2 bytes) does not see that the small options exclude each other;
+    the exact least memory of the row (a problem without a memory row) does, and no MIP is built for it."""
+    import autopart.solver.ilp as ilp
+
+    def no_mip(*args, **kwargs):
+        raise AssertionError("the memory-bounded MIP ran for a problem the row minima prove infeasible")
+
+    monkeypatch.setattr(ilp, "_run_mathopt", no_mip)
+    monkeypatch.setattr(ilp, "_run_cpsat", no_mip)
+    for options in (EXACT, MIP_ONLY, SolverOptions(backend="cp-sat", relative_gap=0.0)):
+        with pytest.raises(InfeasibleError) as info:
+            solve(_forbidden_low_pair(5.0), options)
+        assert info.value.min_memory == pytest.approx(11.0)
+        assert "smallest achievable peak is" in str(info.value)
+
+
+def test_a_row_minimum_that_fits_seeds_the_mip_where_no_hint_does(monkeypatch):
+    """Without a hint, a probe's choice that fits is the MIP's start; the optimum is brute force's."""
+    import autopart.solver.ilp as ilp
+
+    seen = []
+    run = ilp._run_mathopt
+
+    def spy(mip, red, backend, options, time_left, hint):
+        seen.append(hint)
+        return run(mip, red, backend, options, time_left, hint)
+
+    monkeypatch.setattr(ilp, "_run_mathopt", spy)
+    p = _forbidden_low_pair(12.0)  # fits: (0, 1) or (1, 0), 11 bytes, cost 1
+    sol = solve(p, MIP_ONLY)
+    assert sol.objective == pytest.approx(brute_force(p)[0]) == pytest.approx(1.0)
+    assert len(seen) == 1 and seen[0] is not None and seen[0].sum() > 0
+    assert sol.hint == "none"  # the caller gave none
