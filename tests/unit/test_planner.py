@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -387,3 +389,34 @@ def test_ilp_grad_reduction_share():
             assert pr["hidden_comm_s"] > 0
             assert p.solver["objective"] < pr["step_time_s"] + 0.5 * pr["hidden_comm_s"]
         assert grad_reduction_shares(_analyzed(traced, (4,)), autopart.preset("cpu", (4,))) == {}
+
+
+def test_a_variant_not_solved_in_time_leaves_the_others(monkeypatch):
+    """Where memory binds, the planner solves the plan again per recompute / offload variant. One variant that runs
+    into the time limit is recorded as unsolved and the plan comes from the others; it had failed the whole plan."""
+    import autopart.solver as solver_pkg
+    from autopart.solver.ilp import SolverTimeout
+
+    model = _gpt(d_model=64, n_layer=4, max_seq_len=128)
+    ids = torch.randint(0, 64, (8, 128))
+    mesh = autopart.mesh((2,), ("dp",))
+    kw = dict(roles={"dp": "dp"}, pipeline="off")
+    loose = autopart.plan(model, mesh, (ids,), {"labels": ids}, **kw)
+    budget = loose.predicted["memory_bytes"]["total"] * 0.5
+    reference = autopart.plan(model, mesh, (ids,), {"labels": ids}, memory_budget=budget, **kw)
+    assert len(reference.solver["checkpoint_variants"]) > 1  # memory binds: the variants run
+    solve, timed_out = solver_pkg.solve, []
+
+    def first_bounded_times_out(problem, options=None):
+        if problem.memory_limit is not None and math.isfinite(problem.memory_limit) and not timed_out:
+            timed_out.append(problem)
+            raise SolverTimeout("highs found no solution within 30 s (test)")
+        return solve(problem, options or solver_pkg.SolverOptions())
+
+    monkeypatch.setattr(solver_pkg, "solve", first_bounded_times_out)
+    plan = autopart.plan(model, mesh, (ids,), {"labels": ids}, memory_budget=budget, **kw)
+    assert len(timed_out) == 1
+    assert list(plan.solver["unsolved_variants"]) == ["none"]
+    assert "within 30 s" in plan.solver["unsolved_variants"]["none"]
+    assert plan.predicted["memory_bytes"]["total"] <= budget * (1 + 1e-6)
+    assert plan.predicted["step_time_s"] == pytest.approx(reference.predicted["step_time_s"], rel=1e-9)
