@@ -869,6 +869,20 @@ class _MemoryProbes:
     with_sum: bool
 
 
+def _edge_memory_floor(problem: Problem) -> tuple[np.ndarray, list[np.ndarray | None]]:
+    """Edge memory over allowed pairs: the sum of each edge's least entries per row (a bound) and each edge's memory
+    shifted by them (non-negative, a cost for the probes)."""
+    rows = problem.num_memory_rows
+    emins, eshift = np.zeros(rows), []
+    for e, (_, _, mat) in enumerate(problem.edges):
+        em = problem.edge_memory_matrix(e)
+        ok = np.isfinite(np.asarray(mat, dtype=float))
+        lo = em[ok].min(axis=0) if em is not None and ok.any() else np.zeros(rows)
+        emins = emins + lo
+        eshift.append(None if em is None else em - lo)
+    return emins, eshift
+
+
 def _memory_probes(problem: Problem, with_sum: bool = True, prior: _MemoryProbes | None = None) -> _MemoryProbes:
     """Minimise each memory row on its own (exact, costs ignored; forbidden options and pairs kept), and, with
     ``with_sum`` and several rows, their sum (``prior``: the single rows' probes, already made). Each probe is a
@@ -878,17 +892,10 @@ def _memory_probes(problem: Problem, with_sum: bool = True, prior: _MemoryProbes
     with_sum = with_sum and rows > 1
     if prior is not None and (prior.with_sum or not with_sum):
         return prior
+    global _SOLVE_LOG, _SHARED
     mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
     base = problem.base_vector()
-    # edge memory over allowed pairs, (n_allowed, R) per edge; its least entries (a bound) and each edge's
-    # memory shifted by them, a non-negative edge cost for the probes below
-    emins, eshift = np.zeros(rows), []
-    for e, (_, _, mat) in enumerate(problem.edges):
-        em = problem.edge_memory_matrix(e)
-        ok = np.isfinite(np.asarray(mat, dtype=float))
-        lo = em[ok].min(axis=0) if em is not None and ok.any() else np.zeros(rows)
-        emins = emins + lo
-        eshift.append(None if em is None else em - lo)
+    emins, eshift = _edge_memory_floor(problem)
     weights = [] if prior is not None else [np.eye(rows)[r] for r in range(rows)]
     weights += [np.ones(rows)] if with_sum else []
     best = (prior.choice, prior.peaks) if prior is not None else None
@@ -901,7 +908,6 @@ def _memory_probes(problem: Problem, with_sum: bool = True, prior: _MemoryProbes
             edges=[(u, v, np.where(np.isfinite(mat), 0.0 if sh is None else np.maximum(sh @ w, 0.0), np.inf))
                    for (u, v, mat), sh in zip(problem.edges, eshift, strict=True)],
         )
-        global _SOLVE_LOG, _SHARED
         # a probe is part of this solve, not one of the caller's: neither logged nor shared
         log, shared, _SOLVE_LOG, _SHARED = _SOLVE_LOG, _SHARED, None, None
         try:
@@ -929,12 +935,8 @@ def _memory_infeasible(problem: Problem, explain: bool = True, probes: _MemoryPr
     mats = [problem.memory_matrix(i) for i in range(len(problem.names))]
     base = problem.base_vector()
     if not explain and probes is None:
-        emins = np.zeros(rows)
-        for e, (_, _, mat) in enumerate(problem.edges):
-            em = problem.edge_memory_matrix(e)
-            ok = np.isfinite(np.asarray(mat, dtype=float))
-            emins = emins + (em[ok].min(axis=0) if em is not None and ok.any() else np.zeros(rows))
-        low = base + emins + sum(m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
+        low = base + _edge_memory_floor(problem)[0] + sum(
+            m[np.isfinite(np.asarray(c))].min(axis=0) for m, c in zip(mats, problem.node_cost))
         r = int(np.argmax(low))
         return InfeasibleError(
             f"no sharding choice fits the memory limit of {(problem.memory_limit or 0.0) / _GIB:.3g} GiB per "
@@ -1034,8 +1036,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
                 raise _memory_infeasible(problem, options.explain, probes)
         mip = _build_mip(sub, problem.names)
         hint = _reduced_hint(problem, sub)
-        if probes is not None and (hint is None or not _fits(problem, problem.hint)) and \
-                _fits(problem, probes.choice):
+        if probes is not None and _fits(problem, probes.choice):  # the caller's hint does not fit (or is none)
             hint = _reduced_hint(dataclasses.replace(problem, hint=list(probes.choice)), sub)  # a start that fits
         hint_vec = mip.hint_vector(sub, hint) if hint is not None else None
         if problem.hint is not None:
