@@ -95,6 +95,10 @@ OVERRIDES = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "kv_he
 SWEEP_SIZES = ("llama:1b", "llama:8b", "llama:70b", "llama:405b", "gpt:1t") + (
     ("mamba:1.4b", "mamba:2.8b") if importlib.util.find_spec("autopart.models.mamba") else ())
 SWEEP_GPUS = (8, 64, 512, 4096)
+# what-if planning's ILP gap (``advise``, ``sweep``): a plan proven within 1% of the best its model allows. At 0.1%
+# (``autopart.plan``'s) HiGHS spent most of Llama-8B's and Llama-70B's advise closing the last fraction of a percent
+# after it already held the plan it returned (benchmarks/README.md, "What-if planning")
+ADVISE_GAP = 0.01
 
 
 class PlanTimeout(Exception):
@@ -627,7 +631,9 @@ class Advice:
     def views_text(self) -> str:
         """The logical meshes planned and each one's predicted step (``views``), on one line."""
         return ", ".join("x".join(map(str, v["mesh"])) + (f" {v['step_time_s']:.4g} s" if v["step_time_s"] is not None
-                                                          else " not planned") for v in self.views if v["mesh"])
+                                                          else " not planned")
+                         + (f" (as {'x'.join(map(str, v['same_as']))})" if v.get("same_as") else "")
+                         for v in self.views if v["mesh"])
 
 
 def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
@@ -729,7 +735,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
            seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
            traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
-           grad_dtype: str | torch.dtype | None = None, **overrides: int | None) -> Advice:
+           grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP,
+           **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
@@ -743,7 +750,11 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     returns ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
     (``mesh_views``: tensor parallelism of any divisor of the node, data parallelism over all GPUs as one axis) and
     keep the fastest, each listed in ``Advice.views``; False: the ``(nodes, gpus_per_node)`` mesh alone. Views apply to
-    presets (and cluster files); a ``Cluster`` given directly is planned on its own mesh.
+    presets (and cluster files); a ``Cluster`` given directly is planned on its own mesh. Views whose axes have
+    the same sizes and links in another order (one node's (4, 2) and (2, 4): NVLink both) are the same problem with
+    its axes renamed: planned once, the other listed with its step time (``same_as``). ``relative_gap``: each ILP
+    stops once its plan is proven within this fraction of the best (``ADVISE_GAP``, 1%: what-if planning reads
+    step times the cost model predicts to ~10%; ``autopart.plan`` solves to 0.1%).
 
     >>> print(autopart.advise("llama", "70b", cluster="h100-80gb", nodes=8, seq=4096))
     """
@@ -780,20 +791,30 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     shapes = (mesh_views(*cl.mesh_shape) if views and len(cl.mesh_shape) == 2 and cl.name in PRESETS
               else [(tuple(cl.mesh_shape), ("node", "gpu")[:len(cl.mesh_shape)])])
     best, tried, err = None, [], None
+    planned: dict[tuple, dict] = {}  # axes (size, link) as a multiset -> the view that was planned
     try:
         with _Cap(max_plan_s):
             for shape, names in shapes:
+                view_cluster = cl.with_mesh(shape)
+                key = tuple(sorted(zip(shape, view_cluster.links), key=repr))
+                if key in planned:  # the same axes in another order: the same problem, its axes renamed
+                    same = planned[key]
+                    tried.append({"mesh": list(shape), "step_time_s": same["step_time_s"], "why": same["why"],
+                                  "same_as": same["mesh"]})
+                    continue
                 try:
                     plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
-                                         cluster=cl.with_mesh(shape), traced=traced, time_limit_s=time_limit_s,
+                                         cluster=view_cluster, traced=traced, time_limit_s=time_limit_s,
                                          optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
-                                         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
+                                         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap)
                 except (ValueError, SolverTimeout) as e:  # this mesh does not fit, or was not solved in time
                     err = e if err is None or isinstance(err, SolverTimeout) else err
                     tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})
+                    planned[key] = tried[-1]
                     continue
                 step = plan.predicted["step_time_s"]
                 tried.append({"mesh": list(shape), "step_time_s": step, "why": ""})
+                planned[key] = tried[-1]
                 if best is None or step < best.predicted["step_time_s"]:
                     best = plan
     except PlanTimeout as e:
@@ -933,14 +954,14 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
           views: bool = True, log: Callable[[str], None] | None = None,
           reduce_dtype: str | torch.dtype | None = None,
-          grad_dtype: str | torch.dtype | None = None) -> list[dict[str, Any]]:
+          grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP) -> list[dict[str, Any]]:
     """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
     GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
     strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
     Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
     deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``).
     ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients', for the plans and practice's recipes
-    alike (``autopart.plan``)."""
+    alike (``autopart.plan``); ``relative_gap``: the ILPs' (``advise``)."""
     from autopart.trace import trace
 
     rows = []
@@ -973,7 +994,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
                              optimizer_bytes_per_param=optimizer_bytes_per_param, views=views,
-                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
+                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
             shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
             rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,

@@ -81,7 +81,8 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
          zero: int | None = None, offload: str | None = None, pipeline: dict | str | None = None,
          optimizer_bytes_per_param: float = 8.0, traced: Traced | None = None, kv_cache_tokens: int = 0,
          recipes: bool = True, tp_comm_overlap: bool | None = None,
-         reduce_dtype: str | torch.dtype | None = None, grad_dtype: str | torch.dtype | None = None) -> Plan:
+         reduce_dtype: str | torch.dtype | None = None, grad_dtype: str | torch.dtype | None = None,
+         relative_gap: float = 1e-3) -> Plan:
     """Plan ``model`` for ``mesh`` without any process group. ``roles`` pins what a mesh axis does
     (``{"tp": "tp"}``: weights sharded there, inputs replicated; ``"dp"``: the batch stays split there and weights
     are used whole, replicated or ZeRO-sharded and gathered; ``"pp"``: pipeline stages along it); ``pins`` fixes the
@@ -104,13 +105,16 @@ def plan(model: nn.Module, mesh: Mesh | tuple, example_inputs: tuple = (), examp
     it too unless ``reduce_dtype`` is given. None: each parameter's own dtype.
     ``memory_budget`` (bytes or "12GiB"; default
     the cluster device's capacity less its reserve) is planned against less ``MEMORY_MODEL_MARGIN`` (10%), the
-    memory model's measured accuracy."""
+    memory model's measured accuracy. ``relative_gap``: each ILP solve stops once its plan is proven within this
+    fraction of the best possible (``plan.solver["ilp"]["max_gap"]`` reports what was reached); ``autopart.advise``
+    plans at 1% for speed."""
     m = _as_mesh(mesh)
     c = _as_cluster(cluster, m)
     t = traced or trace(model, example_inputs, example_kwargs)
     opts = _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backend, checkpoint, zero, offload,
                     pipeline, optimizer_bytes_per_param, kv_cache_tokens, reduce_dtype, grad_dtype)
-    p = make_plan(t, c, m.names, dataclasses.replace(opts, recipes=recipes, tp_comm_overlap=tp_comm_overlap))
+    p = make_plan(t, c, m.names, dataclasses.replace(opts, recipes=recipes, tp_comm_overlap=tp_comm_overlap,
+                                                     relative_gap=relative_gap))
     p.solver["export_s"] = t.export_seconds
     return p
 

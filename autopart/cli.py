@@ -148,7 +148,9 @@ def _rich_advice(adv, console) -> None:
     t.add_row("tokens/s", f"{adv.tokens_per_s:,.0f}")
     t.add_row("TFLOP/s per GPU", f"{adv.tflops_per_gpu:.1f} (model FLOPs {adv.model_flops_per_step:.3g} per step)")
     t.add_row("MFU", f"{adv.mfu:.1%} of {adv.peak_tflops_per_gpu:.0f} TFLOP/s peak")
-    t.add_row("planning", f"{adv.plan_s:.1f} s after a {adv.trace_s:.1f} s trace")
+    gap = (adv.plan.solver.get("ilp") or {}).get("max_gap") if adv.plan is not None else None
+    t.add_row("planning", f"{adv.plan_s:.1f} s after a {adv.trace_s:.1f} s trace"
+              + (f" (largest ILP gap {gap:.2%})" if gap is not None else ""))
     if len(adv.views) > 1:
         t.add_row("meshes planned", adv.views_text())
     console.print(t)
@@ -198,7 +200,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                              views=not args.physical_mesh,
                              log=None if args.json else lambda line: console.print(line, highlight=False),
                              reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype])
+                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=args.gap)
         md = adv_mod.sweep_markdown(rows)
         diff = adv_mod.sweep_diff_markdown(rows)
         if diff:
@@ -227,7 +229,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
                        reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], **overrides)
+                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=args.gap, **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -295,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                         "weights, 18 bytes of model state per parameter with --optimizer-bytes 12); default: the "
                         "weights' own")
     a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
+    a.add_argument("--gap", type=float, default=0.01, help="each ILP stops once its plan is proven within this "
+                                                           "fraction of the best (default 0.01; autopart.plan: 0.001)")
     a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
     a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "
                                                                  "also on its logical views (tensor parallel 1, 2, "

@@ -171,6 +171,9 @@ class PlanOptions:
                                  "of gradient-accumulation micro-batches the batch is split into)")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches!r}: give a whole number >= 1")
+        if not 0 <= self.relative_gap < 1:
+            raise ValueError(f"relative_gap={self.relative_gap!r}: give a fraction in [0, 1) (0.001: each ILP's plan "
+                             "proven within 0.1% of the best)")
 
 
 def reduce_scale(dtype: torch.dtype, reduce_dtype: str | None) -> float:

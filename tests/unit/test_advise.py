@@ -417,3 +417,37 @@ def test_sweep_counts_a_tie_with_practice_as_agreeing(monkeypatch) -> None:
         assert row["comparison"]["decided_by"] == "compute"
         assert ("tie" in row["comparison"]["detail"]) == (verdict == "tie")
         assert ("agrees (tie)" in adv.sweep_markdown([row])) == (verdict == "tie")
+
+
+def test_isomorphic_mesh_views_are_planned_once(monkeypatch) -> None:
+    """One node's (4, 2) and (2, 4) views are NVLink on both axes: the same problem with its axes renamed, planned
+    once (at advise's ILP gap); across nodes every view's links differ and each is planned."""
+    real, seen = autopart.plan, []
+
+    def plan(module, mesh, *args, **kwargs):
+        seen.append((tuple(mesh.shape), kwargs.get("relative_gap")))
+        return real(module, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(autopart, "plan", plan)
+    a = adv.advise("gpt", "125m", layers=2, seq=128)  # 8 GPUs in one node: meshes 8, 4x2, 2x4
+    assert seen == [((8,), adv.ADVISE_GAP), ((4, 2), adv.ADVISE_GAP)]
+    views = {tuple(v["mesh"]): v for v in a.views}
+    assert views[(2, 4)]["same_as"] == [4, 2] and views[(2, 4)]["step_time_s"] == views[(4, 2)]["step_time_s"]
+    assert "2x4 " in a.views_text() and "(as 4x2)" in a.views_text()
+    # planned on its own, the renamed view predicts the same step (within the ILP gap)
+    _, module, inputs, kwargs, _ = adv.build("gpt", "125m", batch=8, seq=128, layers=2)
+    cl = adv._mesh_cluster("h100-80gb", 1, 8)
+    alone = real(module, autopart.mesh((2, 4), ("outer", "inner")), inputs, kwargs, cluster=cl.with_mesh((2, 4)),
+                 optimizer_bytes_per_param=12.0, relative_gap=adv.ADVISE_GAP)
+    assert alone.predicted["step_time_s"] == pytest.approx(views[(4, 2)]["step_time_s"], rel=1.5 * adv.ADVISE_GAP)
+    seen.clear()
+    adv.advise("gpt", "125m", layers=2, seq=128, nodes=2, gpus_per_node=4)  # the node axis crosses InfiniBand
+    assert [s for s, _ in seen] == [(2, 4), (8,), (4, 2)]
+
+
+def test_relative_gap_is_validated() -> None:
+    from autopart.planner import PlanOptions
+
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="relative_gap"):
+            PlanOptions(relative_gap=bad)
