@@ -123,7 +123,7 @@ def megatron(args) -> list[dict]:
         if wanted and name not in wanted:
             continue
         cfg = GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, n_layer=layers, n_head=heads, d_model=h, bias=False,
-                        fp32_loss=True)  # Megatron's loss on fp32 logits
+                        fp32_loss=True, tie_embeddings=False)  # Megatron's loss on fp32 logits; its sizes untied
         with torch.device("meta"):
             model = GPT(cfg).to(torch.bfloat16)
             ids = torch.randint(0, VOCAB, (batch, SEQ))

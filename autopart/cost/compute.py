@@ -249,12 +249,15 @@ _VIEW_OR_COPY = frozenset([aten.reshape, aten.contiguous, aten.flatten])
 
 
 def is_free_view(target: Any, args: Any) -> bool:
-    """The call moves no bytes: a view op (``_VIEWS``), or ``reshape``/``contiguous``/``flatten`` of a contiguous
+    """The call moves no bytes: a view op (``_VIEWS``), ``reshape``/``contiguous``/``flatten`` of a contiguous
     tensor (the traced values carry strides: a transposed attention output is not contiguous and its reshape
-    copies, as on the device)."""
+    copies, as on the device), or a dropout that drops nothing (p = 0 or not training: ATen's ``dropout`` returns
+    its input, no kernel)."""
     packet = _packet(target)
     if packet in _VIEWS:
         return True
+    if packet is aten.dropout and args is not None and len(args) >= 3:
+        return float(args[1]) == 0.0 or not args[2]
     if packet in _VIEW_OR_COPY and args and isinstance(args[0], torch.Tensor):
         return args[0].is_contiguous()
     return False

@@ -1,4 +1,5 @@
-"""A reference GPT-2-style decoder: learned positions, pre-LayerNorm blocks, causal SDPA, GELU MLP, tied LM head.
+"""A reference GPT-2-style decoder: learned positions, pre-LayerNorm blocks, causal SDPA, GELU MLP, tied LM head
+(untied with ``tie_embeddings=False``, as Megatron-LM's ``--untie-embeddings-and-output-weights``).
 
 Written as plain modules so that ``torch.export`` gives a clean ATen graph; attention uses separate q/k/v
 projections so that Megatron's split-by-heads tensor parallelism is a plain column sharding of each.
@@ -25,6 +26,10 @@ class GPTConfig:
     # the loss on fp32 logits, as Megatron computes it (``fp16_lm_cross_entropy`` off, its default: the logits are
     # cast with ``.float()`` before the vocab-parallel cross-entropy) and Hugging Face's causal LMs upcast them
     fp32_loss: bool = False
+    # the LM head shares the token embedding's weight (GPT-2); False: its own V x h weight, as Megatron-LM's models
+    # with --untie-embeddings-and-output-weights (its H100 table's sizes count both: 1.7B is 1.21B in the blocks and
+    # 2 x 0.27B of embedding and head)
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -98,7 +103,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init)
 
     @staticmethod

@@ -461,9 +461,10 @@ def test_megatron_h100_1p7b_row_within_15_percent():
 
     h, layers, seq, vocab, batch, gpus = 2048, 24, 4096, 131072, 192, 48
     with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=seq, n_layer=layers, n_head=16, d_model=h,
-                              bias=False, fp32_loss=True)).to(torch.bfloat16)  # Megatron's loss on fp32 logits
+        model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=seq, n_layer=layers, n_head=16, d_model=h, bias=False,
+                              fp32_loss=True, tie_embeddings=False)).to(torch.bfloat16)  # as Megatron ran it
         ids = torch.randint(0, vocab, (batch, seq))
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(1.7e9, rel=0.03)  # the table's size: untied
     p = autopart.evaluate(model, gpus, (ids,), {"labels": ids}, cluster="h100-80gb", tp=1, pp=1, zero=1,
                           optimizer_bytes_per_param=12.0).predicted
     flops = 72 * batch * seq * layers * h * h * (1 + seq / (6 * h) + vocab / (12 * layers * h))
@@ -549,3 +550,26 @@ def test_views_move_no_bytes():
     views = by_op["aten.view.default"] + by_op["aten.transpose.int"]
     assert views and all(t == 0.0 for t in views)
     assert by_op["aten.reshape.default"] and all(t > 0.0 for t in by_op["aten.reshape.default"])
+
+
+def test_dropout_that_drops_nothing_moves_no_bytes():
+    """ATen's ``dropout`` returns its input when p = 0 or not training (no kernel, no mask): free in a plan, where
+    p > 0 writes its output and keeps a mask. The reference GPT's dropouts (p = 0 by default) cost nothing."""
+    import autopart
+    from autopart.cost.compute import node_bytes
+    from autopart.models import GPT, GPTConfig
+
+    aten = torch.ops.aten
+    x = torch.empty(4, 8, 16, device="meta")
+    assert node_bytes((x, 0.0, True), x, aten.dropout.default) == 0
+    assert node_bytes((x, 0.1, False), x, aten.dropout.default) == 0
+    assert node_bytes((x, 0.1, True), x, aten.dropout.default) == 2 * x.numel() * 4
+    costs = {}
+    for p in (0.0, 0.1):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=512, max_seq_len=64, n_layer=2, n_head=4, d_model=64, dropout=p))
+            ids = torch.randint(0, 512, (8, 64))
+        plan = autopart.plan(model, autopart.Mesh((2,), ("dp",)), (ids,), {"labels": ids}, cluster="h100-80gb")
+        costs[p] = [r["compute_s"] for r in plan.nodes.values() if r["op"] == "aten.dropout.default"]
+    assert costs[0.0] and all(t == 0.0 for t in costs[0.0])
+    assert len(costs[0.1]) == len(costs[0.0]) and all(t > 0.0 for t in costs[0.1])
