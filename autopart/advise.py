@@ -46,6 +46,7 @@ from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
 from autopart.placement import Replicate, Shard, is_shard, parse_spec
+from autopart.planner import PlanOptions
 from autopart.solver.ilp import SolverTimeout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -761,6 +762,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     import autopart
     from autopart.trace import trace
 
+    PlanOptions(relative_gap=relative_gap)  # bad input raises here, not per mesh view as a plan that does not fit
     cl = _mesh_cluster(cluster, nodes, gpus_per_node)
     gpus = cl.world_size
     batch = batch or gpus

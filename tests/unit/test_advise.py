@@ -451,3 +451,6 @@ def test_relative_gap_is_validated() -> None:
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="relative_gap"):
             PlanOptions(relative_gap=bad)
+    # advise says so at once, not as every mesh view not fitting
+    with pytest.raises(ValueError, match=r"relative_gap=2\.0: give a fraction"):
+        adv.advise("gpt", "125m", layers=2, seq=128, relative_gap=2.0)
