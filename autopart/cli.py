@@ -191,6 +191,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     console = Console()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     cluster = adv_mod.resolve_cluster(args.cluster)
+    gap = adv_mod.ADVISE_GAP if args.gap is None else args.gap
     if args.sweep:
         sizes = _sizes_arg(args.sizes) if args.sizes else adv_mod.SWEEP_SIZES
         gpus = tuple(int(x) for x in _sizes_arg(args.gpus)) if args.gpus else adv_mod.SWEEP_GPUS
@@ -200,7 +201,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                              views=not args.physical_mesh,
                              log=None if args.json else lambda line: console.print(line, highlight=False),
                              reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=args.gap)
+                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap)
         md = adv_mod.sweep_markdown(rows)
         diff = adv_mod.sweep_diff_markdown(rows)
         if diff:
@@ -229,7 +230,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
                        reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=args.gap, **overrides)
+                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap, **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -297,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                         "weights, 18 bytes of model state per parameter with --optimizer-bytes 12); default: the "
                         "weights' own")
     a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
-    a.add_argument("--gap", type=float, default=0.01, help="each ILP stops once its plan is proven within this "
-                                                           "fraction of the best (default 0.01; autopart.plan: 0.001)")
+    a.add_argument("--gap", type=float, default=None, help="each ILP stops once its plan is proven within this "
+                                                           "fraction of the best (default: advise's ADVISE_GAP, 0.01; "
+                                                           "autopart.plan: 0.001)")
     a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
     a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "
                                                                  "also on its logical views (tensor parallel 1, 2, "
