@@ -11,7 +11,8 @@ host share its cores and memory as they will in training:
   (weights 1/T: every size counts by its relative error) gives the collective's latency a and cost per byte b,
   converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
   b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
-* the device: matmul FLOP/s (median over a few GEMM shapes), fused attention FLOP/s (``scaled_dot_product_attention``
+* the device: matmul FLOP/s (median over a few shapes of a linear layer's forward and backward, the three GEMMs
+  of training on operands from memory: ``_linear_rate``), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
   elementwise add: 3 arrays' bytes moved), and the optimizer step's (AdamW, foreach: its bytes as
   ``planner.optimizer_step_seconds`` counts them; on a CPU its arithmetic bounds it, not the DRAM);
@@ -47,12 +48,16 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 5  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links;
-# 5: the optimizer step's rate
+VERSION = 6  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links;
+# 5: the optimizer step's rate; 6: the matmul rate of linear layers' forward and backward on cold operands
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
-GEMMS = ((512, 512, 512), (2048, 256, 1024), (2048, 1024, 256), (1024, 1024, 1024))
+# (tokens, in, out) of the linear layers whose forward and backward give the matmul rate (``_linear_rate``): on a CPU
+# the widths and per-rank token counts of the models a CPU host trains (256-2048 tokens, 256-1024 wide), on a GPU an
+# LLM's (4096-8192 tokens, 4096-16384 wide); ``quick`` measures the first two
+GEMMS = ((256, 256, 1024), (256, 1024, 256), (1024, 512, 512), (1024, 1024, 1024), (2048, 256, 1024), (2048, 1024, 256))
+GEMMS_CUDA = ((4096, 4096, 4096), (8192, 4096, 4096), (4096, 4096, 16384), (8192, 16384, 4096))
 # (m, k, n) of the compute a collective follows where ranks share a CPU host's cores (``_measure_links``): a few
 # milliseconds, as between two of tensor parallelism's collectives in a small model
 _BURST = (512, 512, 512)
@@ -318,35 +323,56 @@ def _slowest(raw: dict[str, list[float]], n_sizes: int) -> dict[str, list[float]
     return {k: [float(x) for x in slowest[i]] for i, k in enumerate(keys)}
 
 
-def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], quick: bool) -> dict[str, Any]:
-    """Per-rank achieved rates with every rank computing at once. Returns FLOP/s and bytes/s."""
-    blocks, seconds = (3, 0.1) if quick else (5, 0.25)
-    gemms = []
-    for m, k, n in (GEMMS[:2] if quick else GEMMS):
-        a = torch.randn(m, k, dtype=dtype, device=device)
-        b = torch.randn(k, n, dtype=dtype, device=device)
-        out = torch.empty(m, n, dtype=dtype, device=device)
-        torch.mm(a, b, out=out)
-        t = _median_blocks(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), blocks, seconds, sync)
-        gemms.append({"m": m, "k": k, "n": n, "seconds": t, "flops": 2 * m * n * k / t})
-    # the same GEMM on rank 0 alone, the others waiting in a barrier: where ranks share cores (more ranks than
-    # cores), what a rank computes while others idle (a pipeline's fill and drain: ``Device.alone_speedup``)
-    m, k, n = GEMMS[0]
-    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-    dist.barrier()
-    alone = 0.0
-    if dist.get_rank() == 0:
+def _linear_rate(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, device: str, blocks: int, seconds: float,
+                 sync: Callable[[], None], alone: bool = False) -> dict[str, Any]:
+    """FLOP/s of a linear layer's forward and backward under autograd, the three GEMMs a training step runs per
+    linear in their layouts (output x W^T, grad input dy W, grad weight dy^T x: 6 tokens d_in d_out FLOPs, as
+    ``cost.compute`` counts a linear with its backward), each call on the next of enough copies of its operands that
+    they come from memory, not the cache, as a model's layer finds its weights and activations. An isolated GEMM
+    repeated on hot operands overstates this: on this repository's 2-core CPU host (one rank), 175-191 GFLOP/s for
+    the hot ``torch.mm`` of 512-2048 square-ish shapes, 127 GFLOP/s for the fidelity GPT's linears at 256 tokens and
+    144 at 1024 (measured in the model, forward and backward), 119-137 and 137-151 by this measurement.
+    ``alone``: timed on this rank without barriers (the others wait), for ``Device.alone_speedup``."""
+    per_set = (tokens * d_in + d_out * d_in + tokens * d_out) * dtype.itemsize
+    copies = 2 if device == "cuda" else min(16, max(2, math.ceil(32 * MiB / per_set)))
+    xs = [torch.randn(tokens, d_in, dtype=dtype, device=device, requires_grad=True) for _ in range(copies)]
+    ws = [torch.randn(d_out, d_in, dtype=dtype, device=device, requires_grad=True) for _ in range(copies)]
+    gys = [torch.randn(tokens, d_out, dtype=dtype, device=device) for _ in range(copies)]
+    turn = [0]
+
+    def step() -> None:
+        j = turn[0] = (turn[0] + 1) % copies
+        torch.autograd.grad(torch.nn.functional.linear(xs[j], ws[j]), (xs[j], ws[j]), gys[j])
+
+    step()
+    if alone:
         times = []
         for _ in range(blocks):
             sync()
-            t0 = time.perf_counter()
-            calls = 0
+            t0, calls = time.perf_counter(), 0
             while time.perf_counter() - t0 < seconds:
-                torch.mm(a, b)
+                step()
                 calls += 1
             sync()
             times.append((time.perf_counter() - t0) / calls)
-        alone = 2 * m * n * k / statistics.median(times)
+        t = statistics.median(times)
+    else:
+        t = _median_blocks(step, blocks, seconds, sync)
+    return {"tokens": tokens, "in": d_in, "out": d_out, "seconds": t, "flops": 6 * tokens * d_in * d_out / t}
+
+
+def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], quick: bool) -> dict[str, Any]:
+    """Per-rank achieved rates with every rank computing at once. Returns FLOP/s and bytes/s."""
+    blocks, seconds = (3, 0.1) if quick else (5, 0.25)
+    shapes = GEMMS_CUDA if device == "cuda" else GEMMS
+    gemms = [_linear_rate(t, i, o, dtype, device, blocks, seconds, sync) for t, i, o in (
+        shapes[:2] if quick else shapes)]
+    # the same on rank 0 alone, the others waiting in a barrier: where ranks share cores (more ranks than cores),
+    # what a rank computes while others idle (a pipeline's fill and drain: ``Device.alone_speedup``)
+    dist.barrier()
+    alone = 0.0
+    if dist.get_rank() == 0:
+        alone = _linear_rate(*shapes[0], dtype, device, blocks, seconds, sync, alone=True)["flops"]
     dist.barrier()
     # fused attention, forward and backward, FLOPs as the planner counts them (causal: half; backward 2.5x)
     b, h, s, d = (2, 8, 256, 64) if device == "cpu" else (8, 16, 2048, 128)

@@ -402,3 +402,19 @@ def test_pipeline_units_pay_a_share_of_the_gradient_bucket():
     tied = grad_reduction_share(model.wte.weight.numel() * 4, (0,), False, c)
     assert units[0].late_s == pytest.approx(tied) and units[-1].late_s == pytest.approx(tied)
     assert all(u.reduce_s > 0 for u in units)
+
+
+def test_linear_rate_counts_the_flops_the_planner_prices():
+    """The matmul rate is a linear layer's forward and backward (three GEMMs) over the FLOPs ``cost.compute``
+    prices that node with, so that pricing the node at the measured rate gives back the measured seconds."""
+    from autopart.calibrate import _linear_rate
+    from autopart.cost.compute import backward_flops, node_flops
+
+    t, i, o = 64, 32, 48
+    r = _linear_rate(t, i, o, torch.float32, "cpu", 2, 0.01, lambda: None, alone=True)
+    x, w = torch.empty(t, i), torch.empty(o, i)
+    target = torch.ops.aten.linear.default
+    fwd = node_flops(target, (x, w), {}, torch.empty(t, o))
+    assert fwd + backward_flops(target, fwd) == 6 * t * i * o
+    assert r["flops"] * r["seconds"] == pytest.approx(6 * t * i * o, rel=1e-9)
+    assert (r["tokens"], r["in"], r["out"]) == (t, i, o) and r["seconds"] > 0
