@@ -214,6 +214,30 @@ def _median_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Cal
     return statistics.median(_paired_blocks([fn], blocks, seconds, sync)[0])
 
 
+def _timed_loop(fn: Callable[[], Any], seconds: float, sync: Callable[[], None]) -> float:
+    """Seconds per call of ``fn`` called back to back for about ``seconds`` (at least once)."""
+    sync()
+    t0, calls = time.perf_counter(), 0
+    while calls == 0 or time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
+def _busy_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Callable[[], None]) -> float:
+    """Seconds per call of a rank-local ``fn`` (no collective inside) with every rank busy throughout: the median
+    over ``blocks`` of (calls back to back for ``seconds`` after a barrier). Unlike ``_median_blocks`` every rank
+    stops at the same time, not after the same number of calls: where ranks share a host's cores, ranks that finish
+    a fixed count first leave the rest the cores, and the rate measured is not the all-busy rate a step sees (4 ranks
+    on this repository's 2-core host: AdamW's step measured at 3.44 GB/s a rank that way, 2.3 sustained)."""
+    out = []
+    for _ in range(blocks):
+        dist.barrier()
+        out.append(_timed_loop(fn, seconds, sync))
+    return statistics.median(out)
+
+
 def _collective(kind: str, nbytes: int, group: Any, n: int, local: int, ranks: list[int], device: str,
                 dtype: torch.dtype) -> Callable[[], Any]:
     """A closure running one ``kind`` of ``nbytes`` (the whole array) on ``group``."""
@@ -345,19 +369,8 @@ def _linear_rate(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, device:
         torch.autograd.grad(torch.nn.functional.linear(xs[j], ws[j]), (xs[j], ws[j]), gys[j])
 
     step()
-    if alone:
-        times = []
-        for _ in range(blocks):
-            sync()
-            t0, calls = time.perf_counter(), 0
-            while time.perf_counter() - t0 < seconds:
-                step()
-                calls += 1
-            sync()
-            times.append((time.perf_counter() - t0) / calls)
-        t = statistics.median(times)
-    else:
-        t = _median_blocks(step, blocks, seconds, sync)
+    t = statistics.median(_timed_loop(step, seconds, sync) for _ in range(blocks)) if alone else \
+        _busy_blocks(step, blocks, seconds, sync)
     return {"tokens": tokens, "in": d_in, "out": d_out, "seconds": t, "flops": 6 * tokens * d_in * d_out / t}
 
 
@@ -385,27 +398,27 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
     def attention() -> None:
         torch.autograd.grad(sdpa(q, kk, v, is_causal=True), (q, kk, v), grad)
 
-    t = _median_blocks(attention, blocks, seconds, sync)
+    t = _busy_blocks(attention, blocks, seconds, sync)
     flops = fwd + backward_flops(target, fwd)
     attn = {"shape": [b, h, s, d], "seconds": t, "flops": flops / t}
     # elementwise op with transcendental math, forward and backward (gelu): bytes as the planner counts them
     n_math = (4 * MiB if device == "cpu" else 64 * MiB)
     xg = torch.randn(n_math, dtype=dtype, device=device, requires_grad=True)
     gg = torch.ones(n_math, dtype=dtype, device=device)
-    t = _median_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
+    t = _busy_blocks(lambda: torch.autograd.grad(torch.nn.functional.gelu(xg), xg, gg), blocks, seconds, sync)
     math_bytes = 3 * 2 * n_math * dtype.itemsize
     gelu = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
     # its variants of other math (``autopart.cost.compute.math_variant``), the same bytes: GPT-2's tanh gelu
     variants = {}
     for key, approximate in (("gelu:tanh", "tanh"),):
-        t = _median_blocks(lambda a=approximate: torch.autograd.grad(
+        t = _busy_blocks(lambda a=approximate: torch.autograd.grad(
             torch.nn.functional.gelu(xg, approximate=a), xg, gg), blocks, seconds, sync)
         variants[key] = {"elements": n_math, "seconds": t, "bandwidth": math_bytes / t}
     numel = (32 * MiB if device == "cpu" else 256 * MiB) // dtype.itemsize
     x, y = torch.ones(numel, dtype=dtype, device=device), torch.ones(numel, dtype=dtype, device=device)
     z = torch.empty_like(x)
     torch.add(x, y, out=z)
-    t = _median_blocks(lambda: torch.add(x, y, out=z), blocks, seconds, sync)
+    t = _busy_blocks(lambda: torch.add(x, y, out=z), blocks, seconds, sync)
     bw = {"bytes": 3 * numel * dtype.itemsize, "seconds": t, "bandwidth": 3 * numel * dtype.itemsize / t}
     # the optimizer step: AdamW (foreach, as ``pm.optimizer`` builds it) over 8 tensors, its bytes as the planner
     # counts them (``planner.optimizer_step_seconds``: weight and two states read and written, gradient read)
@@ -415,14 +428,14 @@ def _measure_device(device: str, dtype: torch.dtype, sync: Callable[[], None], q
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     opt.step()
-    t = _median_blocks(opt.step, blocks, seconds, sync)
+    t = _busy_blocks(opt.step, blocks, seconds, sync)
     opt_bytes = 7 * 8 * n_opt * dtype.itemsize
     optimizer = {"class": "AdamW(foreach=True)", "elements": 8 * n_opt, "seconds": t, "bandwidth": opt_bytes / t}
     del params, opt
     host = bw["bandwidth"]
     if device == "cuda":
         pinned = torch.empty(numel, dtype=dtype).pin_memory()
-        t = _median_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
+        t = _busy_blocks(lambda: x.copy_(pinned, non_blocking=True), blocks, seconds, sync)
         host = numel * dtype.itemsize / t
     return {"gemm": gemms, "gemm_alone_flops": alone, "attention": attn, "transcendental": gelu,
             "transcendental_variants": variants, "elementwise": bw, "optimizer": optimizer, "host_bandwidth": host}
