@@ -49,14 +49,17 @@ from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
 VERSION = 6  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links;
-# 5: the optimizer step's rate; 6: the matmul rate of linear layers' forward and backward on cold operands
+# 5: the optimizer step's rate; 6: send/recv in every pair of ranks at once, the matmul rate of linear layers'
+# forward and backward on cold operands
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
 # (tokens, in, out) of the linear layers whose forward and backward give the matmul rate (``_linear_rate``): on a CPU
 # the widths and per-rank token counts of the models a CPU host trains (256-2048 tokens, 256-1024 wide), on a GPU an
-# LLM's (4096-8192 tokens, 4096-16384 wide); ``quick`` measures the first two
-GEMMS = ((256, 256, 1024), (256, 1024, 256), (1024, 512, 512), (1024, 1024, 1024), (2048, 256, 1024), (2048, 1024, 256))
+# LLM's (4096-8192 tokens, 4096-16384 wide); ``quick`` measures the first two. Their times give the rate and the
+# per-GEMM latency of the size-dependent form ``roofline_time`` prices GEMMs with (``gemm_form``)
+GEMMS = ((256, 256, 256), (256, 256, 1024), (256, 1024, 256), (1024, 512, 512), (1024, 1024, 1024), (2048, 256, 1024),
+         (2048, 1024, 256))
 GEMMS_CUDA = ((4096, 4096, 4096), (8192, 4096, 4096), (4096, 4096, 16384), (8192, 16384, 4096))
 # (m, k, n) of the compute a collective follows where ranks share a CPU host's cores (``_measure_links``): a few
 # milliseconds, as between two of tensor parallelism's collectives in a small model
@@ -255,14 +258,19 @@ def _collective(kind: str, nbytes: int, group: Any, n: int, local: int, ranks: l
     if kind == "all_to_all":
         out = torch.empty_like(full)
         return lambda: dist.all_to_all_single(out, full, group=group)
-    # send/recv: ping-pong between the group's first two ranks, half a round trip per call; the others wait
-    if local > 1:
+    # send/recv: ping-pong within pairs of the axis' ranks (local 0-1, 2-3, ...), half a round trip per call, every
+    # pair at once, as a pipeline's stages all exchange at once; an odd rank out waits. Where ranks share a host's
+    # cores, one pair pinging while the others idle has the cores to itself and measures a latency no pipeline
+    # sees (4 gloo ranks on 2 cores: 76 us a transfer so, against ~1 ms on the (2, 2) mesh, where both axes' pairs
+    # ran at once; the pipelined tiny GPT paid ~2.8 ms a micro-batch beyond its prediction at the 76 us)
+    mate = local ^ 1
+    if mate >= n:
         return lambda: None
-    peer = ranks[1 - local]
+    peer = ranks[mate]
     buf = torch.ones(max(1, nbytes // dtype.itemsize), dtype=dtype, device=device)
 
     def pingpong() -> None:
-        if local == 0:
+        if local % 2 == 0:
             dist.send(buf, peer, group=group)
             dist.recv(buf, peer, group=group)
         else:
@@ -584,8 +592,9 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
             links.append(None)
     fallback = fallback or Link(alpha=50e-6, beta=1 / 1.5e9)  # no axis of 2+ ranks: the link is never used
     links = [x if x is not None else fallback for x in links]
-    matmul = statistics.median(g["flops"] for g in dev["gemm"])
+    matmul, gemm_latency, gemm_min = gemm_form(dev["gemm"])
     device = Device(name=f"{name} (calibrated)", peak_flops=matmul, mem_bandwidth=dev["elementwise"]["bandwidth"],
+                    gemm_latency=gemm_latency, gemm_min_flops=gemm_min,
                     memory_bytes=int(memory_bytes), host_bandwidth=dev["host_bandwidth"], mfu=1.0,
                     attention_flops=dev.get("attention", {}).get("flops", 0.0),
                     math_bandwidth=dev.get("transcendental", {}).get("bandwidth", 0.0),
@@ -599,6 +608,21 @@ def build_cluster(mesh_shape: Sequence[int], links_raw: dict[str, list[float]], 
                     host_ranks=int(dev.get("host_ranks", 1)), alone_speedup=_alone_speedup(dev),
                     comm_overlap=dev.get("device") == "cuda")  # NCCL runs beside the compute stream; gloo on the cores
     return Cluster(CALIBRATED, device, mesh_shape, tuple(links), int(reserve_bytes))
+
+
+def gemm_form(gemms: Sequence[dict[str, Any]]) -> tuple[float, float, float]:
+    """(rate, latency, smallest FLOPs) of GEMMs from the linear layers ``_linear_rate`` timed: the weighted least
+    squares fit (``fit_alpha_beta``) of each GEMM's seconds (a third of the linear's forward and backward) to
+    ``F / rate + latency`` over their FLOPs F = 2 tokens in out, the form ``cost.compute.roofline_time`` prices a
+    GEMM with, valid from the smallest F measured up. On this repository's CPU host, one rank, the rate per GEMM
+    fell from 136 GFLOP/s at 2 GFLOP to 96-111 at 17-134 MFLOP (the shapes of a tensor-parallel micro-batch of the
+    fidelity GPT), which one median rate would price alike. Fewer than two sizes (or measurements without their
+    shapes): the median rate, no latency."""
+    flops = [2 * g["tokens"] * g["in"] * g["out"] for g in gemms if {"tokens", "in", "out"} <= set(g)]
+    if len(flops) == len(gemms) and len(set(flops)) >= 2:
+        a, b = fit_alpha_beta(flops, [f / g["flops"] for f, g in zip(flops, gemms)])
+        return 1.0 / b, a, float(min(flops))
+    return statistics.median(g["flops"] for g in gemms), 0.0, 0.0
 
 
 def _alone_speedup(dev: dict[str, Any]) -> float:
@@ -695,7 +719,9 @@ def _calibrate(mesh_shape, quick, directory, save, dtype) -> Cluster:
 def describe(cluster: Cluster) -> str:
     """A few lines: the device's rates and every axis's measured collectives."""
     d = cluster.device
-    lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s, attention "
+    form = (f" + {d.gemm_latency * 1e6:.3g} us per GEMM (from {d.gemm_min_flops / 1e6:.3g} MFLOP)"
+            if d.gemm_latency else "")
+    lines = [f"device {d.name}: matmul {d.achievable_flops / 1e9:.3g} GFLOP/s{form}, attention "
              f"{(d.attention_flops or d.achievable_flops) / 1e9:.3g} GFLOP/s, memory-bound {d.mem_bandwidth / 1e9:.3g} "
              f"GB/s, transcendental elementwise {(d.math_bandwidth or d.mem_bandwidth) / 1e9:.3g} GB/s"
              f"{''.join(f' ({k}: {v / 1e9:.3g})' for k, v in d.math_variants)}, "

@@ -129,6 +129,10 @@ class Device:
     # ``achievable_flops`` whatever its size (every preset; benchmarks/clusters/h100-xla-gemms.toml fits both terms
     # to XLA's measured H100 GEMMs)
     gemm_latency: float = 0.0
+    # per-kernel FLOPs below which ``gemm_latency`` is not extrapolated: a smaller GEMM runs at the rate the form
+    # gives a GEMM of this size (its time ``F * (1 / achievable_flops + gemm_latency / gemm_min_flops)``), not at a
+    # rate falling to 0 with F. ``autopart.calibrate`` sets it to the smallest GEMM it measured; 0: no floor
+    gemm_min_flops: float = 0.0
     # measured by ``autopart.calibrate`` (0: not measured, use the two rates above): FLOP/s of fused attention,
     # forward and backward counted as ``autopart.cost.compute`` counts them (the GPU presets: a published kernel's,
     # see ``preset``), and bytes/s of elementwise ops with transcendental math (gelu, exp, softmax, ...), which are
@@ -164,8 +168,9 @@ class Device:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        for field in ("gemm_latency", "attention_flops", "math_bandwidth", "op_latency", "param_latency",
-                      "zero3_latency", "host_step_bandwidth", "optimizer_bandwidth", "optimizer_param_latency"):
+        for field in ("gemm_latency", "gemm_min_flops", "attention_flops", "math_bandwidth", "op_latency",
+                      "param_latency", "zero3_latency", "host_step_bandwidth", "optimizer_bandwidth",
+                      "optimizer_param_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -368,9 +373,9 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "gemm_latency",
-                "attention_flops", "host_step_bandwidth", "optimizer_bandwidth", "optimizer_param_latency",
-                "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_ranks", "alone_speedup",
-                "comm_overlap"}
+                "gemm_min_flops", "attention_flops", "host_step_bandwidth", "optimizer_bandwidth",
+                "optimizer_param_latency", "math_bandwidth", "op_latency", "param_latency", "zero3_latency",
+                "host_ranks", "alone_speedup", "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
 
 

@@ -338,7 +338,8 @@ def roofline_time(flops: float, nbytes: float, device: Device, target: Any = Non
     With the op ``target`` given, a matmul adds the device's ``gemm_latency`` per GEMM kernel (``gemm_kernels``;
     ``with_backward``: ``flops`` and ``nbytes`` include the call's backward), the time a kernel takes beyond its
     FLOPs at the large-matmul rate, which a small GEMM cannot amortise. The latency is per kernel, so a GEMM sharded
-    over more devices runs at a lower rate.
+    over more devices runs at a lower rate. Below ``gemm_min_flops`` per kernel (the smallest GEMM a calibration
+    measured) the form is not extrapolated: the GEMM runs at the rate of a GEMM of that size.
 
     With the op ``target`` given, fused attention runs at the device's ``attention_flops`` where it has one (measured
     by ``autopart.calibrate``; a published kernel's on the GPU presets: slower than their GEMMs), and, on a device
@@ -355,5 +356,8 @@ def roofline_time(flops: float, nbytes: float, device: Device, target: Any = Non
         device.mem_bandwidth
     if device.math_variants and packet in _TRANSCENDENTAL:
         bandwidth = dict(device.math_variants).get(math_variant(target, kwargs), bandwidth)
-    gemm = gemm_kernels(target, with_backward) * device.gemm_latency if target is not None else 0.0
+    kernels = gemm_kernels(target, with_backward) if target is not None else 0
+    gemm = kernels * device.gemm_latency
+    if gemm and flops < kernels * device.gemm_min_flops:  # below the smallest GEMM measured: that size's rate
+        gemm = flops * device.gemm_latency / device.gemm_min_flops
     return max(flops / rate, nbytes / bandwidth) + gemm + (device.op_latency if target is not None else 0.0)

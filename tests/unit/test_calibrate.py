@@ -418,3 +418,31 @@ def test_linear_rate_counts_the_flops_the_planner_prices():
     assert fwd + backward_flops(target, fwd) == 6 * t * i * o
     assert r["flops"] * r["seconds"] == pytest.approx(6 * t * i * o, rel=1e-9)
     assert (r["tokens"], r["in"], r["out"]) == (t, i, o) and r["seconds"] > 0
+
+
+def test_gemm_form_fits_rate_and_latency_and_floors_small_gemms():
+    """The calibrated GEMM form: rate and per-GEMM latency recovered from linear layers' timings, priced by
+    ``roofline_time`` as measured from the smallest size up, and below it at that size's rate, not extrapolated
+    (a tiny model's GEMMs would otherwise each cost the whole latency)."""
+    from autopart.calibrate import gemm_form
+    from autopart.cost.compute import roofline_time
+
+    rate, lat = 120e9, 40e-6
+    shapes = [(256, 256, 256), (256, 256, 1024), (1024, 1024, 1024), (2048, 256, 1024)]
+    gemms = [{"tokens": t, "in": i, "out": o, "flops": 6 * t * i * o / (3 * (2 * t * i * o / rate + lat))}
+             for t, i, o in shapes]
+    r, a, fmin = gemm_form(gemms)
+    assert r == pytest.approx(rate, rel=1e-6) and a == pytest.approx(lat, rel=1e-6)
+    assert fmin == 2 * 256 ** 3
+    assert gemm_form([{"flops": 40e9}, {"flops": 60e9}]) == (50e9, 0.0, 0.0)  # no shapes: the median rate
+    dev = build_cluster((1,), {}, [], {"gemm": gemms, "attention": {"flops": 20e9}, "elementwise": {"bandwidth": 5e9},
+                                       "host_bandwidth": 5e9}, 2**30, 0).device
+    mm = torch.ops.aten.mm.default
+    for t, i, o in shapes:  # each measured linear priced back at its measured seconds (forward and backward)
+        f = 6 * t * i * o
+        assert roofline_time(f, 0, dev, mm, with_backward=True) - dev.op_latency == pytest.approx(
+            3 * (2 * t * i * o / rate + lat), rel=1e-6)
+    tiny = 2 * 8 * 8 * 8
+    per_flop_at_min = (fmin / rate + lat) / fmin
+    assert roofline_time(tiny, 0, dev, mm) - dev.op_latency == pytest.approx(tiny * per_flop_at_min, rel=1e-9)
+    assert roofline_time(tiny, 0, dev, mm) < lat / 100
