@@ -10,9 +10,11 @@ host share its cores and memory as they will in training:
   compute, less the burst: ``_measure_links``), the slowest rank's; a weighted least squares fit ``T(S) = a + b·S``
   (weights 1/T: every size counts by its relative error) gives the collective's latency a and cost per byte b,
   converted to the ring model's link α and β (all-reduce: a = 2(n-1)α,
-  b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β);
-* the device: matmul FLOP/s (median over a few shapes of a linear layer's forward and backward, the three GEMMs
-  of training on operands from memory: ``_linear_rate``), fused attention FLOP/s (``scaled_dot_product_attention``
+  b = 2(n-1)/n·β; all-gather, reduce-scatter, all-to-all: a = (n-1)α, b = (n-1)/n·β; send/recv: a = α, b = β,
+  ping-pong in every pair of the axis' ranks at once);
+* the device: a GEMM's rate and per-GEMM latency (``gemm_form``: the fit of a linear layer's forward and backward,
+  the three GEMMs of training on operands from memory, at a few shapes: ``_linear_rate``; priced from the
+  smallest shape up), fused attention FLOP/s (``scaled_dot_product_attention``
   forward, causal, FLOPs counted as ``autopart.cost.compute`` counts them) and memory-bound bandwidth (a large
   elementwise add: 3 arrays' bytes moved), and the optimizer step's (AdamW, foreach: its bytes as
   ``planner.optimizer_step_seconds`` counts them; on a CPU its arithmetic bounds it, not the DRAM);

@@ -406,7 +406,8 @@ def load_preset(path: str) -> str:
         peak_flops = 989e12            # memory_bytes, host_bandwidth (device<->host), mfu (fraction of
         memory_bytes = "80GiB"         # peak large matmuls reach), name, comm_overlap (collectives run
         comm_overlap = true            # concurrently with compute: NCCL on GPUs; false for gloo on CPUs),
-        gemm_latency = 6.4e-6          # gemm_latency (seconds per GEMM kernel beyond its FLOPs at that rate),
+        gemm_latency = 6.4e-6          # gemm_latency (seconds per GEMM kernel beyond its FLOPs at that rate;
+        gemm_min_flops = 0             # below gemm_min_flops FLOPs a kernel runs at that size's rate),
         host_step_bandwidth = "48GB"   # host_step_bandwidth (host memory bytes/s per rank, offloaded steps)
         optimizer_bandwidth = "3TB"    # optimizer_bandwidth (bytes/s of the device's optimizer step; 0:
                                        # mem_bandwidth)
