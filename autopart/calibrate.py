@@ -234,8 +234,8 @@ def _busy_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Calla
     """Seconds per call of a rank-local ``fn`` (no collective inside) with every rank busy throughout: the median
     over ``blocks`` of (calls back to back for ``seconds`` after a barrier). Unlike ``_median_blocks`` every rank
     stops at the same time, not after the same number of calls: where ranks share a host's cores, ranks that finish
-    a fixed count first leave the rest the cores, and the rate measured is not the all-busy rate a step sees (4 ranks
-    on this repository's 2-core host: AdamW's step measured at 3.44 GB/s a rank that way, 2.3 sustained)."""
+    a fixed count first leave the rest the cores, and the rate measured is not the all-busy rate a step sees. Only
+    for work without collectives: ranks may run different numbers of calls."""
     out = []
     for _ in range(blocks):
         dist.barrier()
