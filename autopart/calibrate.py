@@ -230,15 +230,18 @@ def _timed_loop(fn: Callable[[], Any], seconds: float, sync: Callable[[], None])
     return (time.perf_counter() - t0) / calls
 
 
-def _busy_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Callable[[], None]) -> float:
+def _busy_blocks(fn: Callable[[], Any], blocks: int, seconds: float, sync: Callable[[], None],
+                 barrier: bool = True) -> float:
     """Seconds per call of a rank-local ``fn`` (no collective inside) with every rank busy throughout: the median
     over ``blocks`` of (calls back to back for ``seconds`` after a barrier). Unlike ``_median_blocks`` every rank
     stops at the same time, not after the same number of calls: where ranks share a host's cores, ranks that finish
     a fixed count first leave the rest the cores, and the rate measured is not the all-busy rate a step sees. Only
-    for work without collectives: ranks may run different numbers of calls."""
+    for work without collectives: ranks may run different numbers of calls. ``barrier=False``: this rank alone
+    (the others wait elsewhere)."""
     out = []
     for _ in range(blocks):
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         out.append(_timed_loop(fn, seconds, sync))
     return statistics.median(out)
 
@@ -379,8 +382,7 @@ def _linear_rate(tokens: int, d_in: int, d_out: int, dtype: torch.dtype, device:
         torch.autograd.grad(torch.nn.functional.linear(xs[j], ws[j]), (xs[j], ws[j]), gys[j])
 
     step()
-    t = statistics.median(_timed_loop(step, seconds, sync) for _ in range(blocks)) if alone else \
-        _busy_blocks(step, blocks, seconds, sync)
+    t = _busy_blocks(step, blocks, seconds, sync, barrier=not alone)
     return {"tokens": tokens, "in": d_in, "out": d_out, "seconds": t, "flops": 6 * tokens * d_in * d_out / t}
 
 
