@@ -294,14 +294,15 @@ def _producer(node):
 
 def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     """Re-price ``plan.collectives`` step by step with the planner's own ``transition_time`` (one mesh axis at a
-    time). Returns ({"activations": ({kind: s}, {kind: bus bytes}), "parameters": (...)}, seconds per record):
-    conversions of parameters (ZeRO gathers) apart from those of activations, and each record's time (equal to
-    ``rec["time_s"]``). A step's time is shared by its forward and backward collectives as their own prices are
-    (equal under the alpha-beta model, all-gather = reduce-scatter, all-reduce both ways, all-to-all both ways,
-    except a ZeRO-3 gradient's reduce-scatter summed in a wider ``reduce_dtype``), less what a
-    collective matmul hides of it (``rec["tp_overlap_hidden_s"]``, of step ``rec["tp_overlap_step"]``). The
-    backward all-gathers of a kept shard (``rec["regather_s"]``: sequence parallelism's activations, which the
-    step pays beside the record's time) count as activations' all-gathers."""
+    time). Returns ({"activations": ({kind: s}, {kind: bus bytes}), "parameters": (...),
+    "activation_latency": {kind: s}}, seconds per record): conversions of parameters (ZeRO gathers) apart from
+    those of activations, the latency of the activations' (``rec["latency_s"]``, what each micro-batch pays) by
+    kind, and each record's time (equal to ``rec["time_s"]``). A step's time is shared by its forward and backward
+    collectives as their own prices are (equal under the alpha-beta model, all-gather = reduce-scatter, all-reduce
+    both ways, all-to-all both ways, except a ZeRO-3 gradient's reduce-scatter summed in a wider
+    ``reduce_dtype``), less what a collective matmul hides of it (``rec["tp_overlap_hidden_s"]``, of step
+    ``rec["tp_overlap_step"]``). The backward all-gathers of a kept shard (``rec["regather_s"]``: sequence
+    parallelism's activations, which the step pays beside the record's time) count as activations' all-gathers."""
     from autopart.planner import reduce_scale, saves_input, transition_time
     from autopart.strategy.registry import tensor_inputs
 
@@ -311,6 +312,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
     b: dict[str, float] = defaultdict(float)
     param_t: dict[str, float] = defaultdict(float)
     param_b: dict[str, float] = defaultdict(float)
+    lat: dict[str, float] = defaultdict(float)
     per_record = []
     for rec in plan.collectives:
         user, value = nodes[rec["user"]], nodes[rec["value"]]
@@ -325,6 +327,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
         val = value.meta["val"]
         cur = list(src)
         rec_t = 0.0
+        rec_kinds: dict[str, float] = defaultdict(float)
         for step, (axis, fwd, bwd) in enumerate(rec["steps"]):
             nxt = list(cur)
             nxt[axis] = dst[axis]
@@ -349,6 +352,7 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
             total = sum(own)
             for (kind, _), sent, own_t in zip(kinds, sents, own):  # dt shared as the collectives' own prices
                 (param_t if is_param else t)[kind] += dt * own_t / total if total > 0 else dt / len(kinds)
+                rec_kinds[kind] += dt * own_t / total if total > 0 else dt / len(kinds)
                 (param_b if is_param else b)[kind] += _bus_bytes(kind, sent, mesh[axis])
             rec_t += dt
             cur = nxt
@@ -359,8 +363,11 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
                 axis = gathers[-1][0]
                 b["all_gather"] += rec.get("regather", 1) * _bus_bytes(
                     "all_gather", _local_bytes(val, tuple(dst), mesh), mesh[axis])
+        if not is_param and rec.get("latency_s") and rec_t > 0:  # its latency, shared as its time is
+            for kind, kt in rec_kinds.items():
+                lat[kind] += rec["latency_s"] * kt / rec_t
         per_record.append(rec_t)
-    return {"activations": (t, b), "parameters": (param_t, param_b)}, per_record
+    return {"activations": (t, b), "parameters": (param_t, param_b), "activation_latency": lat}, per_record
 
 
 def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
@@ -395,7 +402,7 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
     ``INSIDE_OPS`` sum to ``plan.predicted["comm_s"]``."""
     stage = Cluster.from_json(plan.cluster)
     parts, _ = edge_comm(plan, traced, stage)
-    (at, ab), (pt, pb) = parts["activations"], parts["parameters"]
+    (at, ab), (pt, pb), al = parts["activations"], parts["parameters"], parts["activation_latency"]
     gt, gb = gradient_comm(plan, traced, stage)
     pp = plan.pipeline
     out = {k: {"time_s": 0.0, "bytes": 0.0} for k in KINDS}
@@ -403,10 +410,10 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
     out[INSIDE_OPS] = {"time_s": inside / (int(pp["degree"]) if pp else 1), "bytes": None}
     if not pp:
         # gradient accumulation: a parameter's conversions (ZeRO-3's gathers) run once per micro-batch, as in a
-        # pipeline; the activations' are the batch's in all (``planner.accumulated``)
+        # pipeline; the activations' are the batch's in all, their latency paid by each (``planner.accumulated``)
         m = int((plan.accumulation or {}).get("micro_batches", 1))
         for k in KINDS:
-            out[k]["time_s"] = at[k] + m * pt[k]
+            out[k]["time_s"] = at[k] + (m - 1) * al[k] + m * pt[k]
             out[k]["bytes"] = ab[k] + m * pb[k]
         gt -= plan.predicted.get("hidden_comm_s", 0.0)  # the step pays what backward does not hide
         # ZeRO-1/2's after-step all-gather: the node times (inside ops) hold the ILP's price of it; the step pays
@@ -422,7 +429,7 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
         return out
     p, m = int(pp["degree"]), int(pp["micro_batches"])
     for k in KINDS:  # the stage plan holds the whole model at the whole batch: a stage's share is 1/p of it
-        out[k]["time_s"] = (at[k] + m * pt[k]) / p
+        out[k]["time_s"] = (at[k] + (m - 1) * al[k] + m * pt[k]) / p
         out[k]["bytes"] = (ab[k] + m * pb[k]) / p
     out["all_reduce"]["time_s"] += pp["gradient_reduction_s"]
     out["all_reduce"]["bytes"] += gb / p

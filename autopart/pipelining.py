@@ -208,9 +208,12 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if nodes.get(c["value"], {}).get("op") == "param":
             u.fixed_s += c["time_s"]
             u.block_fixed_s += c["time_s"] * own
-        else:
-            u.time_s += c["time_s"]
-            u.block_time_s += c["time_s"] * own
+        else:  # on activations: the bytes scale with the micro-batch, the latency is paid by each
+            lat = c.get("latency_s", 0.0)
+            u.time_s += c["time_s"] - lat
+            u.block_time_s += (c["time_s"] - lat) * own
+            u.fixed_s += lat
+            u.block_fixed_s += lat * own
     fqn_node = {fqn: ph for ph, fqn in traced.params.items()}
     by_name = {n.name: n for n in order}
     for fqn, axes in plan.reduced.items():

@@ -197,6 +197,11 @@ def tensor_bytes(shape, dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _no_bytes(val: torch.Tensor) -> torch.Tensor:
+    """``val``'s dtype and rank with no elements (on the meta device): a conversion of it costs its latency."""
+    return torch.empty((0,) * val.dim(), dtype=val.dtype, device="meta")
+
+
 def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
     f = 1
     for p, n in zip(spec, mesh_shape):
@@ -3010,8 +3015,14 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             tp_hidden += hid
             comm_total += t
             if steps:
+                # its latency, what a micro-batch pays whatever its size (``per_micro_batch_s``): the same
+                # conversion of no bytes, at most what is exposed of it
+                lat = transition_time(_no_bytes(value_of(a)), src, o.inputs[j], split, g, cluster, pr,
+                                      regather=zero3 and saves_input(n, j), chained=zero3,
+                                      reduce_dtype=opts.reduce_dtype)
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
-                                    "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t})
+                                    "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t,
+                                    "latency_s": min(lat, t)})
                 if hid:  # run as a collective matmul: time_s is what it leaves exposed
                     collectives[-1] |= {"tp_overlap_hidden_s": hid, "tp_overlap_step": fused_step}
                 seen_conversions[key] = collectives[-1]
@@ -3143,11 +3154,14 @@ def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> t
     """(compute, communication) seconds of a plan's records (``nodes``, ``collectives``) that every micro-batch
     pays whatever its size, as the pipeline's blocks count them (``pipelining.block_units``): the framework's time
     per op (``Device.op_latency``), the runtime's work per parameter (a parameter node's ``compute_s``:
-    ``Device.param_latency``) and the conversions of parameters (ZeRO-3's gathers, once per forward)."""
+    ``Device.param_latency``), the conversions of parameters (ZeRO-3's gathers, once per forward) and the latency
+    of the other collectives (``latency_s``: tensor parallelism's all-reduces run once per micro-batch, each paying
+    its links' latency, whatever the micro-batch's bytes)."""
     comp = sum(min(device.op_latency, r["time_s"]) for r in nodes.values()
                if r["op"] not in ("param", "buffer", "constant", "input"))
     comp += sum(r["compute_s"] for r in nodes.values() if r["op"] == "param")
-    comm = sum(c["time_s"] for c in collectives if nodes.get(c["value"], {}).get("op") == "param")
+    comm = sum(c["time_s"] if nodes.get(c["value"], {}).get("op") == "param" else c.get("latency_s", 0.0)
+               for c in collectives)
     return comp, comm
 
 

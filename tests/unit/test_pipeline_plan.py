@@ -217,3 +217,34 @@ def test_per_layer_checkpoint_dict_with_stages():
         plain.pipeline["stages"][0]["memory_bytes"]["activations"]
     with pytest.raises(ValueError, match="blocks.9"):
         autopart.plan(_model(), mesh, (IDS,), {"labels": IDS}, checkpoint={"blocks.9": "full"}, **kw)
+
+
+def test_activation_collectives_pay_their_latency_per_micro_batch():
+    """Tensor parallelism's collectives run once per micro-batch, each paying its links' latency whatever the
+    micro-batch's bytes: a record's ``latency_s`` is its collectives' alpha terms, and a pipeline unit pays it
+    once per micro-batch (``fixed_s``), its bytes split between them (``time_s``)."""
+    import dataclasses
+
+    from autopart.cost.comm import COLLECTIVES, collective_time
+
+    model = _model()
+    t = trace(model, (IDS,), {"labels": IDS})
+    cluster = autopart.preset("cpu", (2,))
+    p = autopart.plan(model, (2,), (IDS,), {"labels": IDS}, roles={"axis0": "tp"}, traced=t, pipeline="off",
+                      cluster=cluster)
+    acts = [c for c in p.collectives if p.nodes[c["value"]]["op"] != "param"]
+    assert len(acts) >= LAYERS
+    link = cluster.link(0)
+    for c in acts:
+        alphas = sum(collective_time(k, 0.0, 2, link) for _, fwd, bwd in c["steps"] for k in (fwd, bwd)
+                     if k in COLLECTIVES)  # "shard": a local slice
+        assert 0 < c["latency_s"] == pytest.approx(min(alphas, c["time_s"]))
+    units, unit_of = block_units(p, t, (2,), cluster)
+    plain = dataclasses.replace(p, collectives=[{**c, "latency_s": 0.0} for c in p.collectives])
+    before, _ = block_units(plain, t, (2,), cluster)
+    for k, (u, v) in enumerate(zip(units, before)):
+        lat = sum(c["latency_s"] for c in acts if unit_of[c["user"]] == k)
+        assert lat > 0
+        assert u.fixed_s - v.fixed_s == pytest.approx(lat) and v.time_s - u.time_s == pytest.approx(lat)
+        # m micro-batches pay it m times: one micro-batch's forward and backward at m = 4
+        assert u.cost(4).fwd_s + u.cost(4).bwd_s == pytest.approx(v.time_s / 4 + v.fixed_s + 3 / 4 * lat)
