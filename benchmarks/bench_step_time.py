@@ -3,7 +3,9 @@
     PYTHONPATH=. python benchmarks/bench_step_time.py [--steps 20] [--warmup 5] [--profile]
 
 * data parallel: ``torch.nn.parallel.DistributedDataParallel`` (each rank its half of the batch) vs
-  ``autopart.parallelize(..., roles={"dp": "dp"})`` on a 2-device mesh;
+  ``autopart.parallelize(..., roles={"dp": "dp"}, zero=0)`` on a 2-device mesh (DDP's strategy: replicated weights,
+  gradients all-reduced in buckets; the runtimes compared), and autopart's own choice on that axis
+  (``roles={"dp": "dp"}``: it may ZeRO-shard weights, priced on the ``cpu`` preset, not this machine);
 * tensor parallel: ``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` on
   q/k/v/mlp.fc and ``RowwiseParallel`` on attn.proj/mlp.proj (the attention forward counts local heads, as torch's
   TP tutorial does) vs ``autopart.parallelize(..., roles={"tp": "tp"})``.
@@ -103,9 +105,10 @@ def _setup(kind: str):
             opt.zero_grad()
             return loss
         return step
-    role = {"autopart-dp": "dp", "autopart-tp": "tp"}[kind]
+    role = {"autopart-dp": "dp", "autopart-dp-choice": "dp", "autopart-tp": "tp"}[kind]
     mesh = autopart.mesh((world,), (role,))
-    pm = autopart.parallelize(model, mesh, (ids,), {"labels": ids}, roles={role: role})
+    zero = {"zero": 0} if kind == "autopart-dp" else {}
+    pm = autopart.parallelize(model, mesh, (ids,), {"labels": ids}, roles={role: role}, **zero)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, **OPT_KW)
 
     def step():
@@ -131,7 +134,7 @@ def _time(step, n: int) -> list[float]:
 def run(steps: int, warmup: int, profile: bool, foreach: bool = False):
     if foreach:
         OPT_KW["foreach"] = True
-    kinds = ["torch-ddp", "autopart-dp", "torch-tp", "autopart-tp"]
+    kinds = ["torch-ddp", "autopart-dp", "autopart-dp-choice", "torch-tp", "autopart-tp"]
     fns, setup_s = {}, {}
     for k in kinds:
         t0 = time.perf_counter()
@@ -151,7 +154,7 @@ def run(steps: int, warmup: int, profile: bool, foreach: bool = False):
         import pstats
 
         prof = {}
-        for k in ("autopart-dp", "autopart-tp", "torch-ddp", "torch-tp"):
+        for k in ("autopart-dp", "autopart-dp-choice", "autopart-tp", "torch-ddp", "torch-tp"):
             pr = cProfile.Profile()
             pr.enable()
             _time(fns[k], half)
@@ -180,12 +183,14 @@ def main() -> None:
     print("| parallelism | torch engine | torch step ms | autopart step ms | autopart / torch "
           "| setup s (torch / autopart) |")
     print("|---|---|---|---|---|---|")
-    for name, t, ap_ in (("data, dp=2", "torch-ddp", "autopart-dp"), ("tensor, tp=2", "torch-tp", "autopart-tp")):
+    for name, t, ap_ in (("data, dp=2 (zero=0)", "torch-ddp", "autopart-dp"),
+                         ("data, dp=2 (autopart's choice)", "torch-ddp", "autopart-dp-choice"),
+                         ("tensor, tp=2", "torch-tp", "autopart-tp")):
         engine = "DistributedDataParallel" if t == "torch-ddp" else "parallelize_module Colwise/Rowwise"
         print(f"| {name} | {engine} | {med[t] * 1e3:.1f} | {med[ap_] * 1e3:.1f} | {med[ap_] / med[t]:.2f} | "
               f"{res['setup_s'][t]:.1f} / {res['setup_s'][ap_]:.1f} |")
     if a.show_plans:
-        for k in ("autopart-dp", "autopart-tp"):
+        for k in ("autopart-dp", "autopart-dp-choice", "autopart-tp"):
             print(f"\n{k} plan:\n{res['plans'][k]}")
     if res["profile"]:
         for k, text in res["profile"].items():
