@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import time
 
 import torch
@@ -171,13 +172,16 @@ def megatron(args) -> list[dict]:
           "error | its gradient reduction s (exposed) | its ZeRO-1 all-gather s exposed (all) | score, zero=0: step "
           "s, TFLOP/s/GPU | autopart's choice | its step s, TFLOP/s/GPU | planning s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    def zero0(r: dict) -> str:  # a published configuration that needs ZeRO to fit says so
+        return "does not fit" if math.isnan(r["zero0_step_s"]) else f"{r['zero0_step_s']:.3f}, {r['zero0_tflops']:.0f}"
+
     for r in rows:
         t = r["zero1_terms"]
         terms = (f"{t['reduction_s']:.3f} ({t['reduction_exposed_s']:.3f}) | {t['param_gather_s']:.3f} "
                  f"({t['param_gather_total_s']:.3f})" if t else " | ")
         print(f"| {r['model']} | {r['gpus']} | {r['published']} | {r['published_tflops']} | "
               f"{r['zero1_step_s']:.3f}, {r['zero1_tflops']:.0f}, {100 * r['error_zero1']:+.1f}% | {terms} | "
-              f"{r['zero0_step_s']:.3f}, {r['zero0_tflops']:.0f} | {r['own_plan']} | "
+              f"{zero0(r)} | {r['own_plan']} | "
               f"{r['own_step_s']:.3f}, {r['own_pred_tflops']:.0f} | {r['own_plan_s']:.1f} |")
     return rows
 
