@@ -351,8 +351,9 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
             own = [collective_time(kind, sent, mesh[axis], link) for (kind, _), sent in zip(kinds, sents)]
             total = sum(own)
             for (kind, _), sent, own_t in zip(kinds, sents, own):  # dt shared as the collectives' own prices
-                (param_t if is_param else t)[kind] += dt * own_t / total if total > 0 else dt / len(kinds)
-                rec_kinds[kind] += dt * own_t / total if total > 0 else dt / len(kinds)
+                share = dt * own_t / total if total > 0 else dt / len(kinds)
+                (param_t if is_param else t)[kind] += share
+                rec_kinds[kind] += share
                 (param_b if is_param else b)[kind] += _bus_bytes(kind, sent, mesh[axis])
             rec_t += dt
             cur = nxt

@@ -2999,9 +2999,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             seen_conversions[key] = {}
             steps = conversion_steps(src, o.inputs[j], split, g, mesh, pr)
             zero3 = chosen[u.name].tag == "zero3"
-            t = transition_time(value_of(a), src, o.inputs[j], split, g, cluster, pr,
-                                regather=zero3 and saves_input(n, j),
-                                chained=zero3, reduce_dtype=opts.reduce_dtype)
+            conversion = functools.partial(transition_time, src=src, dst=o.inputs[j], split=split, needs_grad=g,
+                                           cluster=cluster, param_reduced=pr, regather=zero3 and saves_input(n, j),
+                                           chained=zero3, reduce_dtype=opts.reduce_dtype)
+            t = conversion(value_of(a))
             hid, fused_step = 0.0, 0  # seconds a collective matmul hides, of which of ``steps``
             if overlap and j == 0 and linear_input_fused(a):  # one gather for the users converting it alike
                 lin_fwd = sum(fwd_of(w.name) for w in a.users if chosen[w.name].inputs[0] == o.inputs[j] and
@@ -3017,9 +3018,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             if steps:
                 # its latency, what a micro-batch pays whatever its size (``per_micro_batch_s``): the same
                 # conversion of no bytes, at most what is exposed of it
-                lat = transition_time(_no_bytes(value_of(a)), src, o.inputs[j], split, g, cluster, pr,
-                                      regather=zero3 and saves_input(n, j), chained=zero3,
-                                      reduce_dtype=opts.reduce_dtype)
+                lat = conversion(_no_bytes(value_of(a)))
                 collectives.append({"value": a.name, "user": n.name, "layer": info.layer[n.name],
                                     "steps": [[s.axis, s.fwd, s.bwd] for s in steps], "time_s": t,
                                     "latency_s": min(lat, t)})
