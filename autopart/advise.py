@@ -397,6 +397,29 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
     return secs, nbytes
 
 
+def zero_gather_bytes(plan, traced, cluster: Cluster) -> float:
+    """Bus bytes of ZeRO-1/2's all-gather of the updated parameters after the step (``runtime/zero1.py``), per GPU:
+    each parameter's padded slices gathered over the axes it is replicated on, one axis after the other as
+    ``planner.zero1_gather_entry`` lays them out (the stage plan's whole model under a pipeline)."""
+    from autopart.planner import zero1_gather_entry
+
+    mesh = cluster.mesh_shape
+    node_of = {}
+    for name, fqn in traced.params.items():
+        node_of.setdefault(fqn, name)
+    nodes = {n.name: n for n in traced.graph.nodes}
+    total = 0.0
+    for fqn, level in plan.zero.items():
+        if level not in (1, 2) or fqn not in node_of:
+            continue
+        axes, _, nbytes = zero1_gather_entry(nodes[node_of[fqn]].meta["val"], parse_spec(plan.params[fqn]), mesh)
+        size = nbytes / math.prod(mesh[i] for i in axes)  # a rank's slice
+        for i in axes:
+            size *= mesh[i]
+            total += _bus_bytes("all_gather", size, mesh[i])
+    return total
+
+
 def communication(plan, traced) -> dict[str, dict[str, float]]:
     """Per GPU and step, by collective kind: {"time_s", "bytes"} (module doc), plus "gradient_all_reduce" (part of
     all_reduce, reported apart) and ``INSIDE_OPS`` (time only). Without a pipeline the times of ``KINDS`` and
@@ -424,6 +447,7 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
         out[INSIDE_OPS]["time_s"] -= priced
         out["all_gather"]["time_s"] += pred.get("param_gather_s", 0.0) if "param_gather_priced_s" in pred else \
             pred.get("param_gather_latency_s", 0.0)
+        out["all_gather"]["bytes"] += zero_gather_bytes(plan, traced, stage)
         out["all_reduce"]["time_s"] += gt
         out["all_reduce"]["bytes"] += gb
         out["gradient_all_reduce"] = {"time_s": gt, "bytes": gb}
@@ -436,6 +460,7 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
     out["all_reduce"]["bytes"] += gb / p
     out["gradient_all_reduce"] = {"time_s": pp["gradient_reduction_s"], "bytes": gb / p}
     out["all_gather"]["time_s"] += pp.get("param_gather_s", 0.0)  # ZeRO-1/2's after the step: what forward waits
+    out["all_gather"]["bytes"] += zero_gather_bytes(plan, traced, stage) / p
     v = int(pp.get("virtual") or 1) if pp["schedule"] == "interleaved" else 1
     send = max(st.get("send_bytes", 0.0) for st in pp["stages"])
     out["send_recv"] = {"time_s": m * v * pp["p2p_s"], "bytes": 2 * m * v * send}

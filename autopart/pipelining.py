@@ -360,6 +360,9 @@ def stage_of_units(boundaries: list[int], n_units: int) -> list[int]:
     return out
 
 
+# the search's winner solved again for its micro-batch count (``PlanOptions.latency_passes``): False, the stage
+# shardings priced at the traced batch alone (the tests compare the two)
+REFINE_PASSES = True
 FREE_DEGREES = 1  # pipeline degrees (best by the Megatron recipe inside stages) also solved with free stage shardings
 
 
@@ -539,11 +542,21 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
             pipe = stage_candidate(stage_cluster, stage_mesh, axis, p, False, warm)
             if pipe is not None and (best is None or pipe.step_s < best.step_s):
                 best = pipe
+    if REFINE_PASSES and best is not None and best.pipe.options.micro_batches > 1:
+        # the stage problems above are solved at the traced batch, where each activation collective pays its
+        # latency once; the winner runs m micro-batches, each paying it (tensor parallelism's all-reduces: m x 2
+        # a block). Its stage mesh is solved again with that count (``PlanOptions.latency_passes``), which may
+        # trade collectives for bytes or compute; the pipeline model judges the two, as every candidate
+        stage_cluster, stage_mesh, axis, p, recipe, _, _ = best.key
+        again = run(stage_cluster, stage_mesh, axis, p, recipe, reduced, warm=best.plan,
+                    passes=best.pipe.options.micro_batches)
+        if again is not None and again.step_s < best.step_s * (1 - 1e-9):
+            best = again
     if best is not None and reduced is not None:
         # ranked on the 2-block graph (the same ILP, tied blocks priced L times: identical per-block costs);
         # the winner is solved again on the whole graph, whose nodes the plan records
-        stage_cluster, stage_mesh, axis, p, recipe, sub_limit = best.key
-        final = run(stage_cluster, stage_mesh, axis, p, recipe, None, (sub_limit,), warm=best.plan)
+        stage_cluster, stage_mesh, axis, p, recipe, sub_limit, passes = best.key
+        final = run(stage_cluster, stage_mesh, axis, p, recipe, None, (sub_limit,), warm=best.plan, passes=passes)
         if final is None:
             raise AssertionError(f"pipeline candidate p={p} fits on the 2-block graph but not on the whole graph")
         final.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), winner re-solved on the whole graph"
@@ -555,7 +568,7 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
     """One stage mesh: solve its shardings (fastest; if nothing then fits, memory-bounded) and the best pipeline.
     ``reduced``: (2-block graph, block count) to solve on instead of the whole graph (``reduce_blocks``)."""
 
-    def run(stage_cluster, stage_mesh, axis, p, recipe, reduced=None, limits=None, warm=None):
+    def run(stage_cluster, stage_mesh, axis, p, recipe, reduced=None, limits=None, warm=None, passes=0):
         from autopart.planner import Pruned
 
         pipe = None
@@ -564,7 +577,7 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
             # and micro-batch): a stage problem whose cheapest nodes already exceed p x the best step is skipped
             cutoff = state["best"].step_s * p if state["best"] is not None and limits is None else None
             try:
-                sub = solve_stage(stage_cluster, sub_limit, recipe, reduced, cutoff, warm)
+                sub = solve_stage(stage_cluster, sub_limit, recipe, reduced, cutoff, warm, passes)
             except Pruned as e:
                 errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: pruned (bound "
                               f"{e.args[0] / p:.4g} s >= best {state['best'].step_s:.4g} s)")
@@ -587,7 +600,7 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
                 break
             pipe = best_over_m(units, sub, stage_mesh, axis, p, limit, True)
             if pipe is not None:
-                pipe.key = (stage_cluster, stage_mesh, axis, p, recipe, sub_limit)
+                pipe.key = (stage_cluster, stage_mesh, axis, p, recipe, sub_limit, passes)
             if pipe is not None or attempt == 1 or limits is not None:
                 break
             # nothing fits with the fastest stage sharding. A memory-bounded one is no faster per block than

@@ -126,6 +126,11 @@ class PlanOptions:
     # over m micro-batches of batch/m one after another, the data-parallel reduction once, from the last one's
     # backward (``runtime/module.py``). The ILP holds one micro-batch's activations; ``_record`` prices the rest
     micro_batches: int = 1
+    # internal: how many micro-batches forward and backward run in (0: ``micro_batches``), so that the ILP prices
+    # what each pays whatever its size: an activation collective's latency, a parameter's gathers
+    # (``_edge_prices``'s ``passes``). A pipeline stage's problem is solved at the traced batch (``stage``; the
+    # pipeline model splits it) and priced for the search's micro-batch count this way (``pipelining.search``)
+    latency_passes: int = 0
     # the dtype the data-parallel gradient reduction sums in (its buckets and collectives, and ZeRO-3's backward
     # reduce-scatters), e.g. "float32" for bf16 gradients as Megatron-LM (``accumulate_allreduce_grads_in_fp32``)
     # and FSDP2's ``reduce_dtype``; the reduced gradient is cast back to its own dtype. None: each gradient's own
@@ -171,6 +176,8 @@ class PlanOptions:
                                  "of gradient-accumulation micro-batches the batch is split into)")
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches!r}: give a whole number >= 1")
+        if not isinstance(self.latency_passes, int) or self.latency_passes < 0:
+            raise ValueError(f"latency_passes={self.latency_passes!r}: give a whole number >= 0 (0: micro_batches)")
         if not 0 <= self.relative_gap < 1:
             raise ValueError(f"relative_gap={self.relative_gap!r}: give a fraction in [0, 1) (0.001: each ILP's plan "
                              "proven within 0.1% of the best)")
@@ -1829,7 +1836,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                  bucketed: bool, fixed_axes: list[int], data_axes: list[int], kept_sharded: bool,
                  saving_users: dict[str, int], cluster: Cluster, cache: dict, spec_ids: dict, saved: bool = True,
                  fused: tuple[bool, np.ndarray] | None = None, reduction_share: dict | None = None,
-                 buckets: dict | None = None, reduce_dtype: str | None = None):
+                 buckets: dict | None = None, reduce_dtype: str | None = None, passes: int = 1):
     """Prices of one edge pattern per value, unscaled (``build_problem``): conversion seconds (Ku, Kv) and, when the
     consumer keeps the value sharded (``regathered_input``), the shard and gathered bytes it saves (Ku, Kv), else
     None. ``cache`` and ``spec_ids``: the conversion times and spec ids shared by the problems of a session.
@@ -1837,9 +1844,15 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
     ``fused``: (into, forward seconds of the linear per option) where the edge's collective runs as a collective
     matmul with the consumer (into) or producer linear (``tp_overlap_hidden``). ``reduction_share``: per set of
     summed axes, the share of a bucketed gradient's reduction priced (``grad_reduction_shares``; 1 where absent).
-    ``buckets``: a bucketed gradient's bucket bytes per set of summed axes (``ilp_bucket_bytes``)."""
+    ``buckets``: a bucketed gradient's bucket bytes per set of summed axes (``ilp_bucket_bytes``).
+    ``passes``: forward and backward run that many times a step over parts of the traced batch (micro-batches:
+    ``PlanOptions.latency_passes``). The bytes are the traced batch's whatever the count, but an activation's
+    conversion pays its links' latency in every pass (``latency_s`` of ``plan.collectives``: its conversion of no
+    bytes, at most its exposed time), and a parameter's conversion (ZeRO-3's gathers and reduce-scatters, a
+    weight's layout change) runs whole in every pass; a bucketed gradient's reduction runs once."""
     mesh = cluster.mesh_shape
     mat = np.zeros((len(uopts), len(vopts)))
+    lkey = ("latency", val.dim(), val.dtype, g)
     vkey = (tuple(val.shape), val.dtype, g, bucketed, saved, tuple(sorted(buckets.items())) if bucketed and buckets
             else (), reduce_dtype if bucketed else None)
     # specs as small ints (hashing Placement tuples per pair dominated this loop)
@@ -1901,6 +1914,16 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                         _local_bytes(val, dst, mesh))
                 t += hit[0] / share
                 shard_b[ai, bi], gathered_b[ai, bi] = hit[1] / share, hit[2] / share
+            if passes > 1 and t < math.inf:
+                if bucketed:  # everything but the once-a-step reduction runs in every pass
+                    t += (passes - 1) * (t - parts[1] * (reduction_share.get(parts[2], 1.0) if reduction_share
+                                                         else 1.0))
+                else:
+                    lk = (lkey, src_ids[ai], dst_id, split)
+                    lat = cache.get(lk)
+                    if lat is None:
+                        lat = cache[lk] = transition_time(_no_bytes(val), srcs[ai], dst, split, g, cluster)
+                    t += (passes - 1) * min(lat, t)
             col.append(t)
         mat[:, bi] = col
     return mat, shard_b, gathered_b
@@ -2020,6 +2043,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     instances[(group_of[u.name], group_of[v.name], j, idx)].append(v.name)
     priced: set[tuple] = set()
     overlap = tp_overlap_on(opts, cluster)
+    passes = opts.latency_passes or opts.micro_batches
     for v in info.nodes:
         if info.kind[v.name] != "op":
             continue
@@ -2054,12 +2078,13 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                          for axes in share_axes}
             ekey = ("edge", id(traced.gm), v.name, j, tuple(map(id, uopts)), tuple(map(id, vopts)),
                     tuple(fixed_axes), tuple(data_axes), fused is not None, tuple(sorted((share or {}).items())),
-                    tuple(sorted(buckets.items())) if bucketed else (), opts.reduce_dtype if bucketed else None)
+                    tuple(sorted(buckets.items())) if bucketed else (), opts.reduce_dtype if bucketed else None,
+                    passes)
             hit = cache.get(ekey)
             if hit is None:
                 hit = cache[ekey] = (uopts, vopts, *_edge_prices(
                     val, a, idx, j, uopts, vopts, g, bucketed, fixed_axes, data_axes, kept_sharded, saving_users,
-                    cluster, cache, spec_ids, saves_input(v, j), fused, share, buckets, opts.reduce_dtype))
+                    cluster, cache, spec_ids, saves_input(v, j), fused, share, buckets, opts.reduce_dtype, passes))
             _, _, mat, shard_b, gathered_b = hit
             # how many edges of the whole model this one stands for: its instances in the graph; under virtual
             # layers (``PlanOptions.virtual_layers``) one that recurs up to the last layer recurs in the virtual ones
@@ -2460,7 +2485,8 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         selective = {lay: m for lay, m in modes.items() if m == "selective"}
         ck = "none"
 
-    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False, reduced=None, cutoff=None, warm=None):
+    def solve_stage(stage_cluster: Cluster, lim: float, recipe: bool = False, reduced=None, cutoff=None, warm=None,
+                    passes: int = 0):
         # the stage DP decides per-layer full recompute; a forced mode applies to every layer of the stage plan.
         # Offload is not searched with stages (the forced one still applies): the stage DP is what frees memory
         roles_k = dict(stage_roles)
@@ -2470,7 +2496,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         o = dataclasses.replace(opts, roles=roles_k, memory_limit=lim, pipeline="off",
                                 checkpoint=selective if selective and reduced is None else ck or "none",
                                 offload=opts.offload if opts.offload is not None else "none",
-                                objective_cutoff=cutoff, warm_start=warm, stage=True)
+                                objective_cutoff=cutoff, warm_start=warm, stage=True, latency_passes=passes)
         if reduced is not None:
             return _shared_sharding_plan(reduced[0], stage_cluster, axis_names,
                                          dataclasses.replace(o, virtual_layers=reduced[1]))

@@ -454,3 +454,19 @@ def test_relative_gap_is_validated() -> None:
     # advise says so at once, not as every mesh view not fitting
     with pytest.raises(ValueError, match=r"relative_gap=2\.0: give a fraction"):
         adv.advise("gpt", "125m", layers=2, seq=128, relative_gap=2.0)
+
+
+def test_zero1_gather_bytes_are_reported() -> None:
+    """ZeRO-1's all-gather of the updated parameters after the step: every parameter's bytes, each rank
+    receiving (n - 1) / n of them (bus bytes), beside its time."""
+    from autopart.trace import trace
+
+    built = adv.build("gpt", "125m", batch=8, seq=64, layers=2, hidden=128, heads=4)
+    _, model, inputs, kwargs, _ = built
+    traced = trace(model, inputs, kwargs)
+    plan = autopart.evaluate(model, 8, inputs, kwargs, cluster="h100-80gb", traced=traced, zero=1)
+    assert plan.zero and set(plan.zero.values()) == {1}
+    comm = adv.communication(plan, traced)
+    params = sum(model.get_parameter(fqn).numel() * model.get_parameter(fqn).element_size() for fqn in plan.zero)
+    assert comm["all_gather"]["bytes"] == pytest.approx(params * 7 / 8, rel=0.01)  # slices padded
+    assert comm["all_gather"]["time_s"] > 0
