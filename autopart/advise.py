@@ -431,11 +431,12 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
     pp = plan.pipeline
     out = {k: {"time_s": 0.0, "bytes": 0.0} for k in KINDS}
     inside = sum(r.get("time_s", 0.0) - r.get("compute_s", 0.0) for r in plan.nodes.values())
-    out[INSIDE_OPS] = {"time_s": inside / (int(pp["degree"]) if pp else 1), "bytes": None}
+    inside_lat = sum(r.get("comm_latency_s", 0.0) for r in plan.nodes.values())  # each micro-batch pays it
+    m = int(pp["micro_batches"]) if pp else int((plan.accumulation or {}).get("micro_batches", 1))
+    out[INSIDE_OPS] = {"time_s": (inside + (m - 1) * inside_lat) / (int(pp["degree"]) if pp else 1), "bytes": None}
     if not pp:
         # gradient accumulation: a parameter's conversions (ZeRO-3's gathers) run once per micro-batch, as in a
         # pipeline; the activations' are the batch's in all, their latency paid by each (``planner.accumulated``)
-        m = int((plan.accumulation or {}).get("micro_batches", 1))
         for k in KINDS:
             out[k]["time_s"] = at[k] + (m - 1) * al[k] + m * pt[k]
             out[k]["bytes"] = ab[k] + m * pb[k]

@@ -180,8 +180,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         own = rec["layer"] == u.name
         tr = rec.get("transient_bytes", 0.0)
         kept = rec["memory_bytes"] - tr
-        # the framework's time per op (Device.op_latency) is paid by every micro-batch, not split between them
-        lat = min(cluster.device.op_latency, rec["time_s"])
+        # the framework's time per op (Device.op_latency) is paid by every micro-batch, not split between them, and
+        # so is the latency of the collectives inside its lowering (``comm_latency_s``: a vocab-parallel loss's)
+        lat = min(cluster.device.op_latency + rec.get("comm_latency_s", 0.0), rec["time_s"])
         u.time_s += rec["time_s"] - lat
         u.fixed_s += lat
         u.block_fixed_s += lat * own

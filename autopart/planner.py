@@ -966,15 +966,19 @@ def kept_input_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, sav
     return total
 
 
-def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backward: bool = True) -> float:
+def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backward: bool = True,
+                       latency: bool = False) -> float:
     """Collectives an option runs inside its lowering (not on an edge): vocab-parallel cross-entropy's three
     all-reduces of one value per token, and the global count of a batch-sharded mean cross-entropy; context-parallel
     attention's K/V exchange and causal imbalance (``strategy.context.cp_comm_time``); an expert-parallel
-    token-local node's all-to-alls (``ep_comm_time``)."""
+    token-local node's all-to-alls (``ep_comm_time``).
+    ``latency``: the same collectives moving no bytes, what each micro-batch pays whatever its size (``_record``'s
+    ``comm_latency_s``). Context parallelism's ring steps hide behind the attention they overlap, which shrinks
+    with the micro-batch: not split out (0), its time scales with the batch."""
     if option.tag in CP_TAGS:
-        return cp_comm_time(node, option, cluster)
+        return 0.0 if latency else cp_comm_time(node, option, cluster)
     if node.target is regions.OP:
-        return ep_comm_time(node, option, cluster, with_backward)
+        return ep_comm_time(node, option, cluster, with_backward, latency)
     if node.target != aten.cross_entropy_loss.default:
         return 0.0
     mesh = cluster.mesh_shape
@@ -984,10 +988,10 @@ def internal_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_b
     for i, p in enumerate(logits):
         if p == Shard(1):
             local_rows = rows / math.prod(n for j, n in enumerate(mesh) if logits[j] == Shard(0))
-            t += 3 * collective_time("all_reduce", local_rows * 4, mesh[i], cluster.link(i))
+            t += 3 * collective_time("all_reduce", 0 if latency else local_rows * 4, mesh[i], cluster.link(i))
     for i, p in enumerate(option.output):
         if isinstance(p, Partial):
-            t += collective_time("all_reduce", 8, mesh[i], cluster.link(i))
+            t += collective_time("all_reduce", 0 if latency else 8, mesh[i], cluster.link(i))
     return t
 
 
@@ -1003,12 +1007,13 @@ def ep_axes(node: fx.Node, inputs: tuple) -> tuple[int, ...]:
     return tuple(a for a in range(len(specs[0])) if any(sp[a] == Shard(0) for sp in specs))
 
 
-def ep_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backward: bool = True) -> float:
+def ep_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backward: bool = True,
+                 latency: bool = False) -> float:
     """Expert parallelism inside a token-local node (``regions._ep_experts``): per axis the experts are split
     over, the rank's (token, expert) pairs -- its tokens times top-k hidden rows -- go to their experts' ranks and
     come back, two all-to-alls forward and two more backward (their gradients), each rank keeping 1/n of its
     buffer on average (balanced routing). Axes nest: the pairs the first axis delivers are dispatched again over the
-    second."""
+    second. ``latency``: the same all-to-alls moving no bytes."""
     axes = ep_axes(node, option.inputs)
     if not axes:
         return 0.0
@@ -1017,7 +1022,7 @@ def ep_comm_time(node: fx.Node, option: OpOption, cluster: Cluster, with_backwar
     mesh = cluster.mesh_shape
     first = option.inputs[tensor_inputs(node).index(node.args[1][0])]
     split = math.prod(n for a, n in enumerate(mesh) if isinstance(first[a], Shard))
-    nbytes = x.numel() / split * max(1, r.top_k) * x.element_size()
+    nbytes = 0.0 if latency else x.numel() / split * max(1, r.top_k) * x.element_size()
     one = sum(collective_time("all_to_all", nbytes, mesh[a], cluster.link(a)) for a in axes)
     return one * (4 if with_backward else 2)
 
@@ -1156,6 +1161,11 @@ class Problem:
     # whether the value is kept under full / selective recompute of the consumer's layer (it comes from outside
     # the recomputed region); ``edge_memory_rows`` turns them into the ILP's edge memory
     edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = field(default_factory=dict)
+    # per group: the latency of its communication (inside its lowering, of its graph outputs), which every
+    # micro-batch pays, and what ``node_cost`` holds beyond the traced batch's time for ``PlanOptions.latency_passes``
+    # micro-batches: (passes - 1) x that latency (``_record`` takes it off again)
+    node_latency: list[np.ndarray] = field(default_factory=list)
+    pass_extra: list[np.ndarray] = field(default_factory=list)
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -1768,7 +1778,8 @@ def _tie_groups(info: Graphinfo, enabled: bool) -> tuple[list[list[str]], dict[s
 def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, cluster: Cluster, opts: PlanOptions,
                  dp_axes: list[int], saving_users: dict[str, int], last_of_layer: set[str]) -> tuple[np.ndarray, ...]:
     """Per option of one node: (compute, gradient bytes, bucketed gradient bytes, forward compute, internal
-    communication, memory, bytes kept under full / selective recompute), for one node (``build_problem``)."""
+    communication, memory, bytes kept under full / selective recompute, the internal communication's latency:
+    what each micro-batch pays), for one node (``build_problem``)."""
     mesh = cluster.mesh_shape
     device = cluster.device
     comp = np.zeros(len(opts_r))
@@ -1776,6 +1787,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
     bucket = np.zeros(len(opts_r))
     fwd = np.zeros(len(opts_r))
     icomm = np.zeros(len(opts_r))
+    ilat = np.zeros(len(opts_r))
     mem = np.zeros(len(opts_r))
     # no gathered copy is kept from forward to backward: a parameter sharded on a data axis is ZeRO-3 (gathered
     # again for backward); ZeRO-1/2 keep it replicated (the "sharded + gathered copy" layout is gone)
@@ -1792,6 +1804,8 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
             comp[a] = roofline_time(tflops / f, tbytes / f, device, rep.target, rep.kwargs, with_backward=g)
             fwd[a] = roofline_time(flops / f, nbytes / f, device, rep.target, rep.kwargs)
             icomm[a] = internal_comm_time(rep, o, cluster, with_backward=g)
+            if icomm[a] > 0:
+                ilat[a] = min(icomm[a], internal_comm_time(rep, o, cluster, with_backward=g, latency=True))
             if g:
                 mem[a] = saved_bytes(rep, o, info, mesh, saving_users)
                 if info.layer.get(rep.name):
@@ -1822,7 +1836,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
     elif info.kind[rep.name] in ("buffer", "constant"):
         for a, o in enumerate(opts_r):
             mem[a] = _local_bytes(val, o.output, mesh)
-    return comp, grad, bucket, fwd, icomm, mem, kfull, ksel
+    return comp, grad, bucket, fwd, icomm, mem, kfull, ksel, ilat
 
 
 def _whole_only(opts: list[OpOption], j: int, axis: int) -> bool:
@@ -1989,6 +2003,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             if isinstance(a, fx.Node):
                 out_nodes.add(_producer(a))
     scales = []
+    passes = opts.latency_passes or opts.micro_batches
+    node_latency, pass_extra = [], []
     for members in groups:
         rep = node_of[members[0]]
         k = opts.virtual_layers if opts.virtual_layers and len(members) > 1 else len(members)
@@ -2004,7 +2020,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         if hit is None:
             hit = cache[nkey] = (opts_r, *_node_prices(rep, opts_r, val, info, cluster, opts, dp_axes, saving_users,
                                                        last_of_layer))
-        _, comp, grad, bucket, fwd, icomm, mem, kfull, ksel = hit
+        _, comp, grad, bucket, fwd, icomm, mem, kfull, ksel, ilat = hit
         if info.kind[rep.name] == "param" and gather_share:  # the share forward does not hide, per gathered axes
             icomm = icomm.copy()  # the cached prices stay whole
             for a, o in enumerate(opts_r):
@@ -2012,14 +2028,23 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     axes = zero1_gather_entry(val, o.output, mesh)[0]
                     icomm[a] *= float(np.mean([gather_share.get((m, axes), 1.0) for m in members]))
         cost = comp + icomm
+        lat = ilat
         for name in members:
             for prod, idx in out_nodes:
                 if prod.name == name:
                     v = value_of(prod) if idx is None else value_of(prod)[idx]
                     rr = tuple(Replicate() for _ in mesh)
+                    lat = lat.copy()
                     for a, o in enumerate(opts_r):
-                        cost[a] += transition_time(v, output_spec(o, idx), rr, (False,) * len(mesh), False, cluster)
-        node_cost.append(cost * k)
+                        out_t = transition_time(v, output_spec(o, idx), rr, (False,) * len(mesh), False, cluster)
+                        cost[a] += out_t
+                        if out_t > 0:
+                            lat[a] += min(out_t, transition_time(_no_bytes(v), output_spec(o, idx), rr,
+                                                                 (False,) * len(mesh), False, cluster))
+        node_latency.append(lat * k)
+        # m micro-batches pay it m times (the record's node times keep the traced batch's: ``_record``)
+        pass_extra.append((passes - 1) * lat * k if passes > 1 else np.zeros(len(opts_r)))
+        node_cost.append(cost * k + pass_extra[-1])
         compute_cost.append(comp * k)
         node_memory.append(mem * k)
         fwd_compute.append(fwd * k)
@@ -2043,7 +2068,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     instances[(group_of[u.name], group_of[v.name], j, idx)].append(v.name)
     priced: set[tuple] = set()
     overlap = tp_overlap_on(opts, cluster)
-    passes = opts.latency_passes or opts.micro_batches
     for v in info.nodes:
         if info.kind[v.name] != "op":
             continue
@@ -2104,7 +2128,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 s0, g0, _, _ = edge_saved.get(key, (0.0, 0.0, False, False))
                 edge_saved[key] = (s0 + shard_b * scale, g0 + gathered_b * scale, outside_full, outside_sel)
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
-                   region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved)
+                   region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved, node_latency,
+                   pass_extra)
 
 
 def one_micro_batch(prob: Problem, m: int) -> Problem:
@@ -2900,6 +2925,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
+    if prob.pass_extra:  # the ILP's price of the micro-batches' latency; the record prices them from its own terms
+        prob = dataclasses.replace(prob, node_cost=[c - e for c, e in zip(prob.node_cost, prob.pass_extra)],
+                                   pass_extra=[])
     nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
@@ -2960,6 +2988,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                "memory_bytes": float(prob.node_memory[gid][a]) / k, "region": prob.region[gid]}
         if o.tag and info.kind[n.name] == "op":  # e.g. context parallelism's strategy, read by passes.context
             rec["tag"] = o.tag
+        if prob.node_latency and prob.node_latency[gid][a] > 0:  # paid by every micro-batch, whatever its size
+            rec["comm_latency_s"] = float(prob.node_latency[gid][a]) / k
         ep = ep_axes(n, o.inputs) if n.target is regions.OP else ()
         if ep:  # expert parallel: what the plan prints
             rec["ep_axes"], rec["experts"] = list(ep), regions.region(n.args[0]).num_experts
@@ -3181,12 +3211,15 @@ def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> t
     per op (``Device.op_latency``), the runtime's work per parameter (a parameter node's ``compute_s``:
     ``Device.param_latency``), the conversions of parameters (ZeRO-3's gathers, once per forward) and the latency
     of the other collectives (``latency_s``: tensor parallelism's all-reduces run once per micro-batch, each paying
-    its links' latency, whatever the micro-batch's bytes)."""
+    its links' latency, whatever the micro-batch's bytes), and of those inside ops' lowerings and on the graph's
+    outputs (a node's ``comm_latency_s``: vocab-parallel cross-entropy's all-reduces, expert parallelism's
+    all-to-alls)."""
     comp = sum(min(device.op_latency, r["time_s"]) for r in nodes.values()
                if r["op"] not in ("param", "buffer", "constant", "input"))
     comp += sum(r["compute_s"] for r in nodes.values() if r["op"] == "param")
     comm = sum(c["time_s"] if nodes.get(c["value"], {}).get("op") == "param" else c.get("latency_s", 0.0)
                for c in collectives)
+    comm += sum(r.get("comm_latency_s", 0.0) for r in nodes.values())  # inside lowerings (vocab-parallel loss)
     return comp, comm
 
 

@@ -34,7 +34,7 @@ def test_accumulation_priced_on_a_gpu_preset(gpu_gpt, zero):
     """Same shardings, m = 4: compute unchanged (no per-op latency on the preset), activations a quarter, the
     reduction hidden only by the last micro-batch's backward (so more of it exposed), ZeRO-1's gather only by the
     first forward; the step grows by exactly the communication no longer hidden and the latency of the
-    activations' collectives (the loss's all-reduce), which every micro-batch pays."""
+    activations' collectives and of the loss's all-reduce, which every micro-batch pays."""
     model, ids, t = gpu_gpt
     kw = dict(cluster="h100-80gb", traced=t, zero=zero)
     one = autopart.evaluate(model, 8, (ids,), {"labels": ids}, **kw)
@@ -48,6 +48,9 @@ def test_accumulation_priced_on_a_gpu_preset(gpu_gpt, zero):
     assert a["grad_reduction_exposed_s"] > 1.5 * exposed_1  # ... the last of 4 micro-batches much less
     assert acc.predicted["compute_s"] == pytest.approx(p1["compute_s"])
     lat = sum(c["latency_s"] for c in acc.collectives if acc.nodes[c["value"]]["op"] != "param")
+    inside = {n: r["comm_latency_s"] for n, r in acc.nodes.items() if "comm_latency_s" in r}
+    assert set(inside) == {n for n, r in acc.nodes.items() if "cross_entropy" in r["op"]}  # the loss's all-reduce
+    lat += sum(inside.values())
     assert 0 < lat < 1e-3  # a few collectives' latency on NVLink
     assert a["per_micro_batch_s"] == pytest.approx(lat)  # no per-op latency on the preset
     extra = 3 * lat + (a["grad_reduction_exposed_s"] - exposed_1) + (a["param_gather_exposed_s"] - p1["param_gather_s"])

@@ -278,3 +278,34 @@ def test_stage_shardings_priced_for_the_micro_batch_count(monkeypatch):
                for name, p in (("refined", refined), ("blind", blind))}
     assert gathers["blind"] > 0 == gathers["refined"]  # per micro-batch: 8 x in the step
     assert refined.pipeline["step_time_s"] == pytest.approx(refined.predicted["step_time_s"])
+
+
+def test_collectives_inside_a_lowering_pay_their_latency_per_micro_batch():
+    """A batch-sharded mean cross-entropy sums its count over the data-parallel ranks inside its lowering, and its
+    partial loss is all-reduced as the graph's output: two all-reduces each micro-batch runs whatever its size.
+    The node records their latency (``comm_latency_s``), the pipeline unit holding it pays that per micro-batch,
+    and gradient accumulation does too (``planner.per_micro_batch_s``)."""
+    import dataclasses
+
+    from autopart.cost.comm import collective_time
+    from autopart.planner import per_micro_batch_s
+
+    model = _model()
+    t = trace(model, (IDS,), {"labels": IDS})
+    cluster = autopart.preset("cpu", (2,))
+    p = autopart.plan(model, (2,), (IDS,), {"labels": IDS}, roles={"axis0": "dp"}, traced=t, pipeline="off",
+                      cluster=cluster)
+    inside = {n: r["comm_latency_s"] for n, r in p.nodes.items() if "comm_latency_s" in r}
+    assert list(inside) == ["cross_entropy_loss"] and p.nodes["cross_entropy_loss"]["output"] == "P"
+    # (the loss is a scalar: its conversion of "no bytes" still moves its 4)
+    assert inside["cross_entropy_loss"] == pytest.approx(2 * collective_time("all_reduce", 0.0, 2, cluster.link(0)),
+                                                         rel=1e-4)
+    units, unit_of = block_units(p, t, (2,), cluster)
+    plain_nodes = {n: {k: v for k, v in r.items() if k != "comm_latency_s"} for n, r in p.nodes.items()}
+    before, _ = block_units(dataclasses.replace(p, nodes=plain_nodes), t, (2,), cluster)
+    k = unit_of["cross_entropy_loss"]
+    assert units[k].fixed_s - before[k].fixed_s == pytest.approx(inside["cross_entropy_loss"])
+    assert before[k].time_s - units[k].time_s == pytest.approx(inside["cross_entropy_loss"])
+    comm = per_micro_batch_s(p.nodes, p.collectives, cluster.device)[1]
+    assert comm - per_micro_batch_s(plain_nodes, p.collectives, cluster.device)[1] == \
+        pytest.approx(inside["cross_entropy_loss"])
