@@ -1909,7 +1909,8 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                                                      regather=regathers[ai] and saved, scatter_grad=scatters[ai],
                                                      chained=regathers[ai], buckets=buckets if bucketed else None,
                                                      reduce_dtype=reduce_dtype)
-            t = parts[0] + parts[1] * (reduction_share.get(parts[2], 1.0) if reduction_share else 1.0)
+            red = parts[1] * (reduction_share.get(parts[2], 1.0) if reduction_share else 1.0)
+            t = parts[0] + red
             if fused is not None:
                 into, lin_fwd = fused
                 ok = (vkey, src_ids[ai], dst_id, split, "overlap", into)
@@ -1930,8 +1931,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                 shard_b[ai, bi], gathered_b[ai, bi] = hit[1] / share, hit[2] / share
             if passes > 1 and t < math.inf:
                 if bucketed:  # everything but the once-a-step reduction runs in every pass
-                    t += (passes - 1) * (t - parts[1] * (reduction_share.get(parts[2], 1.0) if reduction_share
-                                                         else 1.0))
+                    t += (passes - 1) * (t - red)
                 else:
                     lk = (lkey, src_ids[ai], dst_id, split)
                     lat = cache.get(lk)
