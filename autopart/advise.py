@@ -375,16 +375,13 @@ def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
     """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1's reduce-scatter), all of it, overlapped
     or not (``plan.predicted["hidden_comm_s"]`` says how much backward hides): the planner's buckets
     (``planner.gradient_reduction``); the bytes per set of reduced axes."""
-    from autopart.planner import gradient_reduction, reduce_scale
+    from autopart.planner import gradient_reduction, param_nodes, reduce_scale
 
     mesh = cluster.mesh_shape
-    node_of = {}
-    for name, fqn in traced.params.items():
-        node_of.setdefault(fqn, name)
-    nodes = {n.name: n for n in traced.graph.nodes}
+    node_of = param_nodes(traced)
     buckets: dict[tuple, float] = defaultdict(float)
     for fqn, axes in plan.reduced.items():
-        val = nodes[node_of[fqn]].meta["val"]
+        val = node_of[fqn].meta["val"]
         buckets[(tuple(axes), plan.zero.get(fqn) in (1, 2))] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh) \
             * reduce_scale(val.dtype, plan.options.get("reduce_dtype"))  # summed in PlanOptions.reduce_dtype
     nbytes = 0.0
@@ -401,18 +398,15 @@ def zero_gather_bytes(plan, traced, cluster: Cluster) -> float:
     """Bus bytes of ZeRO-1/2's all-gather of the updated parameters after the step (``runtime/zero1.py``), per GPU:
     each parameter's padded slices gathered over the axes it is replicated on, one axis after the other as
     ``planner.zero1_gather_entry`` lays them out (the stage plan's whole model under a pipeline)."""
-    from autopart.planner import zero1_gather_entry
+    from autopart.planner import param_nodes, zero1_gather_entry
 
     mesh = cluster.mesh_shape
-    node_of = {}
-    for name, fqn in traced.params.items():
-        node_of.setdefault(fqn, name)
-    nodes = {n.name: n for n in traced.graph.nodes}
+    node_of = param_nodes(traced)
     total = 0.0
     for fqn, level in plan.zero.items():
         if level not in (1, 2) or fqn not in node_of:
             continue
-        axes, _, nbytes = zero1_gather_entry(nodes[node_of[fqn]].meta["val"], parse_spec(plan.params[fqn]), mesh)
+        axes, _, nbytes = zero1_gather_entry(node_of[fqn].meta["val"], parse_spec(plan.params[fqn]), mesh)
         size = nbytes / math.prod(mesh[i] for i in axes)  # a rank's slice
         for i in axes:
             size *= mesh[i]

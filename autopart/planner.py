@@ -1162,10 +1162,10 @@ class Problem:
     # the recomputed region); ``edge_memory_rows`` turns them into the ILP's edge memory
     edge_saved: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, bool, bool]] = field(default_factory=dict)
     # per group: the latency of its communication (inside its lowering, of its graph outputs), which every
-    # micro-batch pays, and what ``node_cost`` holds beyond the traced batch's time for ``PlanOptions.latency_passes``
-    # micro-batches: (passes - 1) x that latency (``_record`` takes it off again)
+    # micro-batch pays; ``node_cost`` holds it ``passes - 1`` more times (``PlanOptions.latency_passes``), which
+    # ``_record`` takes off again
     node_latency: list[np.ndarray] = field(default_factory=list)
-    pass_extra: list[np.ndarray] = field(default_factory=list)
+    passes: int = 1
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -1499,17 +1499,23 @@ def grad_bucket_copy_time(nbytes: float, zero1: bool, ways: int, device: Device)
     return moved / device.mem_bandwidth
 
 
+def param_nodes(traced: Traced) -> dict[str, fx.Node]:
+    """Each parameter's placeholder by FQN (a parameter reached under two names: the first placeholder)."""
+    graph = {n.name: n for n in traced.graph.nodes}
+    out: dict[str, fx.Node] = {}
+    for ph, fqn in traced.params.items():
+        out.setdefault(fqn, graph[ph])
+    return out
+
+
 def reduction_totals(traced: Traced, nodes: dict, reduced: dict, mesh,
                      reduce_dtype: str | None = None) -> dict[tuple, float]:
     """Bytes of gradients the plan reduces over each set of mesh axes (``reduced``: FQN -> axes; each gradient its
     local size, from its node's ``output`` spec in ``nodes``, in the reduction's dtype), keyed by the sorted axes."""
-    node_of = {}
-    for ph, fqn in traced.params.items():
-        node_of.setdefault(fqn, ph)
-    graph = {n.name: n for n in traced.graph.nodes}
+    node_of = param_nodes(traced)
     out: dict[tuple, float] = defaultdict(float)
     for fqn, axes in reduced.items():
-        n = graph[node_of[fqn]]
+        n = node_of[fqn]
         out[tuple(sorted(axes))] += _local_bytes(value_of(n), parse_spec(nodes[n.name]["output"]), mesh) * \
             reduce_scale(value_of(n).dtype, reduce_dtype)
     return dict(out)
@@ -2004,7 +2010,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 out_nodes.add(_producer(a))
     scales = []
     passes = opts.latency_passes or opts.micro_batches
-    node_latency, pass_extra = [], []
+    node_latency = []
     for members in groups:
         rep = node_of[members[0]]
         k = opts.virtual_layers if opts.virtual_layers and len(members) > 1 else len(members)
@@ -2036,15 +2042,15 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                     rr = tuple(Replicate() for _ in mesh)
                     lat = lat.copy()
                     for a, o in enumerate(opts_r):
-                        out_t = transition_time(v, output_spec(o, idx), rr, (False,) * len(mesh), False, cluster)
+                        gather = functools.partial(transition_time, src=output_spec(o, idx), dst=rr,
+                                                   split=(False,) * len(mesh), needs_grad=False, cluster=cluster)
+                        out_t = gather(v)
                         cost[a] += out_t
                         if out_t > 0:
-                            lat[a] += min(out_t, transition_time(_no_bytes(v), output_spec(o, idx), rr,
-                                                                 (False,) * len(mesh), False, cluster))
+                            lat[a] += min(out_t, gather(_no_bytes(v)))
         node_latency.append(lat * k)
         # m micro-batches pay it m times (the record's node times keep the traced batch's: ``_record``)
-        pass_extra.append((passes - 1) * lat * k if passes > 1 else np.zeros(len(opts_r)))
-        node_cost.append(cost * k + pass_extra[-1])
+        node_cost.append(cost * k + (passes - 1) * node_latency[-1])
         compute_cost.append(comp * k)
         node_memory.append(mem * k)
         fwd_compute.append(fwd * k)
@@ -2129,7 +2135,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 edge_saved[key] = (s0 + shard_b * scale, g0 + gathered_b * scale, outside_full, outside_sel)
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
                    region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved, node_latency,
-                   pass_extra)
+                   passes)
 
 
 def one_micro_batch(prob: Problem, m: int) -> Problem:
@@ -2925,9 +2931,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
-    if prob.pass_extra:  # the ILP's price of the micro-batches' latency; the record prices them from its own terms
-        prob = dataclasses.replace(prob, node_cost=[c - e for c, e in zip(prob.node_cost, prob.pass_extra)],
-                                   pass_extra=[])
+    if prob.passes > 1:  # the ILP's price of the micro-batches' latency; the record prices them from its own terms
+        prob = dataclasses.replace(prob, node_cost=[c - (prob.passes - 1) * lat for c, lat in
+                                                    zip(prob.node_cost, prob.node_latency)], passes=1)
     nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
