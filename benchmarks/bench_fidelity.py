@@ -1,6 +1,7 @@
 """Fidelity of the cost model on this machine: predicted vs measured step time, calibrated cluster, 4 gloo ranks.
 
     PYTHONPATH=. python benchmarks/bench_fidelity.py [--steps 10] [--warmup 2] [--configs dp4,tp4,...] [--recalibrate]
+        [--shared]
 
 For each configuration of the reference GPT (``CFG`` below; batch ``BATCH`` x ``SEQ``) autopart plans with the
 calibrated cluster (``autopart.calibrate`` on the same 4 ranks, measured first unless cached; ``--recalibrate``
@@ -9,7 +10,11 @@ the plan, and times ``pm.forward_backward`` (forward, backward, gradient reducti
 built by ``pm.optimizer``: ZeRO-1/2's slices, as the plan runs it) between barriers on every rank, the slowest rank
 each; measured = the median over ``--steps`` steps after ``--warmup`` of their sum, what ``step_time_s`` predicts.
 The optimizer step is reported apart too, predicted (``optimizer_step_s``) and measured.
-Configurations run in two interleaved rounds so that drift on the machine hits them alike.
+Each configuration runs in a world of 4 fresh ranks of its own, as a training run has its plan (the calibration in
+another, first); two rounds of all the configurations in turn, ``--steps`` / 2 timed steps each, so that drift on
+the machine hits them alike. ``--shared`` sets every configuration up in one world first and times them there (the
+method before 2026-12-06): each rank then also holds the others' models, traced graphs and process groups, which
+slows some steps (dp4 265 -> 329 ms with six others alive) and speeds others (dp4-zero3).
 
 Prints a markdown table, the Spearman rank correlation of predicted and measured times and the median absolute
 relative error |predicted - measured| / measured, with the load average before and after.
@@ -98,47 +103,11 @@ def _time(fn, n: int) -> list[float]:
     return out
 
 
-def run(names: list[str], steps: int, warmup: int, recalibrate: bool) -> dict:
-    import autopart
-
+def _calibrate_all(shapes: list[tuple[int, ...]], recalibrate: bool) -> dict:
+    """The calibrated cluster of each mesh shape (measured, or from the cache), in a world of its own."""
     clusters, cal_s = {}, {}
-    for shape in sorted({CONFIGS[n][0] for n in names}):
+    for shape in shapes:
         clusters[shape], cal_s[shape] = _calibrated(shape, recalibrate)
-    ids = _ids()
-    setups, rows = {}, {}
-    for name in names:
-        shape, axes, kw = CONFIGS[name]
-        t0 = time.perf_counter()
-        mesh = autopart.mesh(shape, axes)
-        pm = autopart.parallelize(_model(), mesh, (ids,), {"labels": ids}, cluster=clusters[shape], **kw)
-        opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)  # ZeRO-1/2: over this rank's slices
-
-        def fb(pm=pm, opt=opt):
-            pm.forward_backward(ids, labels=ids)
-
-        def opt_step(pm=pm, opt=opt):
-            opt.step()
-            opt.zero_grad()
-
-        setups[name] = (fb, opt_step)
-        plan = pm.plan
-        pipe = plan.pipeline or {}
-        rows[name] = {"predicted_s": plan.predicted["step_time_s"], "compute_s": plan.predicted.get("compute_s"),
-                      "comm_s": plan.predicted.get("comm_s"), "opt_s": plan.predicted.get("optimizer_step_s", 0.0),
-                      "setup_s": time.perf_counter() - t0,
-                      "zero": sorted(set(plan.zero.values())), "checkpoint": sorted(set(plan.checkpoint.values())),
-                      "pipeline": (f"pp={pipe.get('degree')} m={pipe.get('micro_batches')} {pipe.get('schedule')}"
-                                   if pipe else ""), "mesh": plan.mesh_shape, "fb": [], "opt": []}
-        for _ in range(warmup):
-            fb()
-            opt_step()
-    half = max(1, steps // 2)
-    for _ in range(2):
-        for name in names:
-            fb, opt_step = setups[name]
-            for _ in range(half):
-                rows[name]["fb"] += _time(fb, 1)
-                rows[name]["opt"] += _time(opt_step, 1)
     alone = {}
     if dist.get_rank() == 0:
         import json
@@ -151,8 +120,100 @@ def run(names: list[str], steps: int, warmup: int, recalibrate: bool) -> dict:
                     alone[str(shape)] = json.load(f)["measurements"]["device"].get("gemm_alone_flops", 0.0)
             except (OSError, KeyError, ValueError):
                 pass
-    return {"rows": rows, "clusters": {str(k): v.to_json() for k, v in clusters.items()},
+    return {"clusters": {str(k): v.to_json() for k, v in clusters.items()},
             "calibration_s": {str(k): v for k, v in cal_s.items()}, "alone": alone}
+
+
+def _setup(name: str, cluster, ids) -> tuple:
+    """Plan and build one configuration: its step's two halves (forward-backward, optimizer) and its row."""
+    import autopart
+
+    shape, axes, kw = CONFIGS[name]
+    t0 = time.perf_counter()
+    pm = autopart.parallelize(_model(), autopart.mesh(shape, axes), (ids,), {"labels": ids}, cluster=cluster, **kw)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)  # ZeRO-1/2: over this rank's slices
+
+    def fb():
+        pm.forward_backward(ids, labels=ids)
+
+    def opt_step():
+        opt.step()
+        opt.zero_grad()
+
+    plan = pm.plan
+    pipe = plan.pipeline or {}
+    row = {"predicted_s": plan.predicted["step_time_s"], "compute_s": plan.predicted.get("compute_s"),
+           "comm_s": plan.predicted.get("comm_s"), "opt_s": plan.predicted.get("optimizer_step_s", 0.0),
+           "setup_s": time.perf_counter() - t0,
+           "zero": sorted(set(plan.zero.values())), "checkpoint": sorted(set(plan.checkpoint.values())),
+           "pipeline": (f"pp={pipe.get('degree')} m={pipe.get('micro_batches')} {pipe.get('schedule')}"
+                        if pipe else ""), "mesh": plan.mesh_shape, "fb": [], "opt": []}
+    return fb, opt_step, row
+
+
+def run_one(name: str, cluster_json: dict, steps: int, warmup: int) -> dict:
+    """One configuration in a world of its own, as a training run has it: planned, warmed up, ``steps`` timed."""
+    from autopart.cost import Cluster
+
+    fb, opt_step, row = _setup(name, Cluster.from_json(cluster_json), _ids())
+    for _ in range(warmup):
+        fb()
+        opt_step()
+    for _ in range(steps):
+        row["fb"] += _time(fb, 1)
+        row["opt"] += _time(opt_step, 1)
+    return row
+
+
+def run_shared(names: list[str], clusters_json: dict, steps: int, warmup: int) -> dict:
+    """``--shared``: every configuration set up in one world first, then timed in turn (two rounds). Each rank then
+    holds every configuration's model, optimizer, traced graph and process groups (their gloo threads wake
+    ~100 times a second each, idle): measured on dp4, 265 -> 329 ms a forward-backward and 25% more CPU with six
+    others alive (``--shared`` is kept for that comparison)."""
+    from autopart.cost import Cluster
+
+    ids = _ids()
+    setups, rows = {}, {}
+    for name in names:
+        fb, opt_step, rows[name] = _setup(name, Cluster.from_json(clusters_json[str(CONFIGS[name][0])]), ids)
+        setups[name] = (fb, opt_step)
+        for _ in range(warmup):
+            fb()
+            opt_step()
+    half = max(1, steps // 2)
+    for _ in range(2):
+        for name in names:
+            fb, opt_step = setups[name]
+            for _ in range(half):
+                rows[name]["fb"] += _time(fb, 1)
+                rows[name]["opt"] += _time(opt_step, 1)
+    return rows
+
+
+def run(names: list[str], steps: int, warmup: int, recalibrate: bool, shared: bool = False) -> dict:
+    """Calibrate (one world), then time every configuration: each in a world of its own (two rounds of the
+    configurations in turn, ``steps // 2`` timed steps each, so that drift on the machine hits them alike), or, with
+    ``shared``, all in one world."""
+    from harness import run_ranks
+
+    cal = run_ranks(WORLD, _calibrate_all, sorted({CONFIGS[n][0] for n in names}), recalibrate)[0]
+    if shared:
+        rows = run_ranks(WORLD, run_shared, names, cal["clusters"], steps, warmup)[0]
+    else:
+        half = max(1, steps // 2)
+        rows = {}
+        for _ in range(2):
+            for name in names:
+                row = run_ranks(WORLD, run_one, name, cal["clusters"][str(CONFIGS[name][0])], half, warmup)[0]
+                if name not in rows:
+                    rows[name] = row
+                    continue
+                if abs(row["predicted_s"] - rows[name]["predicted_s"]) > 1e-9 * rows[name]["predicted_s"]:
+                    raise RuntimeError(f"{name}: planned differently in two worlds ({rows[name]['predicted_s']} "
+                                       f"vs {row['predicted_s']} s predicted)")
+                rows[name]["fb"] += row["fb"]
+                rows[name]["opt"] += row["opt"]
+    return {"rows": rows, **cal}
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -179,8 +240,6 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def main() -> None:
-    from harness import run_ranks
-
     from autopart.calibrate import describe
     from autopart.cost import Cluster
 
@@ -189,6 +248,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--recalibrate", action="store_true")
+    ap.add_argument("--shared", action="store_true",
+                    help="set every configuration up in one world of ranks first (the method before 2026-12-06)")
     a = ap.parse_args()
     names = a.configs.split(",")
     bad = [n for n in names if n not in CONFIGS]
@@ -196,7 +257,7 @@ def main() -> None:
         raise SystemExit(f"unknown configurations {bad}; known: {list(CONFIGS)}")
     load0 = os.getloadavg()
     t0 = time.time()
-    res = run_ranks(WORLD, run, names, a.steps, a.warmup, a.recalibrate)[0]
+    res = run(names, a.steps, a.warmup, a.recalibrate, a.shared)
     load1 = os.getloadavg()
     for shape, c in res["clusters"].items():
         took = res["calibration_s"][shape]
