@@ -50,9 +50,10 @@ from autopart.cost.cluster import CALIBRATED, Cluster, Device, GiB, Link, MiB
 from autopart.cost.comm import COLLECTIVES
 from autopart.cost.compute import backward_flops, node_flops
 
-VERSION = 6  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links;
+VERSION = 7  # 2: the runtime's overhead per op and per parameter, core sharing; 3: tanh gelu's rate; 4: chained links;
 # 5: the optimizer step's rate; 6: send/recv in every pair of ranks at once, the matmul rate of linear layers'
-# forward and backward on cold operands
+# forward and backward on cold operands; 7: the device and the runtime measured with one training process's groups
+# (the links' own destroyed, the three models' shared)
 # message sizes in bytes: latency-bound to bandwidth-bound on loopback TCP and NVLink alike
 SIZES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * MiB, 8 * MiB)
 QUICK_SIZES = (4 * 2**10, 256 * 2**10, 2 * MiB)
@@ -344,7 +345,15 @@ def _measure_links(mesh_shape: tuple[int, ...], sizes: Sequence[int], blocks: in
                 back_to_back.append(t0 / 2 if kind == "send_recv" else t0)
             raw[f"{axis}/{kind}"] = times
             lockstep[f"{axis}/{kind}"] = back_to_back
-    return _slowest(raw, len(sizes)), _slowest(lockstep, len(sizes))
+    out = _slowest(raw, len(sizes)), _slowest(lockstep, len(sizes))
+    # gone before the rest is measured: each gloo group keeps a thread that wakes ~100 times a second, idle, and
+    # where ranks share a host's cores those wake-ups keep its cores from sleeping. A step's process has its own
+    # groups only, and its blocking collectives pay the wake-up of a sleeping core (4 ranks on 2 cores: ZeRO-3 on
+    # 4 ranks, ~200 collectives a step, 1.40-1.46 s with its one group, 1.12-1.17 s with 8 idle groups beside)
+    for found in groups:
+        if found is not None and found[0] is not None:
+            dist.destroy_process_group(found[0])
+    return out
 
 
 def _slowest(raw: dict[str, list[float]], n_sizes: int) -> dict[str, list[float]]:
@@ -477,11 +486,14 @@ def _runtime_overhead(cluster: Cluster, device: str, blocks: int, seconds: float
     names = tuple(f"dp{i}" for i in range(len(shape)))
     world = math.prod(shape)
     rows, steps, opt_params = [], [], []
+    # one mesh for the three models, whose runtimes share its gradient groups (``runtime.grads``): the process
+    # groups, and their threads, of one training process
+    mesh = autopart.mesh(shape, names)
     for bias, zero in ((True, 0), (False, 0)) + (((True, 3),) if world > 1 else ()):  # ZeRO-3: 2+ ranks
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=16, max_seq_len=8, n_layer=layers, n_head=2, d_model=8, bias=bias)).to(device)
         ids = torch.randint(0, 16, (world, 8), device=device)
-        pm = autopart.parallelize(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, cluster=cluster,
+        pm = autopart.parallelize(model, mesh, (ids,), {"labels": ids}, cluster=cluster,
                                   roles={n: "dp" for n in names}, zero=zero, pipeline="off")
         params = list(pm.parameters())
 

@@ -111,6 +111,25 @@ def stage_axes_groups(layout: torch.Tensor, axes_sets) -> dict[tuple[int, ...], 
     return _groups_over(list(layout), axes_sets)
 
 
+# the gradient groups made so far in this process, by their ranks in order, for the default group they were made
+# under: every module parallelized in a process shares them (a gloo group keeps threads, and those of the groups
+# one module no longer uses wake idle ~100 times a second). Every rank makes every group in the same order, so every
+# rank finds the same ones here.
+_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUPS_WORLD: list = [None]
+
+
+def _group(ranks: list[int]):
+    world = dist.group.WORLD
+    if _GROUPS_WORLD[0] is not world:  # a new default group: the old one's subgroups are gone with it
+        _GROUPS.clear()
+        _GROUPS_WORLD[0] = world
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks)
+    return _GROUPS[key]
+
+
 def _groups_over(meshes: list[torch.Tensor], axes_sets) -> dict[tuple[int, ...], object]:
     me = dist.get_rank()
     out = {}
@@ -119,7 +138,7 @@ def _groups_over(meshes: list[torch.Tensor], axes_sets) -> dict[tuple[int, ...],
             rest = [i for i in range(mesh.dim()) if i not in axes]
             cells = mesh.permute(*rest, *axes).reshape(-1, math.prod(mesh.shape[i] for i in axes))
             for row in cells.tolist():
-                g = dist.new_group(row)
+                g = _group(row)
                 if me in row:
                     if dist.get_group_rank(g, me) != row.index(me):  # torch orders a group's ranks by global rank
                         raise RuntimeError(f"gradient group {row} does not rank its members in mesh order; the "

@@ -72,3 +72,36 @@ def test_after_backward_reduction_over_two_axes(zero):
     check("gpt", [r[:5] for r in results], reference("gpt"))
     assert (0, 1) in results[0][3], results[0][3]  # some gradient summed over both axes
     assert bool(results[0][5]) == bool(zero), results[0][5]
+
+
+def _two_modules_run():
+    import autopart
+
+    out, own = [], []
+    for _ in range(2):  # two modules in one process, each on a mesh of its own
+        model = make_model("gpt")
+        ids0 = batches()[0]
+        pm = autopart.parallelize(model, autopart.mesh((2, 2), ("a", "b")), (ids0,), {"labels": ids0},
+                                  roles={"a": "dp"}, pipeline="off", pins=_pins(model, ids0))
+        own.append(dict(pm._grads._own))
+        out.append((pm, pm.optimizer(torch.optim.AdamW, **OPT), model))  # the model: the forward-only call traces
+    # their steps in turn: the second module's reductions on the groups the first one's use too
+    runs = [([], None), ([], None)]
+    for ids in batches():
+        for (pm, opt, _), (losses, _) in zip(out, runs):
+            losses.append(pm.forward_backward(ids, labels=ids).item())
+            opt.step()
+            opt.zero_grad()
+    shared = sorted(k for k in own[0] if own[1].get(k) is own[0][k])
+    return [(losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, str(pm.plan), None,
+             pm(batches()[0]).detach()) for (pm, _, _), (losses, _) in zip(out, runs)], sorted(own[0]), shared
+
+
+def test_modules_in_one_process_share_their_gradient_groups():
+    """A second module parallelized in the same process makes no gradient groups of its own (each gloo group
+    keeps threads that wake while idle): it reduces on the first one's, both stepping in turn, each in parity."""
+    results = run_ranks(4, _two_modules_run)
+    for which in range(2):
+        check("gpt", [r[0][which] for r in results], reference("gpt"))
+    for _, axes, shared in results:
+        assert axes and shared == axes, (axes, shared)
