@@ -176,6 +176,7 @@ def load_calibration(mesh_shape: Sequence[int] | None = None, *, backend: str | 
                         docs.append(json.load(f))
                 except (OSError, ValueError):
                     continue
+    older = sorted({d.get("version", 0) for d in docs if d.get("version") != VERSION})
     docs = [d for d in docs if d.get("version") == VERSION]
     docs.sort(key=lambda d: d.get("created", ""), reverse=True)
     if mesh_shape is None:
@@ -201,7 +202,11 @@ def load_calibration(mesh_shape: Sequence[int] | None = None, *, backend: str | 
     where = f"mesh {tuple(mesh_shape)}" if mesh_shape is not None else "any mesh"
     nproc = math.prod(mesh_shape) if mesh_shape is not None else 4
     mesh_arg = f" --mesh {'x'.join(str(x) for x in mesh_shape)}" if mesh_shape is not None else ""
-    raise ValueError(f"no calibration of this machine ({backend}, {where}) in {directory}: run "
+    # caches an earlier autopart measured differently (``VERSION``) are not used: say so, or the user who ran
+    # ``autopart calibrate`` last week reads that there is none
+    stale = (f" (it holds calibrations of an earlier format, version {', '.join(map(str, older))}, which this "
+             f"autopart measures differently (version {VERSION}) and does not use)") if older else ""
+    raise ValueError(f"no calibration of this machine ({backend}, {where}) in {directory}{stale}: run "
                      f"`autopart calibrate --nproc {nproc}{mesh_arg}` (or autopart.calibrate() under torchrun), "
                      f"or plan with a preset cluster")
 

@@ -118,6 +118,21 @@ def test_cache_round_trip_keyed_by_fingerprint(tmp_path, monkeypatch):
     assert cache_path(other) != cache_path(fp)
 
 
+def test_a_calibration_of_an_earlier_version_is_named_not_used(tmp_path):
+    """A cache an earlier autopart wrote (another ``VERSION``) is not used, and the error says it is there."""
+    import importlib
+
+    cal = importlib.import_module("autopart.calibrate")  # the module: ``autopart.calibrate`` is the function
+    path = save_calibration(_fake_calibration((2, 2)), fingerprint("gloo", 4, (2, 2)), {}, str(tmp_path))
+    with open(path) as f:
+        doc = json.load(f)
+    doc["version"] = cal.VERSION - 1
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(ValueError, match=rf"earlier format, version {cal.VERSION - 1}.*--nproc 4 --mesh 2x2"):
+        load_calibration((2, 2), backend="gloo", directory=str(tmp_path))
+
+
 def test_same_hardware_other_mesh_by_group_size(tmp_path):
     c = _fake_calibration((2, 2))
     save_calibration(c, fingerprint("gloo", 4, (2, 2)), {}, str(tmp_path))
