@@ -151,17 +151,24 @@ def _setup(name: str, cluster, ids) -> tuple:
     return fb, opt_step, row
 
 
+def _steps(fb, opt_step, n: int, row: dict | None = None) -> None:
+    """``n`` steps (forward-backward, then the optimizer's); with ``row``, each half timed into its lists."""
+    for _ in range(n):
+        if row is None:
+            fb()
+            opt_step()
+        else:
+            row["fb"] += _time(fb, 1)
+            row["opt"] += _time(opt_step, 1)
+
+
 def run_one(name: str, cluster_json: dict, steps: int, warmup: int) -> dict:
     """One configuration in a world of its own, as a training run has it: planned, warmed up, ``steps`` timed."""
     from autopart.cost import Cluster
 
     fb, opt_step, row = _setup(name, Cluster.from_json(cluster_json), _ids())
-    for _ in range(warmup):
-        fb()
-        opt_step()
-    for _ in range(steps):
-        row["fb"] += _time(fb, 1)
-        row["opt"] += _time(opt_step, 1)
+    _steps(fb, opt_step, warmup)
+    _steps(fb, opt_step, steps, row)
     return row
 
 
@@ -177,16 +184,10 @@ def run_shared(names: list[str], clusters_json: dict, steps: int, warmup: int) -
     for name in names:
         fb, opt_step, rows[name] = _setup(name, Cluster.from_json(clusters_json[str(CONFIGS[name][0])]), ids)
         setups[name] = (fb, opt_step)
-        for _ in range(warmup):
-            fb()
-            opt_step()
-    half = max(1, steps // 2)
+        _steps(fb, opt_step, warmup)
     for _ in range(2):
         for name in names:
-            fb, opt_step = setups[name]
-            for _ in range(half):
-                rows[name]["fb"] += _time(fb, 1)
-                rows[name]["opt"] += _time(opt_step, 1)
+            _steps(*setups[name], max(1, steps // 2), rows[name])
     return rows
 
 

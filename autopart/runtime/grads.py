@@ -115,19 +115,18 @@ def stage_axes_groups(layout: torch.Tensor, axes_sets) -> dict[tuple[int, ...], 
 # under: every module parallelized in a process shares them (a gloo group keeps threads, and those of the groups
 # one module no longer uses wake idle ~100 times a second). Every rank makes every group in the same order, so every
 # rank finds the same ones here.
-_GROUPS: dict[tuple[int, ...], object] = {}
-_GROUPS_WORLD: list = [None]
+_GROUPS: tuple[object, dict[tuple[int, ...], object]] = (None, {})
 
 
 def _group(ranks: list[int]):
-    world = dist.group.WORLD
-    if _GROUPS_WORLD[0] is not world:  # a new default group: the old one's subgroups are gone with it
-        _GROUPS.clear()
-        _GROUPS_WORLD[0] = world
+    global _GROUPS
+    if _GROUPS[0] is not dist.group.WORLD:  # a new default group: the old one's subgroups are gone with it
+        _GROUPS = (dist.group.WORLD, {})
+    groups = _GROUPS[1]
     key = tuple(ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(ranks)
-    return _GROUPS[key]
+    if key not in groups:
+        groups[key] = dist.new_group(ranks)
+    return groups[key]
 
 
 def _groups_over(meshes: list[torch.Tensor], axes_sets) -> dict[tuple[int, ...], object]:

@@ -86,15 +86,15 @@ def _two_modules_run():
         own.append(dict(pm._grads._own))
         out.append((pm, pm.optimizer(torch.optim.AdamW, **OPT), model))  # the model: the forward-only call traces
     # their steps in turn: the second module's reductions on the groups the first one's use too
-    runs = [([], None), ([], None)]
+    losses = [[], []]
     for ids in batches():
-        for (pm, opt, _), (losses, _) in zip(out, runs):
-            losses.append(pm.forward_backward(ids, labels=ids).item())
+        for (pm, opt, _), mine in zip(out, losses):
+            mine.append(pm.forward_backward(ids, labels=ids).item())
             opt.step()
             opt.zero_grad()
     shared = sorted(k for k in own[0] if own[1].get(k) is own[0][k])
-    return [(losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, str(pm.plan), None,
-             pm(batches()[0]).detach()) for (pm, _, _), (losses, _) in zip(out, runs)], sorted(own[0]), shared
+    return [(mine, {k: v.clone() for k, v in pm.full_state_dict().items()}, str(pm.plan), None,
+             pm(batches()[0]).detach()) for (pm, _, _), mine in zip(out, losses)], sorted(own[0]), shared
 
 
 def test_modules_in_one_process_share_their_gradient_groups():
