@@ -553,7 +553,9 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                     passes=best.pipe.options.micro_batches)
         if again is not None and again.step_s < best.step_s * (1 - 1e-9):
             best = again
-    if best is not None and reduced is not None:
+    if best is not None and reduced is not None and opts.rank_only:
+        best.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), not re-solved on the whole graph"
+    elif best is not None and reduced is not None:
         # ranked on the 2-block graph (the same ILP, tied blocks priced L times: identical per-block costs);
         # the winner is solved again on the whole graph, whose nodes the plan records
         stage_cluster, stage_mesh, axis, p, recipe, sub_limit, passes = best.key

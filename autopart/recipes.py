@@ -79,8 +79,11 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
     objective and memory rows are the whole graph's); such a row's step is that objective (``"scored_on"``) and
     carries the options to solve it again on the whole graph (``"options"``), which ``make_plan`` does when the
     recipe might beat the search, and the 2-block plan that warm-starts that solve and the search
-    (``"warm_plan"``). DDP and ZeRO-1 keep parameters and gradients whole on every device: when those alone exceed
-    the memory budget (``whole_states_bytes``) the recipe is reported as not fitting without a solve."""
+    (``"warm_plan"``). A pipelined recipe ranks its candidates on the reduction as the search does and is scored
+    by the winner as ranked (``PlanOptions.rank_only``: the pipeline model over the expanded blocks), carrying its
+    options the same way: its stage plan is solved on the whole graph only where it might win. DDP and ZeRO-1
+    keep parameters and gradients whole on every device: when those alone exceed the memory budget
+    (``whole_states_bytes``) the recipe is reported as not fitting without a solve."""
     from autopart.plan import _fmt_bytes
 
     rows = []
@@ -110,12 +113,18 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
                 row["options"] = o
                 row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
                 row["warm_plan"] = p
+            elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
+                p = plan_fn(traced, cluster, axis_names, dataclasses.replace(o, rank_only=True))
+                if p.pipeline and "not re-solved" in p.pipeline.get("candidates_ranked_on", ""):
+                    row["options"] = o
+                    row["scored_on"] = f"2 of {reduced[1]} blocks (pipeline ranking)"
+                    row["warm_plan"] = None
             else:
                 p = plan_fn(traced, cluster, axis_names, o)
         except ValueError as e:
             row.update(fits=False, why=str(e).splitlines()[0][:300])
         else:
-            step = p.solver["objective"] if "scored_on" in row else p.predicted["step_time_s"]
+            step = p.solver["objective"] if "scored_on" in row and not p.pipeline else p.predicted["step_time_s"]
             row.update(fits=True, step_time_s=step,
                        memory_bytes=p.predicted["memory_bytes"]["total"], checkpoint=sorted(set(p.checkpoint.values())),
                        pipeline=(f"pp={p.pipeline['degree']} m={p.pipeline['micro_batches']} {p.pipeline['schedule']}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -420,3 +421,57 @@ def test_a_variant_not_solved_in_time_leaves_the_others(monkeypatch):
     assert "within 30 s" in plan.solver["unsolved_variants"]["none"]
     assert plan.predicted["memory_bytes"]["total"] <= budget * (1 + 1e-6)
     assert plan.predicted["step_time_s"] == pytest.approx(reference.predicted["step_time_s"], rel=1e-9)
+
+
+def test_a_plan_that_loses_by_more_than_the_margin_is_pruned_after_its_first_solve(traced_3layer):
+    """A problem given a cutoff (the plan without stages, against the pipeline's step) whose fastest plan, memory
+    aside, loses by more than ``CUTOFF_MARGIN`` is pruned with that optimum as its bound: none of its
+    memory-bounded solves, record or variant without ZeRO-1/2. Within the margin it is solved and recorded, to be
+    compared by its record."""
+    import math
+
+    import autopart.planner as planner
+    from autopart.solver.ilp import forest_bound
+
+    _, t = traced_3layer
+    cluster = autopart.preset("cpu", (2, 2))
+    opts = planner.PlanOptions(memory_limit=math.inf, pipeline="off")
+    full = planner._sharding_plan(t, cluster, ("a", "b"), opts)
+    best = full.solver["objective"]
+    prob = planner.build_problem(t, cluster, ("a", "b"), opts)
+    assert forest_bound(prob.node_cost, [(u, v, m) for (u, v), m in prob.edges.items()]) < best / 1.2
+    with pytest.raises(planner.Pruned) as e:  # not by the bound of the problem before solving: by the optimum
+        planner._sharding_plan(t, cluster, ("a", "b"), dataclasses.replace(opts, objective_cutoff=best / 1.2))
+    assert e.value.args[0] == pytest.approx(best, rel=1e-9)
+    close = planner._sharding_plan(t, cluster, ("a", "b"), dataclasses.replace(
+        opts, objective_cutoff=best / (planner.CUTOFF_MARGIN * 0.99)))
+    assert close.predicted["step_time_s"] == pytest.approx(full.predicted["step_time_s"], rel=1e-9)
+
+
+def test_a_pipelined_recipe_is_scored_by_its_ranking_and_solved_whole_where_it_might_win(traced_3layer):
+    """``megatron-1f1b`` ranks its candidates on the 2-block graph as the search does and is scored by the winner as
+    ranked, which is the step and (within 1%) the memory of the same recipe solved on the whole graph; ``make_plan``
+    solves it whole where it comes within 5% of the plan."""
+    import autopart.planner as planner
+    from autopart import recipes
+    from autopart.pipelining import reduce_blocks
+
+    model, t = traced_3layer
+    cluster = autopart.preset("cpu", (4, 2))  # where the recipe's best is a pipeline (on (2, 2), one stage)
+    [row] = recipes.score(t, cluster, ("a", "b"), planner.PlanOptions(), planner._make_plan, reduce_blocks(t),
+                          pipelined=True)
+    assert row["recipe"] == "megatron-1f1b" and row["scored_on"] == "2 of 3 blocks (pipeline ranking)"
+    assert row["pipeline"].startswith("pp=2")
+    whole = planner._make_plan(t, cluster, ("a", "b"), row["options"])
+    assert whole.pipeline["candidates_ranked_on"].endswith("winner re-solved on the whole graph")
+    assert row["step_time_s"] == pytest.approx(whole.predicted["step_time_s"], rel=1e-9)
+    assert row["memory_bytes"] == pytest.approx(whole.predicted["memory_bytes"]["total"], rel=0.01)
+    for mesh in ((4, 2), (2, 2)):
+        p = autopart.plan(model, autopart.mesh(mesh, ("a", "b")), (IDS,), {"labels": IDS}, traced=t)
+        step = p.predicted["step_time_s"]
+        rows = [r for r in p.solver["recipes"] if r["fits"]]
+        assert (rows[-1].get("scored_on") == "2 of 3 blocks (pipeline ranking)") == (mesh == (4, 2)), rows[-1]
+        for r in rows:  # a row scored on the 2-block graph could not have won; one that might was solved whole
+            if "scored_on" in r:
+                assert r["step_time_s"] >= step * 1.05, r
+            assert r["step_time_s"] >= step * (1 - 1e-9), r

@@ -452,3 +452,32 @@ def test_a_row_minimum_that_fits_seeds_the_mip_where_no_hint_does(monkeypatch):
     assert sol.objective == pytest.approx(brute_force(p)[0]) == pytest.approx(1.0)
     assert len(seen) == 1 and seen[0] is not None and seen[0].sum() > 0
     assert sol.hint == "none"  # the caller gave none
+
+
+def test_forest_bound_is_a_lower_bound_exact_on_trees_and_above_the_floor():
+    """``forest_bound`` (the planner's pruning bound): never above the optimum, on graphs with cycles, parallel edges
+    both ways, edges from a group to itself and forbidden pairs; exact on trees; never below every node's and every
+    edge's cheapest entry taken apart (the bound it replaced)."""
+    from autopart.solver.ilp import forest_bound
+
+    rng = np.random.default_rng(11)
+    above_floor = 0
+    for trial in range(60):
+        p = random_problem(rng, tree=trial % 3 == 0)
+        edges = list(p.edges)
+        if trial % 3 == 1:  # a tied group's self-edge: both ends take one option (its diagonal)
+            u = int(rng.integers(len(p.node_cost)))
+            k = len(p.node_cost[u])
+            edges.append((u, u, rng.random((k, k))))
+            p = Problem(p.names, p.node_cost, p.node_memory, edges)
+        best = brute_force(p)
+        bound = forest_bound(p.node_cost, edges)
+        floor = sum(float(np.min(c)) for c in p.node_cost) + sum(float(np.min(m)) for _, _, m in edges)
+        assert bound >= floor - 1e-12
+        if best is None:
+            continue
+        assert bound <= best[0] + 1e-9, (trial, bound, best)
+        if trial % 3 == 0:  # a tree: the forest is the graph, solved exactly
+            assert bound == pytest.approx(best[0], rel=1e-12, abs=1e-12)
+        above_floor += bound > floor + 1e-9
+    assert above_floor >= 20  # the bound is not the floor in disguise
