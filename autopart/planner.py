@@ -200,13 +200,6 @@ class Pruned(Exception):
     """No plan of the problem can beat ``PlanOptions.objective_cutoff``: its lower bound is ``args[0]``."""
 
 
-# a problem that is not a pipeline stage's is pruned once its optimum (memory aside) exceeds the cutoff by this factor:
-# its plan's record prices ZeRO-1/2's buckets and the gradient reduction's overlap apart from the ILP, a few percent
-# either way (``_sharding_plan``'s variant without ZeRO-1/2 exists for that), so a plan within this of the cutoff is
-# solved and recorded to be compared by its record
-CUTOFF_MARGIN = 1.1
-
-
 def value_of(node: fx.Node) -> Any:
     return node.meta.get("val")
 
@@ -2697,11 +2690,17 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         prob = one_micro_batch(prob, opts.micro_batches)
     timings["strategies_and_costs_s"] = time.perf_counter() - t0
     if opts.objective_cutoff is not None:
-        # no plan of this problem is cheaper than a spanning forest of it solved exactly, each other edge at its
-        # cheapest (``forest_bound``; the pipeline search skips stage meshes whose bound already loses to a candidate
-        # it has, and the plan without stages is skipped where it loses to the pipeline). Every variant solved
-        # below only adds to these costs (recompute, offload, the optimizer step)
-        floor = forest_bound(prob.node_cost, [(u, v, m) for (u, v), m in prob.edges.items()])
+        # no plan of this problem is cheaper than every node's and every edge's cheapest option, chosen apart; for a
+        # pipeline stage's problem, than a spanning forest of it solved exactly, each other edge at its cheapest
+        # (``forest_bound``): the pipeline search skips stage meshes whose bound already loses to a candidate it
+        # has. Every variant solved below only adds to these costs (recompute, offload, the optimizer step). Not the
+        # forest for the plan without stages: solved on the 2-block graph, its gradient reduction and ZeRO-1/2
+        # gather are exposed behind 2 blocks of compute where the whole model hides them behind all of its blocks
+        # (``grad_reduction_shares``), so its objective can exceed the whole graph's by 1.4x and more (Megatron's
+        # 16B on 192 H100s: 0.948 s on 2 blocks, 0.698 s on the whole graph): it bounds that plan only loosely
+        edge_list = [(u, v, m) for (u, v), m in prob.edges.items()]
+        floor = forest_bound(prob.node_cost, edge_list) if opts.stage else \
+            sum(float(np.min(c)) for c in prob.node_cost) + sum(float(np.min(m)) for _, _, m in edge_list)
         if floor >= opts.objective_cutoff:
             raise Pruned(floor)
     info, groups = prob.info, prob.groups
@@ -2841,12 +2840,6 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                         f"autopart.register_op(op, sharding=...), or leave that axis's role to the solver."
                         if unsupported else "")) from exc
     sol0, modes0, _, mem0, off0, ckpt0, ebytes0, _ = results[first]
-    if opts.objective_cutoff is not None and not opts.stage and \
-            sol0.objective >= opts.objective_cutoff * CUTOFF_MARGIN:
-        # the fastest plan, memory aside, already loses by more than the record and the ILP ever disagree: no need
-        # for its memory-bounded solves, its record or its variant without ZeRO-1/2 (Llama-70B on 1024 H100s: the
-        # plan without stages, 1.80 s against the pipeline's 0.51 s, cost 1.3 s of planning)
-        raise Pruned(sol0.objective)
     # the bounded solves start from the free optimum's flat buckets: a plan reduce-scattering more adds its share
     # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
     bucket0 = buckets_of(sol0.choice)[0]

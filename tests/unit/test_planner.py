@@ -423,11 +423,10 @@ def test_a_variant_not_solved_in_time_leaves_the_others(monkeypatch):
     assert plan.predicted["step_time_s"] == pytest.approx(reference.predicted["step_time_s"], rel=1e-9)
 
 
-def test_a_plan_that_loses_by_more_than_the_margin_is_pruned_after_its_first_solve(traced_3layer):
-    """A problem given a cutoff (the plan without stages, against the pipeline's step) whose fastest plan, memory
-    aside, loses by more than ``CUTOFF_MARGIN`` is pruned with that optimum as its bound: none of its
-    memory-bounded solves, record or variant without ZeRO-1/2. Within the margin it is solved and recorded, to be
-    compared by its record."""
+def test_a_stage_problem_is_pruned_by_its_forest_bound_the_plan_without_stages_by_its_floor(traced_3layer):
+    """Given a cutoff between the two bounds, a pipeline stage's problem is pruned before its MIP by the spanning-
+    forest bound (``forest_bound``: never above the optimum), and the plan without stages, whose 2-block objective
+    overstates the whole graph's, only by every node's and edge's cheapest entry apart, so it is solved."""
     import math
 
     import autopart.planner as planner
@@ -435,17 +434,21 @@ def test_a_plan_that_loses_by_more_than_the_margin_is_pruned_after_its_first_sol
 
     _, t = traced_3layer
     cluster = autopart.preset("cpu", (2, 2))
-    opts = planner.PlanOptions(memory_limit=math.inf, pipeline="off")
-    full = planner._sharding_plan(t, cluster, ("a", "b"), opts)
-    best = full.solver["objective"]
-    prob = planner.build_problem(t, cluster, ("a", "b"), opts)
-    assert forest_bound(prob.node_cost, [(u, v, m) for (u, v), m in prob.edges.items()]) < best / 1.2
-    with pytest.raises(planner.Pruned) as e:  # not by the bound of the problem before solving: by the optimum
-        planner._sharding_plan(t, cluster, ("a", "b"), dataclasses.replace(opts, objective_cutoff=best / 1.2))
-    assert e.value.args[0] == pytest.approx(best, rel=1e-9)
-    close = planner._sharding_plan(t, cluster, ("a", "b"), dataclasses.replace(
-        opts, objective_cutoff=best / (planner.CUTOFF_MARGIN * 0.99)))
-    assert close.predicted["step_time_s"] == pytest.approx(full.predicted["step_time_s"], rel=1e-9)
+    for stage in (True, False):
+        opts = planner.PlanOptions(memory_limit=math.inf, pipeline="off", stage=stage)
+        prob = planner.build_problem(t, cluster, ("a", "b"), opts)
+        edges = [(u, v, m) for (u, v), m in prob.edges.items()]
+        floor = sum(float(m.min()) for m in prob.node_cost) + sum(float(m.min()) for _, _, m in edges)
+        forest = forest_bound(prob.node_cost, edges)
+        best = planner._sharding_plan(t, cluster, ("a", "b"), opts).solver["objective"]
+        assert floor < forest <= best * (1 + 1e-9)
+        cut = dataclasses.replace(opts, objective_cutoff=(floor + forest) / 2)
+        if stage:
+            with pytest.raises(planner.Pruned) as e:
+                planner._sharding_plan(t, cluster, ("a", "b"), cut)
+            assert e.value.args[0] == pytest.approx(forest, rel=1e-12)
+        else:
+            assert planner._sharding_plan(t, cluster, ("a", "b"), cut).solver["objective"] == pytest.approx(best)
 
 
 def test_a_pipelined_recipe_is_scored_by_its_ranking_and_solved_whole_where_it_might_win(traced_3layer):
