@@ -207,7 +207,8 @@ class Pruned(Exception):
 # 1.08-1.21, FSDP 1.00). Where an objective stands in for a plan's step (a recipe scored on the 2-block graph, the
 # plan without stages that does not fit), it is compared with other plans' steps after dividing by this, so a plan
 # whose record might be faster is solved and recorded rather than dropped (gpt-1.3b on 16 H100s: ZeRO-1 scored
-# 0.0735 s by its objective, 0.0510 s by its record, against the search's 0.0565 s)
+# 0.0735 s by its objective, 0.0510 s by its record, against the search's 0.0565 s). The pipeline search prunes
+# stage meshes by the same factor (``pipelining``)
 OBJECTIVE_OVER_RECORD = 1.5
 
 
