@@ -152,13 +152,13 @@ def table(rows: list[dict]) -> str:
     """The recipes section of ``print(plan)``."""
     from autopart.plan import _fmt_bytes, _fmt_time
 
-    lines = ["standard recipes under the same cost model (the plan's predicted gain over each; ~ = the solver's "
-             "objective on the 2-block graph):"]
+    lines = ["standard recipes under the same cost model (the plan's predicted gain over each; ~ = scored on the "
+             "2-block graph: the solver's objective, up to 1.5x the step it records, or a pipeline's ranking):"]
     for r in rows:
         if r.get("fits"):
             extra = ", ".join(x for x in (r.get("pipeline"), "recompute " + "/".join(r["checkpoint"])
                                           if r.get("checkpoint") else "") if x)
-            approx = "~" if r.get("scored_on") else " "  # the solver objective on the 2-block graph
+            approx = "~" if r.get("scored_on") else " "  # scored on the 2-block graph (objective or ranking)
             lines.append(f"  {r['recipe']:<14}{approx}{_fmt_time(r['step_time_s']):>10}  "
                          f"{_fmt_bytes(r['memory_bytes']):>10}"
                          f"  {r['gain']:+7.1%}{'  (chosen)' if r.get('chosen') else ''}{'  ' + extra if extra else ''}")
