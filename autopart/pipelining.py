@@ -386,6 +386,11 @@ class Candidate:
     ranked_on: str = "full graph"
 
 
+# how ``Candidate.ranked_on`` (the plan's ``pipeline["candidates_ranked_on"]``) ends for a winner returned as ranked on
+# the 2-block graph (``PlanOptions.rank_only``)
+AS_RANKED = "not re-solved on the whole graph"
+
+
 def _batch_of(traced: Traced) -> int:
     for name in traced.user_inputs:
         node = next(n for n in traced.graph.nodes if n.name == name)
@@ -554,7 +559,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
         if again is not None and again.step_s < best.step_s * (1 - 1e-9):
             best = again
     if best is not None and reduced is not None and opts.rank_only:
-        best.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), not re-solved on the whole graph"
+        best.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), {AS_RANKED}"
     elif best is not None and reduced is not None:
         # ranked on the 2-block graph (the same ILP, tied blocks priced L times: identical per-block costs);
         # the winner is solved again on the whole graph, whose nodes the plan records

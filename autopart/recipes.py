@@ -114,8 +114,10 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
                 row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
                 row["warm_plan"] = p
             elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
+                from autopart.pipelining import AS_RANKED
+
                 p = plan_fn(traced, cluster, axis_names, dataclasses.replace(o, rank_only=True))
-                if p.pipeline and "not re-solved" in p.pipeline.get("candidates_ranked_on", ""):
+                if p.pipeline and p.pipeline.get("candidates_ranked_on", "").endswith(AS_RANKED):
                     row["options"] = o
                     row["scored_on"] = f"2 of {reduced[1]} blocks (pipeline ranking)"
                     row["warm_plan"] = None

@@ -542,23 +542,24 @@ def _reduced_hint(problem: Problem, red: _Reduced) -> list[int] | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _find(parent: list[int], a: int) -> int:
+    """Union-find root of ``a`` (halving the path on the way)."""
+    while parent[a] != a:
+        parent[a] = parent[parent[a]]
+        a = parent[a]
+    return a
+
+
 def _components(n: int, edges: list[tuple[int, int, np.ndarray]]) -> list[tuple[list[int], list[int]]]:
     """Connected components as (groups, edge indices)."""
     parent = list(range(n))
-
-    def find(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
     for u, v, _ in edges:
-        parent[find(u)] = find(v)
+        parent[_find(parent, u)] = _find(parent, v)
     comps: dict[int, tuple[list[int], list[int]]] = {}
     for i in range(n):
-        comps.setdefault(find(i), ([], []))[0].append(i)
+        comps.setdefault(_find(parent, i), ([], []))[0].append(i)
     for e, (u, _, _) in enumerate(edges):
-        comps[find(u)][1].append(e)
+        comps[_find(parent, u)][1].append(e)
     return list(comps.values())
 
 
@@ -591,7 +592,7 @@ def _solve_tree(
 
 
 def forest_bound(cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]]) -> float:
-    """A lower bound on the least ``sum_i cost[i][x_i] + sum_(u, v, C) C[x_u, x_v]`` over choices ``x``, in
+    """A lower bound on the least ``sum_i cost[i][x_i] + sum_(u, v, C) C[x_u, x_v]`` over choices ``x``, found in
     milliseconds for a graph of ~100 groups: the edges of a spanning forest (those whose cost varies most; a
     forbidden pair counts as varying most) are kept and that forest is solved exactly (``_solve_tree``), every other
     edge adds its least entry. Each term bounds its share of any choice's cost from below, so the sum does; it is at
@@ -618,17 +619,10 @@ def forest_bound(cost: list[np.ndarray], edges: list[tuple[int, int, np.ndarray]
         return float(finite.max() - finite.min()) if finite.size else 0.0
 
     parent = list(range(n))
-
-    def find(a: int) -> int:
-        while parent[a] != a:
-            parent[a] = parent[parent[a]]
-            a = parent[a]
-        return a
-
     tree: list[tuple[int, int, np.ndarray]] = []
     rest = 0.0
     for (u, v), mat in sorted(merged.items(), key=lambda kv: -spread(kv[1])):
-        ru, rv = find(u), find(v)
+        ru, rv = _find(parent, u), _find(parent, v)
         if ru != rv:
             parent[ru] = rv
             tree.append((u, v, mat))
