@@ -666,6 +666,8 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "stages": stage_recs, "stage_of_layer": {units[i].name: c for i, c in enumerate(stages)},
         "grid": pl.grid() if o.micro_batches * o.chunks <= 64 else "",
         "candidates": sorted(tried, key=lambda r: r["step_time_s"])[:12],
+        # the plan without stages: its recorded step, or, not solved (``bound``), a lower bound on its ILP objective,
+        # which may exceed the step it would record (``planner.OBJECTIVE_OVER_RECORD``)
         "no_pipeline_step_time_s": p1_step, "no_pipeline_is_lower_bound": bool(bound and p1_step is not None),
         "search_s": wall_s,
         "optimality": "stage boundaries, checkpointing: exact DP per (degree, micro-batches, schedule), all "

@@ -330,7 +330,9 @@ def _no_pipeline(pp: dict) -> str:
     t = pp.get("no_pipeline_step_time_s")
     if not t:
         return "; no plan without pipeline fits"
-    return f"; without pipeline: {'>= ' if pp.get('no_pipeline_is_lower_bound') else ''}{_fmt_time(t)}"
+    if pp.get("no_pipeline_is_lower_bound"):  # not solved: the ILP's bound (planner.OBJECTIVE_OVER_RECORD)
+        return f"; without pipeline: not solved, its ILP objective >= {_fmt_time(t)}"
+    return f"; without pipeline: {_fmt_time(t)}"
 
 
 def spec_axis(spec: str, axis: int) -> str:

@@ -62,3 +62,6 @@ def test_70b_needs_and_gets_pipeline() -> None:
     assert not p.zero
     assert p.axis_role(1) in ("tensor", "data+tensor")
     assert "pipeline: " in str(p)
+    # the plan without stages cannot fit: not solved, and said so with its ILP's bound, not as its step
+    assert pp["no_pipeline_is_lower_bound"]
+    assert "without pipeline: not solved, its ILP objective >= " in str(p)
