@@ -202,13 +202,13 @@ class Pruned(Exception):
 
 # The ILP's objective exceeds the step its plan records by up to this factor: it prices each gradient's bucketed
 # reduction at its share of the exposed chain (``grad_reduction_shares``: the derivative, 1 for the chain's busy tail),
-# which counts the tail whole where the record hides its start behind backward. Measured: objective / record 1.00-1.48
-# over 20 recipe plans of GPT-124M/1.3B and Llama-7B/70B on 16-128 H100s and A100s (DDP 1.03-1.48, Megatron TP x DP
-# 1.08-1.21, FSDP 1.00). Where an objective stands in for a plan's step (a recipe scored on the 2-block graph, the
-# plan without stages that does not fit), it is compared with other plans' steps after dividing by this, so a plan
-# whose record might be faster is solved and recorded rather than dropped (gpt-1.3b on 16 H100s: ZeRO-1 scored
-# 0.0735 s by its objective, 0.0510 s by its record, against the search's 0.0565 s). The pipeline search prunes
-# stage meshes by the same factor (``pipelining``)
+# which counts the tail whole where the record hides its start behind backward. Measured: 2-block objective / whole
+# graph record 1.00-1.48 over 27 recipe plans of GPT-124M/1.3B and Llama-7B/70B on 16-128 H100s and A100s (DDP
+# 1.03-1.48, Megatron TP x DP 1.08-1.36, FSDP 1.00-1.01). Where an objective stands in for a plan's step (a recipe
+# scored on the 2-block graph, the plan without stages that does not fit), it is compared with other plans' steps
+# after dividing by this, so a plan whose record might be faster is solved and recorded rather than dropped (gpt-1.3b
+# on 16 H100s: ZeRO-1 scored 0.0735 s by its objective, 0.0510 s by its record, against the search's 0.0565 s). The
+# pipeline search prunes stage meshes by the same factor (``pipelining``)
 OBJECTIVE_OVER_RECORD = 1.5
 
 
