@@ -2470,7 +2470,7 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
     step = plan.predicted["step_time_s"] if plan is not None else math.inf
     for r in rows:  # a recipe scored on the 2-block graph that might win: solve it on the whole graph
         # (a row scored by its ILP objective: that over ``OBJECTIVE_OVER_RECORD``; a pipelined one by its record)
-        over = OBJECTIVE_OVER_RECORD if r.get("scored_on", "").endswith("(solver objective)") else 1.0
+        over = OBJECTIVE_OVER_RECORD if r.get("by_objective") else 1.0
         if r.get("fits") and "options" in r and r["step_time_s"] / over < step * 1.05:
             try:
                 r["plan"] = _make_plan(traced, cluster, axis_names,
@@ -2479,6 +2479,7 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
                 continue
             r["step_time_s"] = r["plan"].predicted["step_time_s"]
             r.pop("scored_on", None)
+            r.pop("by_objective", None)
     fits = [r for r in rows if r.get("fits") and "plan" in r]
     best = min(fits, key=lambda r: r["step_time_s"], default=None)
     chosen = "search"

@@ -113,6 +113,7 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
                 row["options"] = o
                 row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
                 row["warm_plan"] = p
+                row["by_objective"] = True  # its step is an ILP objective (``planner.OBJECTIVE_OVER_RECORD``)
             elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
                 from autopart.pipelining import AS_RANKED
 
@@ -126,7 +127,7 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
         except ValueError as e:
             row.update(fits=False, why=str(e).splitlines()[0][:300])
         else:
-            step = p.solver["objective"] if "scored_on" in row and not p.pipeline else p.predicted["step_time_s"]
+            step = p.solver["objective"] if row.get("by_objective") else p.predicted["step_time_s"]
             row.update(fits=True, step_time_s=step,
                        memory_bytes=p.predicted["memory_bytes"]["total"], checkpoint=sorted(set(p.checkpoint.values())),
                        pipeline=(f"pp={p.pipeline['degree']} m={p.pipeline['micro_batches']} {p.pipeline['schedule']}"
@@ -142,7 +143,7 @@ def report(rows: list[dict], chosen_step: float, chosen_from: str) -> list[dict]
     """JSON-able rows for ``plan.solver["recipes"]``: the plan's predicted gain over each recipe."""
     out = []
     for r in rows:
-        r = {k: v for k, v in r.items() if k not in ("plan", "options", "warm_plan")}
+        r = {k: v for k, v in r.items() if k not in ("plan", "options", "warm_plan", "by_objective")}
         if r.get("fits"):
             r["gain"] = r["step_time_s"] / chosen_step - 1.0
         r["chosen"] = r["recipe"] == chosen_from
@@ -153,9 +154,11 @@ def report(rows: list[dict], chosen_step: float, chosen_from: str) -> list[dict]
 def table(rows: list[dict]) -> str:
     """The recipes section of ``print(plan)``."""
     from autopart.plan import _fmt_bytes, _fmt_time
+    from autopart.planner import OBJECTIVE_OVER_RECORD
 
     lines = ["standard recipes under the same cost model (the plan's predicted gain over each; ~ = scored on the "
-             "2-block graph: the solver's objective, up to 1.5x the step it records, or a pipeline's ranking):"]
+             f"2-block graph: the solver's objective, up to {OBJECTIVE_OVER_RECORD:g}x the step it records, or a "
+             "pipeline's ranking):"]
     for r in rows:
         if r.get("fits"):
             extra = ", ".join(x for x in (r.get("pipeline"), "recompute " + "/".join(r["checkpoint"])
