@@ -664,7 +664,9 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "bubble_fraction": pl.bubble_fraction, "step_time_s": cand.step_s, "pipeline_s": pl.step_s,
         "gradient_reduction_s": cand.reduce_s, "p2p_s": o.p2p_s,
         "stages": stage_recs, "stage_of_layer": {units[i].name: c for i, c in enumerate(stages)},
-        "grid": pl.grid() if o.micro_batches * o.chunks <= 64 else "",
+        # forward-only (no parameter trains: inference), the order the runtime runs it in
+        "grid": pl.grid(forward_only=not any(u.grad_bytes for u in units)) if o.micro_batches * o.chunks <= 64
+        else "",
         "candidates": sorted(tried, key=lambda r: r["step_time_s"])[:12],
         # the plan without stages: its recorded step, or, not solved (``bound``), a lower bound on its ILP objective,
         # which may exceed the step it would record (``planner.OBJECTIVE_OVER_RECORD``)

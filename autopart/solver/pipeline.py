@@ -18,6 +18,9 @@ gradient), and the recomputed forward :math:`f_l` for checkpointed layers. Bottl
   :math:`r, r+p, \dots`. With :math:`\tau = \max_c t_c` the per-chunk bottleneck,
   :math:`T = (m v + p - 1)\,\tau`, which for balanced chunks (:math:`\tau = t/v`) is
   :math:`(m + (p-1)/v)\,t`: bubble :math:`(p-1)/(v m)` of the ideal time, :math:`(p-1)/(v m + p - 1)` of the step.
+  That count is the runtime's critical path for :math:`m \ge p`; with fewer micro-batches than stages (torch
+  runs them in one round of m) the schedule idles more: :math:`T = (v p + m - 1)\,\tau` for :math:`m < p` (``schedule_units``); one
+  micro-batch on p = 2, v = 2 passes its 4 chunks in turn, :math:`4\tau`, not :math:`3\tau`.
 
 Memory of a stage: :math:`S + n_k A'` with :math:`S = \sum_l s_l` the states (gradients included), :math:`A' =
 \sum_l a'_l` the activation bytes (``recompute_act_bytes`` if the layer is checkpointed, else ``act_bytes``) and
@@ -29,8 +32,9 @@ Memory of a stage: :math:`S + n_k A'` with :math:`S = \sum_l s_l` the states (gr
   interleaved reach their in-flight count again after the first backward, gradients allocated: :math:`S + n_k A'
   + R`.) :math:`R` (``transient_bytes``, the loss's temporaries as its backward starts) is held once.
 * 1F1B: :math:`n_k = \min(p - k, m)` (stage 0 holds :math:`p`; N21 §2.2.1).
-* Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)p + 1)` chunk-micro-batches
-  in flight on rank :math:`r`, spread evenly over its chunks: :math:`n_c = \min(m, \lceil W_r / v \rceil)`; rank 0
+* Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)g + 1)` chunk-micro-batches
+  (:math:`g = p` micro-batches a round, as Megatron runs it, or :math:`g = m` when :math:`m < p`, as torch's
+  ``ScheduleInterleaved1F1B`` does) in flight on rank :math:`r`, spread evenly over its chunks: :math:`n_c = \min(m, \lceil W_r / v \rceil)`; rank 0
   then holds about :math:`(1 + (p-1)/(p v))` times 1F1B's activations, as N21 states. Each chunk must fit in
   ``memory_limit / v`` (a sufficient condition for its rank to fit; it keeps the DP contiguous). ``stage_memory``
   reports per rank, the sum of its chunks.
@@ -163,7 +167,7 @@ class PipelineOptions:
         if self.schedule == "1f1b":
             return min(p - chunk, m)
         r = chunk % p
-        w = min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+        w = min(m * v, 2 * (p - r - 1) + (v - 1) * _round(p, m) + 1)
         return min(m, -(-w // v))
 
 
@@ -181,15 +185,17 @@ class PipelinePlan:
         return (f"{self.options}: boundaries={list(self.boundaries)} ckpt={sum(self.checkpointed)} "
                 f"step={self.step_s:.4g}s bubble={self.bubble_fraction:.3f}")
 
-    def grid(self) -> str:
-        """The schedule as a step-by-rank text grid, one unit slot per action ('.' idle)."""
-        return schedule_grid(self.options)
+    def grid(self, forward_only: bool = False) -> str:
+        """The schedule as a step-by-rank text grid, one unit slot per action ('.' idle); ``forward_only``: as the
+        runtime runs a plan without gradients."""
+        return schedule_grid(self.options, forward_only)
 
 
 def bubble_fraction(opts: PipelineOptions) -> float:
-    """Idle share of the step: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p - 1) interleaved (N21)."""
-    p, m, v = opts.stages, opts.micro_batches, opts.virtual
-    return (p - 1) / (m * v + p - 1)
+    """Idle share of the step: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p - 1) interleaved (N21) with m a
+    multiple of p; in general 1 - m v / ``schedule_units``."""
+    units = schedule_units(opts)
+    return (units - opts.micro_batches * opts.virtual) / units
 
 
 def bubble_over_ideal(opts: PipelineOptions) -> float:
@@ -198,21 +204,34 @@ def bubble_over_ideal(opts: PipelineOptions) -> float:
 
 
 def schedule_step_time(stage_times: Sequence[float], opts: PipelineOptions) -> float:
-    """Bottleneck step time: (m v + p - 1) * max of per-stage (per-chunk) times; v = 1 outside interleaved. With
-    ranks sharing cores (``opts.sharing``) each slot of the schedule's unit-slot simulation (``schedule_grid``)
-    counts by ``CoreSharing.slot_time`` of the stages busy in it: the count is (m v + p - 1) times the mean slot."""
+    """Bottleneck step time: ``slot_units`` (``schedule_units``, less where ranks share cores) times the largest
+    per-stage (per-chunk) time."""
     if len(stage_times) != opts.chunks:
         raise ValueError(f"got {len(stage_times)} stage times for {opts.chunks} stages x chunks")
     return slot_units(opts) * max(stage_times)
 
 
+def schedule_units(opts: PipelineOptions) -> float:
+    """How many bottleneck chunk times a step lasts: v max(m, p) + min(m, p) - 1 (v = 1 outside interleaved).
+
+    That is N21's m v + p - 1 for GPipe, 1F1B, and interleaved with m >= p. With fewer micro-batches than stages,
+    which torch's ``ScheduleInterleaved1F1B`` runs in one round of m, the interleaved schedule idles more than that
+    count says: one micro-batch on p = 2, v = 2 passes its 4 chunks in turn (4 chunk times, not 3), and in general
+    the first micro-batch crosses all v p chunks before the last of the m enters the last one: v p + m - 1. The
+    count is the critical path of the runtime's action order (``_actions``, as torch orders it) whatever the
+    forward's share of a chunk's time (forward-only included), checked against an event simulation in
+    ``tests/unit/test_pipeline_dp.py``."""
+    p, m, v = opts.stages, opts.micro_batches, opts.virtual
+    return float(v * max(m, p) + min(m, p) - 1)
+
+
 def slot_units(opts: PipelineOptions) -> float:
-    """How many bottleneck stage times a step lasts: m v + p - 1, less where ranks sharing cores run faster in the
-    fill and drain (``PipelineOptions.sharing``)."""
-    nominal = opts.micro_batches * opts.virtual + opts.stages - 1
+    """How many bottleneck stage times a step lasts: ``schedule_units`` (m v + p - 1 for m >= p), less where ranks
+    sharing cores run faster in the fill and drain (``PipelineOptions.sharing``)."""
+    nominal = schedule_units(opts)
     sh = opts.sharing
     if sh is None or sh.alone_speedup <= 1 or opts.stages == 1:
-        return float(nominal)
+        return nominal
     rows = _simulate(opts)
     slots = [sh.slot_time([row[s] != "." for row in rows]) for s in range(len(rows[0]))]
     return nominal * sum(slots) / len(slots)
@@ -515,45 +534,47 @@ def best_pipeline(
     return best
 
 
-def _actions(opts: PipelineOptions, rank: int) -> list[tuple[str, int, int]]:
-    """Ordered (kind, micro-batch, chunk) actions of a rank."""
+def _round(p: int, m: int) -> int:
+    """Micro-batches per round of the interleaved schedule, as torch's ``ScheduleInterleaved1F1B`` (and Megatron,
+    which needs m a multiple of p) runs it: p where m is a multiple of p, m where m < p (one round)."""
+    return m // max(1, m // p)
+
+
+def _actions(opts: PipelineOptions, rank: int, forward_only: bool = False) -> list[tuple[str, int, int]]:
+    """Ordered (kind, micro-batch, chunk) actions of a rank. ``forward_only``: the order the runtime runs a plan
+    without gradients in (``runtime.pipeline``: GPipe's, breadth-first over a rank's chunks, torch's
+    ``ScheduleLoopedBFS``), whatever schedule the plan names."""
     p, m, v = opts.stages, opts.micro_batches, opts.virtual
+    if forward_only:
+        return [("F", i, c) for c in range(v) for i in range(m)]
     if opts.schedule == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
     if opts.schedule == "1f1b":
         fw, bw = [("F", i, 0) for i in range(m)], [("B", i, 0) for i in range(m)]
         warm = min(p - rank - 1, m)
     else:
-        order = [(i, c) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
+        g = _round(p, m)  # torch's ScheduleInterleaved1F1B: rounds of g micro-batches through each chunk in turn
+        order = [(i, c) for s in range(0, m, g) for c in range(v) for i in range(s, min(s + g, m))]
         fw = [("F", i, c) for i, c in order]
         bw = [("B", i, v - 1 - c) for i, c in order]
-        warm = min(m * v, 2 * (p - rank - 1) + (v - 1) * p)
+        warm = min(m * v, 2 * (p - rank - 1) + (v - 1) * g)
     out = fw[:warm]
     for f, b in itertools.zip_longest(fw[warm:], bw):
         out += [a for a in (f, b) if a is not None]
     return out
 
 
-def schedule_grid(opts: PipelineOptions) -> str:
+def schedule_grid(opts: PipelineOptions, forward_only: bool = False) -> str:
     """Simulate the schedule in unit slots (each action one slot) and draw it, one line per rank."""
-    return _draw(_simulate(opts))
+    return _draw(_simulate(opts, forward_only))
 
 
-def _simulate(opts: PipelineOptions) -> list[list[str]]:
+def _simulate(opts: PipelineOptions, forward_only: bool = False) -> list[list[str]]:
     """The schedule in unit slots (each action one slot): per rank, per slot, its action or '.' (idle)."""
     p, v = opts.stages, opts.virtual
-    queues = [_actions(opts, r) for r in range(p)]
+    queues = [_actions(opts, r, forward_only) for r in range(p)]
     done: dict[tuple[str, int, int, int], int] = {}
     rows: list[list[str]] = [[] for _ in range(p)]
-
-    def dep(kind: str, i: int, c: int, r: int) -> tuple[str, int, int, int] | None:
-        if kind == "F":
-            if r > 0:
-                return ("F", i, c, r - 1)
-            return ("F", i, c - 1, p - 1) if c > 0 else None
-        if r < p - 1:
-            return ("B", i, c, r + 1)
-        return ("B", i, c + 1, 0) if c < v - 1 else ("F", i, c, r)
 
     step = 0
     while any(queues):
@@ -563,7 +584,7 @@ def _simulate(opts: PipelineOptions) -> list[list[str]]:
                 rows[r].append(".")
                 continue
             kind, i, c = queues[r][0]
-            d = dep(kind, i, c, r)
+            d = _dependency(kind, i, c, r, p, v)
             if d is None or done.get(d, step) < step:
                 ran.append((kind, i, c, r))
                 queues[r].pop(0)
@@ -576,6 +597,19 @@ def _simulate(opts: PipelineOptions) -> list[list[str]]:
             done[a] = step
         step += 1
     return rows
+
+
+def _dependency(kind: str, i: int, c: int, r: int, p: int, v: int) -> tuple[str, int, int, int] | None:
+    """The action (kind, micro-batch, chunk, rank) that action ``kind`` of micro-batch ``i`` on chunk ``c`` of rank
+    ``r`` waits for: the previous stage's forward (the last rank's previous chunk on rank 0), the next stage's
+    backward (the first rank's next chunk on the last rank), or its own forward for the last chunk's backward."""
+    if kind == "F":
+        if r > 0:
+            return ("F", i, c, r - 1)
+        return ("F", i, c - 1, p - 1) if c > 0 else None
+    if r < p - 1:
+        return ("B", i, c, r + 1)
+    return ("B", i, c + 1, 0) if c < v - 1 else ("F", i, c, r)
 
 
 def _draw(rows: list[list[str]]) -> str:

@@ -95,6 +95,70 @@ def test_bubble_formulas_match_reference():
             assert (step - m * t) / step == pytest.approx(bubble_fraction(o))
 
 
+def _critical_path(opts, forward_share):
+    """The schedule's length by event simulation: each rank runs its actions in order (``_actions``), each once the
+    action it depends on has finished; a forward takes ``forward_share`` of a chunk time, a backward the rest."""
+    from autopart.solver.pipeline import _actions, _dependency
+
+    p = opts.stages
+    queues = [_actions(opts, r) for r in range(p)]
+    finish, free, at = {}, [0.0] * p, [0] * p
+    while any(at[r] < len(queues[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while at[r] < len(queues[r]):
+                kind, i, c = queues[r][at[r]]
+                d = _dependency(kind, i, c, r, p, opts.virtual)
+                if d is not None and d not in finish:
+                    break
+                start = max(free[r], finish[d] if d is not None else 0.0)
+                free[r] = finish[kind, i, c, r] = start + (forward_share if kind == "F" else 1 - forward_share)
+                at[r] += 1
+                moved = True
+        assert moved, f"{opts} deadlocked"
+    return max(free)
+
+
+def test_schedule_length_is_the_critical_path_of_its_actions():
+    """``schedule_units`` (N21's m v + p - 1 for m >= p; v p + m - 1 for fewer micro-batches than stages, which
+    torch's interleaved schedule runs in one round) is the event-simulated critical path of every schedule, with a
+    forward of any share of the chunk time (1: forward-only). The bottleneck formula alone priced one micro-batch
+    on p = 2, v = 2 at 3 chunk times, while its 4 chunks run one after the other."""
+    from autopart.solver.pipeline import _simulate, schedule_units
+
+    for p, m in itertools.product((2, 3, 4, 8), range(1, 18)):
+        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
+            if name == "interleaved" and m % max(1, m // p):
+                continue  # torch's ScheduleInterleaved1F1B refuses these
+            o = PipelineOptions(p, m, name, v)
+            units = schedule_units(o)
+            for share in (0.2, 1 / 3, 0.5, 1.0):
+                assert units == pytest.approx(_critical_path(o, share)), (o, share)
+            assert len(_simulate(o)[0]) == 2 * units  # the drawn grid: forward and backward one slot each
+            assert bubble_fraction(o) == pytest.approx(1 - m * v / units)
+    one = PipelineOptions(2, 1, "interleaved", 2)
+    plan = partition([LayerCost(1.0, 2.0, 1.0, 1.0)] * 4, one, math.inf)
+    assert plan.step_s == pytest.approx(4 * 3.0) and plan.bubble_fraction == pytest.approx(0.5)
+
+
+def test_interleaved_actions_in_torchs_order_when_fewer_micro_batches_than_stages():
+    """With m < p torch's ScheduleInterleaved1F1B runs one round of m micro-batches through each chunk (m multiple
+    of p: rounds of p, Megatron's order); its warm-up is (v - 1) m + 2 (p - 1 - r) forwards. The order below is
+    ``_calculate_single_rank_operations`` of torch 2.13 for p = 2, m = 3, v = 2 (the Nones dropped). A rank holds
+    at most its warm-up plus one chunk-micro-batches (``in_flight``)."""
+    from autopart.solver.pipeline import _actions
+
+    o = PipelineOptions(2, 3, "interleaved", 2)
+    f = [("F", i, c) for c in (0, 1) for i in range(3)]
+    b = [("B", i, c) for c in (1, 0) for i in range(3)]
+    assert _actions(o, 0) == f + b
+    assert _actions(o, 1) == f[:4] + [b[0], f[4], b[1], f[5]] + b[2:]
+    # p = 8, m = 4: the last rank warms up with m (v - 1) = 4 forwards, then holds 5 chunk-micro-batches at most
+    # (3 a chunk, spread evenly), not Megatron's p (v - 1) + 1 = 9 (capped at m v = 8: 4 a chunk); rank 0 all 8
+    eight = PipelineOptions(8, 4, "interleaved", 2)
+    assert (eight.in_flight(7), eight.in_flight(15), eight.in_flight(0), eight.in_flight(8)) == (3, 3, 4, 4)
+
+
 def test_1f1b_first_stage_holds_p_micro_batches():
     p, m = 4, 8
     layers = [LayerCost(1, 2, 10, 3) for _ in range(8)]
