@@ -54,7 +54,7 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"
 # vocab-parallel cross-entropy's all-reduces, ZeRO-1's parameter all-gather after the step, context-parallel
 # attention's K/V exchange, output gathers. Their time is known per node, their kind and bytes are not recorded
 INSIDE_OPS = "inside_ops"
-MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations", "other")
+MEMORY_KINDS = ("parameters", "gradients", "optimizer_states", "activations", "kv_cache", "other")
 
 # family -> (module, model class, config class). moe and mamba are imported when asked for: their modules may not
 # exist in every checkout
@@ -215,8 +215,11 @@ def _vocab_of(model: nn.Module) -> int:
 
 
 def build(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
-          batch: int = 8, seq: int = 2048, dtype: torch.dtype = torch.bfloat16, **overrides) -> tuple:
-    """(description, module on ``meta``, example_inputs, example_kwargs, config or None)."""
+          batch: int = 8, seq: int = 2048, dtype: torch.dtype = torch.bfloat16, inference: bool = False,
+          **overrides) -> tuple:
+    """(description, module on ``meta``, example_inputs, example_kwargs, config or None). ``inference``: the
+    module frozen (``requires_grad_(False)``: planned forward-only) and called without labels, returning logits
+    (a factory's own example kwargs are kept)."""
     cfg = None
     with torch.device("meta"):
         if factory is not None:
@@ -244,11 +247,18 @@ def build(model: str | None = "llama", size: str | None = None, *, factory: str 
             name = f"{family}:{size}" if size else family
             if any(v is not None for v in overrides.values()):
                 name += " (" + ", ".join(f"{k}={v}" for k, v in overrides.items() if v is not None) + ")"
+    if inference:
+        module.requires_grad_(False)
+        if factory is None or kwargs == {"labels": inputs[0]}:  # the defaults above: logits, not a loss
+            kwargs = {}
     return name, module, inputs, kwargs, cfg
 
 
-def model_flops(model: nn.Module, traced, tokens: int) -> tuple[float, int, int]:
-    """(model FLOPs per step, parameters, parameters that multiply activations): 6 N T + attention (module doc)."""
+def model_flops(model: nn.Module, traced, tokens: int, inference: bool = False,
+                kv_cache_tokens: int = 0) -> tuple[float, int, int]:
+    """(model FLOPs per step, parameters, parameters that multiply activations): 6 N T + attention (module doc).
+    ``inference``: the forward alone, 2 N T + attention's forward, each query attending to ``kv_cache_tokens``
+    cached positions where given (decoding), else to the traced keys."""
     seen: set[int] = set()
     linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookup_only = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_ids
@@ -270,8 +280,11 @@ def model_flops(model: nn.Module, traced, tokens: int) -> tuple[float, int, int]
         if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target):
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             *batch, s_q, d = q.shape
-            attention += 3 * 4 * math.prod(batch) * s_q * k.shape[-2] * d
-    return 6 * matmul * tokens + attention, int(total), int(matmul)
+            if inference:
+                attention += 4 * math.prod(batch) * s_q * (kv_cache_tokens or k.shape[-2]) * d
+            else:
+                attention += 3 * 4 * math.prod(batch) * s_q * k.shape[-2] * d
+    return (2 if inference else 6) * matmul * tokens + attention, int(total), int(matmul)
 
 
 # ---- reading a plan --------------------------------------------------------------------------------------------
@@ -480,8 +493,13 @@ def memory(plan) -> dict[str, Any]:
         # GPipe peaks before the gradients exist, or with one micro-batch's activations fewer (solver.pipeline
         # .stage_peak): the gradients present at the peak are what the total leaves beside states and activations
         grads = min(mb["gradients"], max(0.0, mb["total"] - mb["states"] - mb["activations"]))
+        # the K/V cache (inference) in the activations: the stage plan's, for every block, over the rank's share
+        blocks = sum(len(s["layers"]) for s in plan.pipeline["stages"])
+        mine = sum(len(s["layers"]) for s in plan.pipeline["stages"] if s["rank"] == rank)
+        act = mb["total"] - mb["states"] - grads
+        kv = min(act, sharding.get("kv_cache", 0.0) * mine / max(1, blocks))
         kinds = {"parameters": mb["states"] * frac, "gradients": grads, "optimizer_states": mb["states"] * (1 - frac),
-                 "activations": mb["total"] - mb["states"] - grads, "other": 0.0}
+                 "activations": act - kv, "kv_cache": kv, "other": 0.0}
         return {"by_kind": kinds, "peak": mb["total"],
                 "binds_at": f"pipeline rank {rank} of {plan.pipeline['degree']}: its states, gradients and the "
                             "activations of its micro-batches in flight",
@@ -490,17 +508,20 @@ def memory(plan) -> dict[str, Any]:
     fwd, bwd, opt = pred["peak_forward"], pred["peak_backward"], pred.get("peak_optimizer", 0.0)
     if opt > max(fwd, bwd):  # the optimizer step's temporaries (or ZeRO-1/2's gather buckets after it): "other"
         kinds = {"parameters": pred["parameters"], "gradients": pred["gradients"],
-                 "optimizer_states": pred["optimizer_states"], "activations": 0.0,
+                 "optimizer_states": pred["optimizer_states"], "activations": 0.0, "kv_cache": 0.0,
                  "other": opt - states - pred["gradients"] + pred.get("buffers", 0.0)}
         at = "optimizer step (gradients, the step's temporaries or the ZeRO-1/2 parameter gather, activations freed)"
     elif fwd >= bwd:
+        kv = pred.get("kv_cache", 0.0)  # inference: held by the attentions, in the forward's peak
         kinds = {"parameters": pred["parameters"] + pred["gathered_parameters"], "gradients": 0.0,
                  "optimizer_states": pred["optimizer_states"],
-                 "activations": fwd - states - pred["gathered_parameters"], "other": pred.get("buffers", 0.0)}
+                 "activations": fwd - states - pred["gathered_parameters"] - kv, "kv_cache": kv,
+                 "other": pred.get("buffers", 0.0)}
         at = "end of forward (saved activations, no gradients yet)"
     else:
         kinds = {"parameters": pred["parameters"], "gradients": bwd - states,
-                 "optimizer_states": pred["optimizer_states"], "activations": 0.0, "other": pred.get("buffers", 0.0)}
+                 "optimizer_states": pred["optimizer_states"], "activations": 0.0, "kv_cache": 0.0,
+                 "other": pred.get("buffers", 0.0)}
         at = "end of backward (gradients and one reduction bucket, activations freed)"
     return {"by_kind": kinds, "peak": pred["total"], "binds_at": at}
 
@@ -631,6 +652,11 @@ class Advice:
     plan_s: float = 0.0
     # the logical meshes planned (``mesh_views``): {"mesh": [...], "step_time_s": s or None, "why": "" or the error}
     views: list = field(default_factory=list)
+    # forward-only (serving): ``step_time_s`` is the latency of one batch through the model, ``tokens_per_s`` the
+    # tokens it processes over that (batch x seq; a decoding step, seq 1, makes one token per sequence), with the
+    # K/V cache of ``kv_cache_tokens`` positions per sequence held and read at every attention
+    inference: bool = False
+    kv_cache_tokens: int = 0
     plan: Any = None  # the Plan (not in to_json; save it with plan.save)
 
     def to_json(self) -> dict[str, Any]:
@@ -640,12 +666,14 @@ class Advice:
 
     def __str__(self) -> str:
         head = (f"{self.model} ({self.params / 1e9:.2f}B parameters) on {self.gpus} x {self.cluster} "
-                f"(mesh {'x'.join(map(str, self.mesh))}), batch {self.batch} x {self.seq} tokens")
+                f"(mesh {'x'.join(map(str, self.mesh))}), batch {self.batch} x {self.seq} tokens"
+                + (f", inference{self.cache_text()}" if self.inference else ""))
         if not self.fits:
             return f"{head}\ndoes not fit: {self.binding}"
         s = self.strategy
         lines = [head, f"strategy {s['name']}: {s['layout']}",
-                 f"step {self.step_time_s:.4g} s, {self.tokens_per_s:,.0f} tokens/s, {self.tflops_per_gpu:.1f} "
+                 f"{'latency' if self.inference else 'step'} {self.step_time_s:.4g} s, {self.tokens_per_s:,.0f} "
+                 f"tokens/s, {self.tflops_per_gpu:.1f} "
                  f"TFLOP/s per GPU, MFU {self.mfu:.1%}",
                  "memory/GPU: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.memory["by_kind"].items())
                  + f"; peak {self.memory['peak'] / 2**30:.2f} of {self.memory_budget / 2**30:.2f} GiB",
@@ -656,6 +684,9 @@ class Advice:
         if len(self.views) > 1:
             lines.append(f"meshes planned: {self.views_text()}")
         return "\n".join(lines)
+
+    def cache_text(self) -> str:
+        return f", K/V cache of {self.kv_cache_tokens} tokens per sequence" if self.kv_cache_tokens else ""
 
     def views_text(self) -> str:
         """The logical meshes planned and each one's predicted step (``views``), on one line."""
@@ -765,7 +796,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
            traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
            grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP,
-           **overrides: int | None) -> Advice:
+           inference: bool = False, kv_cache_tokens: int = 0, **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
@@ -785,7 +816,14 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     stops once its plan is proven within this fraction of the best (``ADVISE_GAP``, 1%: what-if planning reads
     step times the cost model predicts to ~10%; ``autopart.plan`` solves to 0.1%).
 
+    ``inference``: serving, planned forward-only (``autopart.plan`` of the frozen model: no gradients, no
+    optimizer states, the weights alone as model state); the step is the latency of one batch of ``batch``
+    sequences of ``seq`` tokens (batch 1 for latency, a larger batch for throughput), ``kv_cache_tokens`` the K/V
+    cache per sequence each attention holds and reads (decoding: ``seq=1``, the cache the context so far), and
+    the model FLOPs are the forward's (2 N per token, attention over the cache).
+
     >>> print(autopart.advise("llama", "70b", cluster="h100-80gb", nodes=8, seq=4096))
+    >>> print(autopart.advise("llama", "70b", nodes=1, batch=1, seq=1, inference=True, kv_cache_tokens=8192))
     """
     import autopart
     from autopart.trace import trace
@@ -796,17 +834,26 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     batch = batch or gpus
     if batch < 1 or seq < 1:
         raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    if kv_cache_tokens < 0 or (kv_cache_tokens and not inference):
+        raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: a K/V cache is held when decoding; pass "
+                         "inference=True (--inference) with kv_cache_tokens >= 0, or leave it 0 for training")
     if built is None:
-        built = build(model, size, factory=factory, batch=batch, seq=seq, dtype=dtype, **overrides)
+        built = build(model, size, factory=factory, batch=batch, seq=seq, dtype=dtype, inference=inference,
+                      **overrides)
     name, module, inputs, kwargs, _ = built
+    if inference and any(p.requires_grad for p in module.parameters()):
+        raise ValueError("inference=True needs a frozen model (module.requires_grad_(False)): build() freezes "
+                         "the models it builds; freeze the one passed in `built`")
     n_params = sum(p.numel() for p in module.parameters())
     itemsize = next(module.parameters()).dtype.itemsize
-    state_bytes = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
+    state_bytes = itemsize if inference else itemsize + _grad_itemsize(itemsize, grad_dtype) + \
+        optimizer_bytes_per_param
     base = dict(model=name, params=n_params, cluster=cl.name, gpus=gpus, mesh=tuple(cl.mesh_shape),
                 batch=int(inputs[0].shape[0]) if inputs else batch, seq=int(inputs[0].shape[1]) if inputs and
                 inputs[0].dim() > 1 else seq, memory_budget=float(cl.memory_budget),
-                peak_tflops_per_gpu=cl.device.peak_flops / 1e12)
-    floor = state_floor(n_params, gpus, state_bytes, optimizer_bytes_per_param)
+                peak_tflops_per_gpu=cl.device.peak_flops / 1e12, inference=inference,
+                kv_cache_tokens=int(kv_cache_tokens))
+    floor = state_floor(n_params, gpus, state_bytes, 0.0 if inference else optimizer_bytes_per_param)
     if floor > cl.memory_budget:  # no trace needed: nothing can fit
         return Advice(fits=False, binding=(
             f"model states: {floor / 2**30:.1f} GiB per GPU even with every state sharded over all {gpus} GPUs "
@@ -816,7 +863,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     traced = traced or trace(module, inputs, kwargs)
     base["trace_s"] = time.perf_counter() - t0 if traced.export_seconds == 0 else traced.export_seconds
     tokens = base["batch"] * base["seq"]
-    base["model_flops_per_step"], _, _ = model_flops(module, traced, tokens)
+    base["model_flops_per_step"], _, _ = model_flops(module, traced, tokens, inference, kv_cache_tokens)
     t0 = time.perf_counter()
     shapes = (mesh_views(*cl.mesh_shape) if views and len(cl.mesh_shape) == 2 and cl.name in PRESETS
               else [(tuple(cl.mesh_shape), ("node", "gpu")[:len(cl.mesh_shape)])])
@@ -836,7 +883,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                     plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
                                          cluster=view_cluster, traced=traced, time_limit_s=time_limit_s,
                                          optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
-                                         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap)
+                                         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
+                                         kv_cache_tokens=kv_cache_tokens)
                 except (ValueError, SolverTimeout) as e:  # this mesh does not fit, or was not solved in time
                     err = e if err is None or isinstance(err, SolverTimeout) else err
                     tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})

@@ -132,7 +132,8 @@ def _rich_advice(adv, console) -> None:
     from autopart.advise import INSIDE_OPS, KINDS
 
     console.print(f"[bold]{adv.model}[/bold] ({adv.params / 1e9:.2f}B parameters) on {adv.gpus} x {adv.cluster} "
-                  f"(mesh {'x'.join(map(str, adv.mesh))}), global batch {adv.batch} x {adv.seq} tokens")
+                  f"(mesh {'x'.join(map(str, adv.mesh))}), global batch {adv.batch} x {adv.seq} tokens"
+                  + (f", inference (forward only){adv.cache_text()}" if adv.inference else ""))
     if not adv.fits:
         console.print(f"[red]does not fit[/red]: {adv.binding}")
         return
@@ -144,7 +145,7 @@ def _rich_advice(adv, console) -> None:
     t.add_row("ZeRO", str(s["zero"]))
     t.add_row("checkpointing", f"{s['checkpointed_layers']} layers {'/'.join(s['checkpoint'])}".strip())
     t.add_row("micro-batches", f"{s['micro_batches']} {s['schedule']}".strip())
-    t.add_row("step time", f"{adv.step_time_s:.4g} s")
+    t.add_row("latency (one batch)" if adv.inference else "step time", f"{adv.step_time_s:.4g} s")
     t.add_row("tokens/s", f"{adv.tokens_per_s:,.0f}")
     t.add_row("TFLOP/s per GPU", f"{adv.tflops_per_gpu:.1f} (model FLOPs {adv.model_flops_per_step:.3g} per step)")
     t.add_row("MFU", f"{adv.mfu:.1%} of {adv.peak_tflops_per_gpu:.0f} TFLOP/s peak")
@@ -192,6 +193,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     cluster = adv_mod.resolve_cluster(args.cluster)
     gap = adv_mod.ADVISE_GAP if args.gap is None else args.gap
+    if args.sweep and (args.inference or args.context):
+        raise ValueError("--sweep is the training design guide; --inference and --context plan one model, "
+                         "without --sweep")
     if args.sweep:
         sizes = _sizes_arg(args.sizes) if args.sizes else adv_mod.SWEEP_SIZES
         gpus = tuple(int(x) for x in _sizes_arg(args.gpus)) if args.gpus else adv_mod.SWEEP_GPUS
@@ -230,7 +234,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
                        reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap, **overrides)
+                       grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap, inference=args.inference,
+                       kv_cache_tokens=args.context, **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -297,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep and accumulate gradients in this dtype (fp32: Megatron-LM's main_grad of bf16 "
                         "weights, 18 bytes of model state per parameter with --optimizer-bytes 12); default: the "
                         "weights' own")
+    a.add_argument("--inference", action="store_true",
+                   help="serving: plan the frozen model forward-only (no gradients, no optimizer states); the step "
+                        "is one batch's latency (--batch 1 for latency, larger for throughput)")
+    a.add_argument("--context", type=int, default=0,
+                   help="--inference: the K/V cache per sequence, in tokens, every attention holds and reads "
+                        "(decoding: --seq 1 --context 8192)")
     a.add_argument("--time-limit", type=float, default=20.0, help="the solver's limit per ILP, seconds")
     a.add_argument("--gap", type=float, default=None, help="each ILP stops once its plan is proven within this "
                                                            "fraction of the best (default: advise's ADVISE_GAP, 0.01; "

@@ -470,3 +470,41 @@ def test_zero1_gather_bytes_are_reported() -> None:
     params = sum(model.get_parameter(fqn).numel() * model.get_parameter(fqn).element_size() for fqn in plan.zero)
     assert comm["all_gather"]["bytes"] == pytest.approx(params * 7 / 8, rel=0.01)  # slices padded
     assert comm["all_gather"]["time_s"] > 0
+
+
+def test_inference_advice_is_forward_only_with_its_kv_cache(capsys) -> None:
+    """Serving (``--inference``): the frozen model's weights are its only state; a decoding step (seq 1) holds and
+    reads the K/V cache of the context at every attention; the model FLOPs are the forward's: 2 N per token
+    (training's 6 N over 3) and the attention of each query over the cached positions."""
+    kw = dict(layers=2, batch=4, gpus_per_node=2, cluster="h100-80gb", views=False)
+    short = adv.advise("llama", "1b", seq=1, inference=True, kv_cache_tokens=1024, **kw)
+    long = adv.advise("llama", "1b", seq=1, inference=True, kv_cache_tokens=8192, **kw)
+    cfg = adv.model_config("llama", "1b", layers=2)[2]
+    head = cfg.d_model // cfg.n_head
+    whole = cfg.n_layer * 2 * 4 * cfg.n_kv_head * 8192 * head * 2  # K and V, bf16, the batch's 4 sequences
+    for a in (short, long):
+        d = a.to_json()
+        assert d["fits"] and d["inference"]
+        _check_consistent(d)
+        by = d["memory"]["by_kind"]
+        assert by["gradients"] == 0 and by["optimizer_states"] == 0
+        assert d["tokens_per_s"] == pytest.approx(4 / d["step_time_s"], rel=1e-9)  # one token per sequence
+    # each GPU holds the cache of the heads (or sequences) it computes: the whole of it over 1 or 2 GPUs
+    held = long.to_json()["memory"]["by_kind"]["kv_cache"]
+    assert any(held == pytest.approx(whole / ways, rel=1e-6) for ways in (1, 2)), (held, whole)
+    assert long.step_time_s > short.step_time_s  # reading a longer cache takes longer
+    per_position = 4 * 4 * cfg.n_head * head * cfg.n_layer  # 4 B s_q d per attention: Q K^T and P V
+    assert long.model_flops_per_step - short.model_flops_per_step == pytest.approx(per_position * (8192 - 1024))
+    # a prefill of 128 tokens without a cache: a third of training's FLOPs (forward only, attention as traced)
+    inf = adv.advise("llama", "1b", seq=128, inference=True, **kw)
+    train = adv.advise("llama", "1b", seq=128, **kw)
+    assert inf.model_flops_per_step == pytest.approx(train.model_flops_per_step / 3, rel=1e-9)
+    assert train.memory["by_kind"]["optimizer_states"] > 0 and inf.memory["by_kind"]["optimizer_states"] == 0
+    with pytest.raises(ValueError, match="inference=True"):
+        adv.advise("llama", "1b", seq=1, kv_cache_tokens=1024, **kw)
+    rc = main(["advise", "--model", "llama:1b", "--layers", "2", "--gpus-per-node", "2", "--batch", "1", "--seq", "1",
+               "--inference", "--context", "2048", "--physical-mesh"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "latency (one batch)" in text and "K/V cache of 2048 tokens" in text and "kv_cache" in text
+    assert main(["advise", "--sweep", "--inference"]) == 1
+    assert "--sweep is the training design guide" in capsys.readouterr().err
