@@ -493,13 +493,9 @@ def memory(plan) -> dict[str, Any]:
         # GPipe peaks before the gradients exist, or with one micro-batch's activations fewer (solver.pipeline
         # .stage_peak): the gradients present at the peak are what the total leaves beside states and activations
         grads = min(mb["gradients"], max(0.0, mb["total"] - mb["states"] - mb["activations"]))
-        # the K/V cache (inference) in the activations: the stage plan's, for every block, over the rank's share
-        blocks = sum(len(s["layers"]) for s in plan.pipeline["stages"])
-        mine = sum(len(s["layers"]) for s in plan.pipeline["stages"] if s["rank"] == rank)
-        act = mb["total"] - mb["states"] - grads
-        kv = min(act, sharding.get("kv_cache", 0.0) * mine / max(1, blocks))
+        kv = mb.get("kv_cache", 0.0)  # inference: the K/V caches of the rank's blocks
         kinds = {"parameters": mb["states"] * frac, "gradients": grads, "optimizer_states": mb["states"] * (1 - frac),
-                 "activations": act - kv, "kv_cache": kv, "other": 0.0}
+                 "activations": mb["total"] - mb["states"] - grads - kv, "kv_cache": kv, "other": 0.0}
         return {"by_kind": kinds, "peak": mb["total"],
                 "binds_at": f"pipeline rank {rank} of {plan.pipeline['degree']}: its states, gradients and the "
                             "activations of its micro-batches in flight",

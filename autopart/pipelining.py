@@ -638,6 +638,9 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     ckpt.update({units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c or units[i].full})
     ends = list(pl.boundaries[1:]) + [len(units)]
     m = o.micro_batches
+    # inference: the K/V cache (of every sequence, in the activations of the micro-batches in flight: all of them
+    # forward-only) of the stage plan's attentions, a block's share each
+    kv_block = plan.predicted.get("memory_bytes", {}).get("kv_cache", 0.0) / max(1, len(units))
     stage_recs = []
     for c, (i, j) in enumerate(zip(pl.boundaries, ends)):
         us = units[i:j]
@@ -649,10 +652,12 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         # GPipe peaks as backward starts, every micro-batch's activations held and gradients not yet allocated
         # (solver/pipeline.py); the other schedules hold their in-flight count with gradients allocated
         total = float(stage_peak(states + grads, grads, act, tr, n_fl, o.schedule == "gpipe"))
+        kv = min(n_fl * act, kv_block * (j - i))  # in ``act``, reported apart
         stage_recs.append({
             "index": c, "rank": c % o.stages, "layers": [u.name for u in us],
             "time_s": pl.stage_time_s[c], "in_flight": n_fl,
-            "memory_bytes": {"states": states, "gradients": grads, "activations": n_fl * act + tr, "total": total},
+            "memory_bytes": {"states": states, "gradients": grads, "activations": n_fl * act + tr - kv,
+                             "kv_cache": kv, "total": total},
             "send_bytes": us[-1].out_bytes / m if j < len(units) else 0.0,
             "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k] or u.full],
         })
@@ -692,13 +697,17 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     pipeline["gradient_reduction_s"] = max(0.0, no_step - gather)
     mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
     mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)
+    kv_rank = defaultdict(float)  # a rank holds the caches of all its chunks
+    for s in stage_recs:
+        kv_rank[s["rank"]] += s["memory_bytes"]["kv_cache"]
     comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below
     predicted = dict(plan.predicted)
     predicted.update({"step_time_s": cand.step_s, "compute_s": comp / o.stages,
                       "comm_s": max(0.0, cand.step_s - comp / o.stages - pipeline["optimizer_step_s"]),
                       "optimizer_step_s": pipeline["optimizer_step_s"],
                       "memory_bytes": {"parameters_and_optimizer": mem["states"], "gradients": mem["gradients"],
-                                       "activations": mem["activations"], "total": mem["total"]},
+                                       "activations": mem["activations"], "total": mem["total"],
+                                       "kv_cache": max(kv_rank.values(), default=0.0)},
                       "sharding_only": plan.predicted})
     return dataclasses.replace(plan, pipeline=pipeline, checkpoint=ckpt, predicted=predicted)
 

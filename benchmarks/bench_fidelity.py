@@ -62,6 +62,10 @@ CONFIGS: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict]] = {
                                                  pipeline={"schedule": "gpipe", "micro_batches": 4})),
     "pp4-1f1b": ((4,), ("pp",), dict(roles={"pp": "pp"}, pipeline={"schedule": "1f1b", "micro_batches": 4})),
     "free-2x2": ((2, 2), ("a", "b"), dict()),
+    # interleaved with fewer micro-batches than stages: its 4 chunks one after the other (free-2x2's choice until
+    # the schedule's length was priced so, at 3 chunk times)
+    "pp2-interleaved-m1": ((2, 2), ("a", "b"), dict(pipeline={"stages": 2, "micro_batches": 1,
+                                                              "schedule": "interleaved"})),
 }
 
 
