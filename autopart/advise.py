@@ -682,7 +682,12 @@ class Advice:
         return "\n".join(lines)
 
     def cache_text(self) -> str:
-        return f", K/V cache of {self.kv_cache_tokens} tokens per sequence" if self.kv_cache_tokens else ""
+        if not self.kv_cache_tokens:
+            return ""
+        none = self.fits and not self.memory.get("by_kind", {}).get("kv_cache")
+        return (f", K/V cache of {self.kv_cache_tokens} tokens per sequence" +
+                (" (none held: the model has no attention; a state-space model's decoding state does not grow "
+                 "with the context)" if none else ""))
 
     def views_text(self) -> str:
         """The logical meshes planned and each one's predicted step (``views``), on one line."""

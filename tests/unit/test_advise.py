@@ -502,6 +502,10 @@ def test_inference_advice_is_forward_only_with_its_kv_cache(capsys) -> None:
     assert train.memory["by_kind"]["optimizer_states"] > 0 and inf.memory["by_kind"]["optimizer_states"] == 0
     with pytest.raises(ValueError, match="inference=True"):
         adv.advise("llama", "1b", seq=1, kv_cache_tokens=1024, **kw)
+    # a state-space model has no K/V cache to hold: the advice says so rather than report an empty one silently
+    ssm = adv.advise("mamba", "tiny", seq=1, batch=2, gpus_per_node=2, views=False, inference=True,
+                     kv_cache_tokens=512)
+    assert ssm.fits and ssm.memory["by_kind"]["kv_cache"] == 0 and "none held" in str(ssm)
     rc = main(["advise", "--model", "llama:1b", "--layers", "2", "--gpus-per-node", "2", "--batch", "1", "--seq", "1",
                "--inference", "--context", "2048", "--physical-mesh"])
     text = capsys.readouterr().out
