@@ -74,6 +74,9 @@ class Unit:
     name: str
     time_s: float = 0.0  # proportional to the micro-batch
     fixed_s: float = 0.0  # per micro-batch, independent of its size (parameter gathers)
+    # the least time_s a micro-batch takes whatever its size: its ops' parameters read (and, training, their
+    # gradients written) at the memory bandwidth (a decoding step reads every weight; planner's param_read_s)
+    floor_s: float = 0.0
     fwd_s: float = 0.0  # forward compute of the recomputable nodes (what full recompute costs)
     act_bytes: float = 0.0
     ckpt_act_bytes: float = 0.0  # kept under full recompute (the block's input/output)
@@ -90,6 +93,7 @@ class Unit:
     # the same, counting only nodes of the block itself (not the embedding or head folded into it)
     block_time_s: float = 0.0
     block_fixed_s: float = 0.0
+    block_floor_s: float = 0.0
     block_fwd_s: float = 0.0
     block_act_bytes: float = 0.0
     block_ckpt_bytes: float = 0.0
@@ -103,7 +107,7 @@ class Unit:
 
     def cost(self, m: int) -> LayerCost:
         rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
-        t = self.time_s / m + self.fixed_s
+        t = max(self.time_s / m, min(self.floor_s, self.time_s)) + self.fixed_s
         fwd = min(self.fwd_s / m, t)
         if self.full:  # recomputed whatever the partition: keeps its input, runs its forward again in backward
             return LayerCost(fwd_s=fwd, bwd_s=t, act_bytes=min(self.ckpt_act_bytes, self.act_bytes) / m,
@@ -189,6 +193,8 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         u.act_bytes += kept
         u.transient_bytes += tr
         u.block_time_s += (rec["time_s"] - lat) * own
+        u.floor_s += rec.get("param_read_s", 0.0)
+        u.block_floor_s += rec.get("param_read_s", 0.0) * own
         u.block_act_bytes += kept * own
         u.block_transient_bytes += tr * own
         if rec["region"] in ("layer", "attention"):
@@ -339,6 +345,7 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
     the blocks between are the second block without the head (its own nodes only)."""
     first, second = units
     inner = dataclasses.replace(second, name="", time_s=second.block_time_s, fixed_s=second.block_fixed_s,
+                                floor_s=second.block_floor_s,
                                 fwd_s=second.block_fwd_s, act_bytes=second.block_act_bytes,
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
                                 state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,

@@ -58,3 +58,44 @@ def test_inference_is_cheaper_than_training_and_partly_frozen_models_train_the_r
     steps = train.predicted["optimizer_step_s"] - part.predicted["optimizer_step_s"]
     assert steps == pytest.approx(7 * emb / bw, rel=1e-6) and inf.predicted["optimizer_step_s"] == 0
     assert "embed.weight" not in part.reduced
+
+
+def _decode_plan(axis: str, pipeline=None, batch: int = 4, ranks: int = 4):
+    ids = torch.randint(0, 256, (batch, 1))
+    return autopart.plan(_llama(), autopart.mesh((ranks,), (axis,)), (ids,), roles={axis: axis}, cluster="h100-80gb",
+                         kv_cache_tokens=64, pipeline=pipeline, recipes=False)
+
+
+def test_a_replicated_weight_is_read_whole_by_every_device():
+    """A decoding step (one token a sequence) reads every weight: under data parallelism each device reads the
+    whole of each (the op's FLOPs split 4 ways, its weight's bytes not), under tensor parallelism its shard.
+    Before, an op's bytes were split like its FLOPs, and data-parallel decoding was priced up to 4x too fast."""
+    bw = autopart.preset("h100-80gb", (4,)).device.mem_bandwidth
+    weights = sum(p.numel() * p.element_size() for p in _llama().parameters())
+    dp, tp = _decode_plan("dp"), _decode_plan("tp")
+    read = {k: sum(r.get("param_read_s", 0.0) for r in p.nodes.values()) for k, p in (("dp", dp), ("tp", tp))}
+    assert read["dp"] == pytest.approx(weights / bw, rel=1e-9)  # every weight read once, whole, on every device
+    assert read["tp"] < read["dp"] / 2  # the shards
+    for k, p in (("dp", dp), ("tp", tp)):
+        assert p.predicted["compute_s"] >= read[k]
+
+
+def test_every_micro_batch_of_a_pipeline_reads_its_stage_weights():
+    """Layer costs scale with the micro-batch, except what each micro-batch pays whatever its size: its ops'
+    weights read (``Unit.floor_s``). A decoding pipeline of m micro-batches reads each stage's weights m times."""
+    from autopart.pipelining import Unit
+
+    u = Unit("b", time_s=10.0, floor_s=4.0)
+    assert u.cost(1).fwd_s + u.cost(1).bwd_s == pytest.approx(10.0)
+    assert u.cost(4).fwd_s + u.cost(4).bwd_s == pytest.approx(4.0)  # not 10 / 4
+    one = Unit("b", time_s=10.0, floor_s=40.0).cost(1)
+    assert one.fwd_s + one.bwd_s == pytest.approx(10.0)  # never above one pass's time
+    stage_time = {}
+    for m in (1, 4):
+        p = _decode_plan("pp", {"stages": 2, "micro_batches": m, "schedule": "gpipe"}, ranks=2)
+        assert p.pipeline["micro_batches"] == m
+        stage_time[m] = max(st["time_s"] for st in p.pipeline["stages"])
+        for st in p.pipeline["stages"]:
+            floor = sum(r.get("param_read_s", 0.0) for r in p.nodes.values() if r["layer"] in st["layers"])
+            assert floor > 0 and st["time_s"] >= floor * (1 - 1e-9)  # each micro-batch reads its stage's weights
+    assert stage_time[4] > 1.5 * stage_time[1] / 4  # a quarter of the batch is not a quarter of the time

@@ -32,6 +32,10 @@ def _plan(sp_gpt, cluster: str, **kw):
     key = (cluster, *sorted(kw.items()))
     if key not in _PLANS:
         model, ids, t, pins = sp_gpt
+        # the (tied) embedding and head vocab-parallel: the head fed by a sequence-parallel gather, which the
+        # pass fuses, and the embedding's partial sums reduce-scattered (split on the hidden size instead, they
+        # convert by all-to-alls, a near tie on the cpu preset)
+        pins = {**pins, "wte.weight": "S(0)", "wpe.weight": "S(0)"}
         _PLANS[key] = autopart.plan(model, autopart.mesh((2,), ("tp",)), (ids,), {"labels": ids},
                                     roles={"tp": "tp"}, pins=pins, traced=t, cluster=cluster, pipeline="off", **kw)
     return _PLANS[key]
