@@ -19,8 +19,9 @@ gradient), and the recomputed forward :math:`f_l` for checkpointed layers. Bottl
   :math:`T = (m v + p - 1)\,\tau`, which for balanced chunks (:math:`\tau = t/v`) is
   :math:`(m + (p-1)/v)\,t`: bubble :math:`(p-1)/(v m)` of the ideal time, :math:`(p-1)/(v m + p - 1)` of the step.
   That count is the runtime's critical path for :math:`m \ge p`; with fewer micro-batches than stages (torch
-  runs them in one round of m) the schedule idles more: :math:`T = (v p + m - 1)\,\tau` for :math:`m < p` (``schedule_units``); one
-  micro-batch on p = 2, v = 2 passes its 4 chunks in turn, :math:`4\tau`, not :math:`3\tau`.
+  runs them in one round of m) the schedule idles more: :math:`T = (v p + m - 1)\,\tau` for :math:`m < p`
+  (``schedule_units``); one micro-batch on p = 2, v = 2 passes its 4 chunks in turn, :math:`4\tau`, not
+  :math:`3\tau`.
 
 Memory of a stage: :math:`S + n_k A'` with :math:`S = \sum_l s_l` the states (gradients included), :math:`A' =
 \sum_l a'_l` the activation bytes (``recompute_act_bytes`` if the layer is checkpointed, else ``act_bytes``) and
@@ -32,12 +33,12 @@ Memory of a stage: :math:`S + n_k A'` with :math:`S = \sum_l s_l` the states (gr
   interleaved reach their in-flight count again after the first backward, gradients allocated: :math:`S + n_k A'
   + R`.) :math:`R` (``transient_bytes``, the loss's temporaries as its backward starts) is held once.
 * 1F1B: :math:`n_k = \min(p - k, m)` (stage 0 holds :math:`p`; N21 §2.2.1).
-* Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)g + 1)` chunk-micro-batches
-  (:math:`g = p` micro-batches a round, as Megatron runs it, or :math:`g = m` when :math:`m < p`, as torch's
-  ``ScheduleInterleaved1F1B`` does) in flight on rank :math:`r`, spread evenly over its chunks: :math:`n_c = \min(m, \lceil W_r / v \rceil)`; rank 0
-  then holds about :math:`(1 + (p-1)/(p v))` times 1F1B's activations, as N21 states. Each chunk must fit in
-  ``memory_limit / v`` (a sufficient condition for its rank to fit; it keeps the DP contiguous). ``stage_memory``
-  reports per rank, the sum of its chunks.
+* Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)g + 1)`
+  chunk-micro-batches (:math:`g = p` micro-batches a round, as Megatron runs it, or :math:`g = m` when
+  :math:`m < p`, as torch's ``ScheduleInterleaved1F1B`` does) in flight on rank :math:`r`, spread evenly over its
+  chunks: :math:`n_c = \min(m, \lceil W_r / v \rceil)`; rank 0 then holds about :math:`(1 + (p-1)/(p v))` times
+  1F1B's activations, as N21 states. Each chunk must fit in ``memory_limit / v`` (a sufficient condition for its
+  rank to fit; it keeps the DP contiguous). ``stage_memory`` reports per rank, the sum of its chunks.
 
 Optimisation (``partition``)
 ----------------------------
