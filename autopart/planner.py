@@ -233,21 +233,33 @@ def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
     return tensor_bytes(val.shape, val.dtype) / f
 
 
-def local_bytes_share(node: fx.Node, option: OpOption, val, mesh_shape, split: int) -> float:
+def embedding_rows_bytes(node: fx.Node) -> float:
+    """Bytes a forward-only embedding lookup moves: its indices, the rows it gathers and its output (``node_bytes``
+    counts its whole table, which training's backward writes as a dense gradient)."""
+    idx, out = value_of(node.args[1]), value_of(node)
+    return float(tensor_bytes(idx.shape, idx.dtype) + 2 * tensor_bytes(out.shape, out.dtype))
+
+
+def local_bytes_share(node: fx.Node, option: OpOption, val, mesh_shape, split: int,
+                      rows_only: bool = False) -> float:
     """The share of an op's bytes (``node_bytes``: its tensors read and written) one device moves under ``option``:
     each tensor input and output at its local size (a shard of a ``Shard`` placement; a replicated or partial one
     whole), over all of them whole. Its FLOPs split ``split`` ways (every axis the option splits any of them on),
     but a tensor it leaves replicated is read whole on every device: a linear under data parallelism reads its
     whole weight on each (decoding, with a few tokens a device, is that read), under tensor parallelism its whole
     input. ``1 / split`` where every tensor is split alike (elementwise ops), or where the option's placements do
-    not line up with the node's tensors."""
+    not line up with the node's tensors. ``rows_only``: an embedding's bytes are the rows it gathers, not its table.
+    """
     ins = tensor_inputs(node)
     outs = val if isinstance(val, (tuple, list)) else (val,)
     out_specs = option.output if option.output and isinstance(option.output[0], tuple) else (option.output,)
     if len(option.inputs) != len(ins) or len(out_specs) != len(outs):
         return 1.0 / split
     full = local = 0.0
-    for x, spec in [(value_of(n), p) for n, p in zip(ins, option.inputs)] + list(zip(outs, out_specs)):
+    pairs = [(value_of(n), p) for n, p in zip(ins, option.inputs)]
+    if rows_only:  # a forward-only lookup (``embedding_rows_bytes``): the rows it reads, split like its output
+        pairs = pairs[1:]
+    for x, spec in pairs + list(zip(outs, out_specs)):
         if isinstance(x, torch.Tensor) and spec is not None:
             full += tensor_bytes(x.shape, x.dtype)
             local += _local_bytes(x, spec, mesh_shape)
@@ -1840,11 +1852,14 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
         flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
         nbytes = node_bytes(_fx_vals(list(rep.args) + list(rep.kwargs.values())), val, rep.target)
         g = info.needs_grad[rep.name]
+        rows = rep.target == aten.embedding.default and not g
+        if rows:
+            nbytes = embedding_rows_bytes(rep)
         tflops = flops + (backward_flops(rep.target, flops, rep.args) if g else 0)
         tbytes = nbytes * (3 if g else 1)
         for a, o in enumerate(opts_r):
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
-            share = local_bytes_share(rep, o, val, mesh, f)
+            share = local_bytes_share(rep, o, val, mesh, f, rows_only=rows)
             comp[a] = roofline_time(tflops / f, tbytes * share, device, rep.target, rep.kwargs, with_backward=g)
             fwd[a] = roofline_time(flops / f, nbytes * share, device, rep.target, rep.kwargs)
             icomm[a] = internal_comm_time(rep, o, cluster, with_backward=g)
@@ -3048,10 +3063,13 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         if info.kind[n.name] == "op":
             # its parameters' bytes at the layouts it reads them in: read (and, training, read again and their
             # gradient written in backward) by every micro-batch whatever its size (``pipelining.Unit.floor_s``)
+            # (an embedding reads only the rows it gathers, and writes, training, its dense table's gradient)
+            passes = (1 if n.target == aten.embedding.default else 3) if info.needs_grad[n.name] else \
+                (0 if n.target == aten.embedding.default else 1)
             read = sum(_local_bytes(value_of(a), p, mesh) for a, p in zip(tensor_inputs(n), o.inputs)
                        if info.kind.get(a.name) == "param" and isinstance(value_of(a), torch.Tensor))
-            if read:
-                rec["param_read_s"] = read * (3 if info.needs_grad[n.name] else 1) / cluster.device.mem_bandwidth
+            if read * passes:
+                rec["param_read_s"] = read * passes / cluster.device.mem_bandwidth
         if prob.node_latency and prob.node_latency[gid][a] > 0:  # paid by every micro-batch, whatever its size
             rec["comm_latency_s"] = float(prob.node_latency[gid][a]) / k
         ep = ep_axes(n, o.inputs) if n.target is regions.OP else ()
