@@ -702,11 +702,13 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
                              late_s=[u.late_s for u in units])
     pipeline["optimizer_step_s"] = max(0.0, cand.reduce_s - no_step)
     pipeline["gradient_reduction_s"] = max(0.0, no_step - gather)
-    mem = {k: max(s["memory_bytes"][k] for s in stage_recs) for k in ("states", "gradients", "activations")}
-    mem["total"] = max(s["memory_bytes"]["total"] for s in stage_recs)
-    kv_rank = defaultdict(float)  # a rank holds the caches of all its chunks
+    # per rank, which holds all of its chunks (interleaved: v of them), then the largest rank's of each part
+    per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for s in stage_recs:
-        kv_rank[s["rank"]] += s["memory_bytes"]["kv_cache"]
+        for k, v in s["memory_bytes"].items():
+            per_rank[s["rank"]][k] += v
+    mem = {k: max(r[k] for r in per_rank.values()) for k in ("states", "gradients", "activations", "total",
+                                                             "kv_cache")}
     comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below
     predicted = dict(plan.predicted)
     predicted.update({"step_time_s": cand.step_s, "compute_s": comp / o.stages,
@@ -714,7 +716,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
                       "optimizer_step_s": pipeline["optimizer_step_s"],
                       "memory_bytes": {"parameters_and_optimizer": mem["states"], "gradients": mem["gradients"],
                                        "activations": mem["activations"], "total": mem["total"],
-                                       "kv_cache": max(kv_rank.values(), default=0.0)},
+                                       "kv_cache": mem["kv_cache"]},
                       "sharding_only": plan.predicted})
     return dataclasses.replace(plan, pipeline=pipeline, checkpoint=ckpt, predicted=predicted)
 

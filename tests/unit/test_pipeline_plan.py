@@ -55,6 +55,11 @@ def test_forced_pipeline_section(schedule, virtual):
         assert [st["in_flight"] for st in pp["stages"]] == [2, 1]
     if schedule == "gpipe":
         assert all(st["in_flight"] == 4 for st in pp["stages"])
+    # the plan's memory is its largest rank's, which holds all of its chunks (interleaved: 2 of them)
+    rank_total = max(sum(st["memory_bytes"]["total"] for st in pp["stages"] if st["rank"] == r) for r in (0, 1))
+    assert p.predicted["memory_bytes"]["total"] == pytest.approx(rank_total, rel=1e-12)
+    if virtual > 1:
+        assert rank_total > max(st["memory_bytes"]["total"] for st in pp["stages"])
     text = str(p)
     assert "pipeline: 2 stages" in text and "schedule" in text
 
