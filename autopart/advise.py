@@ -249,7 +249,7 @@ def build(model: str | None = "llama", size: str | None = None, *, factory: str 
                 name += " (" + ", ".join(f"{k}={v}" for k, v in overrides.items() if v is not None) + ")"
     if inference:
         module.requires_grad_(False)
-        if factory is None or kwargs == {"labels": inputs[0]}:  # the defaults above: logits, not a loss
+        if set(kwargs) == {"labels"} and kwargs["labels"] is inputs[0]:  # the defaults above: logits, not a loss
             kwargs = {}
     return name, module, inputs, kwargs, cfg
 

@@ -252,7 +252,7 @@ def local_bytes_share(node: fx.Node, option: OpOption, val, mesh_shape, split: i
     """
     ins = tensor_inputs(node)
     outs = val if isinstance(val, (tuple, list)) else (val,)
-    out_specs = option.output if option.output and isinstance(option.output[0], tuple) else (option.output,)
+    out_specs = _outs(option)
     if len(option.inputs) != len(ins) or len(out_specs) != len(outs):
         return 1.0 / split
     full = local = 0.0
@@ -267,9 +267,8 @@ def local_bytes_share(node: fx.Node, option: OpOption, val, mesh_shape, split: i
 
 
 def is_split(option: OpOption, axis: int) -> bool:
-    outs = option.output if option.output and isinstance(option.output[0], tuple) else (option.output,)
     return any(not isinstance(s[axis], Replicate) for s in option.inputs) or \
-        any(not isinstance(o[axis], Replicate) for o in outs)
+        any(not isinstance(o[axis], Replicate) for o in _outs(option))
 
 
 def output_spec(option: OpOption, index: int | None):

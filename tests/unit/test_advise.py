@@ -502,6 +502,15 @@ def test_inference_advice_is_forward_only_with_its_kv_cache(capsys) -> None:
     assert train.memory["by_kind"]["optimizer_states"] > 0 and inf.memory["by_kind"]["optimizer_states"] == 0
     with pytest.raises(ValueError, match="inference=True"):
         adv.advise("llama", "1b", seq=1, kv_cache_tokens=1024, **kw)
+    # a factory's own example kwargs are kept (its labels a tensor other than the ids: compared by identity, not
+    # by a tensor's ambiguous truth value)
+    def own_labels():
+        model, (ids,), _ = tiny_factory_with_inputs()
+        return model, (ids,), {"labels": ids.clone()}
+
+    _, module, _, kwargs, _ = adv.build(factory=own_labels, inference=True)
+    assert set(kwargs) == {"labels"} and not any(p.requires_grad for p in module.parameters())
+    assert adv.build(factory=tiny_factory_with_inputs, inference=True)[3] == {}  # the defaults: logits
     # a state-space model has no K/V cache to hold: the advice says so rather than report an empty one silently
     ssm = adv.advise("mamba", "tiny", seq=1, batch=2, gpus_per_node=2, views=False, inference=True,
                      kv_cache_tokens=512)
