@@ -479,11 +479,9 @@ def memory(plan) -> dict[str, Any]:
     """Memory per GPU at the binding peak, by kind (``MEMORY_KINDS`` sum to ``peak``), and which moment binds."""
     pred = plan.predicted["memory_bytes"]
     if plan.pipeline:
-        # a rank holds all its chunks (interleaved schedules give it several)
-        per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        for s in plan.pipeline["stages"]:
-            for k, v in s["memory_bytes"].items():
-                per_rank[s["rank"]][k] += v
+        from autopart.pipelining import rank_memory
+
+        per_rank = rank_memory(plan.pipeline["stages"])  # a rank holds all its chunks
         rank = max(per_rank, key=lambda r: per_rank[r]["total"])
         mb = per_rank[rank]
         sharding = plan.predicted.get("sharding_only", {}).get("memory_bytes", {})

@@ -703,10 +703,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     pipeline["optimizer_step_s"] = max(0.0, cand.reduce_s - no_step)
     pipeline["gradient_reduction_s"] = max(0.0, no_step - gather)
     # per rank, which holds all of its chunks (interleaved: v of them), then the largest rank's of each part
-    per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for s in stage_recs:
-        for k, v in s["memory_bytes"].items():
-            per_rank[s["rank"]][k] += v
+    per_rank = rank_memory(stage_recs)
     mem = {k: max(r[k] for r in per_rank.values()) for k in ("states", "gradients", "activations", "total",
                                                              "kv_cache")}
     comp = sum(u.time_s for u in units)  # at the traced batch: all micro-batches, one stage's share below
@@ -719,6 +716,16 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
                                        "kv_cache": mem["kv_cache"]},
                       "sharding_only": plan.predicted})
     return dataclasses.replace(plan, pipeline=pipeline, checkpoint=ckpt, predicted=predicted)
+
+
+def rank_memory(stages: list[dict]) -> dict[int, dict[str, float]]:
+    """Per pipeline rank, each part of its memory (a stage record's ``memory_bytes``) summed over the chunks it
+    holds (interleaved schedules give it several)."""
+    per_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for s in stages:
+        for k, v in s["memory_bytes"].items():
+            per_rank[s["rank"]][k] += v
+    return per_rank
 
 
 def assign_stages(gm: fx.GraphModule, plan, stage_of_layer: dict[str, int]) -> dict[str, int]:
