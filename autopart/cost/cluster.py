@@ -47,6 +47,14 @@ class Link:
     # ZeRO-3's collectives, a single op's compute apart, pay these (``in_chain``; ``planner.transition_time``).
     # Empty: no difference (GPUs, presets)
     chained: tuple[tuple[str, float, float], ...] = ()
+    # the collective library's low-latency protocol (NCCL's LL: 8-byte stores carrying their own flag, no
+    # handshake per chunk), which it picks for small messages: a collective of ``steps`` ring steps moving B bus
+    # bytes per rank takes ``ll_latency + steps * ll_hop + B / ll_bandwidth`` where the default protocol takes
+    # ``steps * alpha + B * beta``, and the faster is priced (``autopart.cost.comm``). ``ll_bandwidth`` 0: none
+    # (gloo; a collective measured by ``autopart.calibrate`` keeps its own fit)
+    ll_latency: float = 0.0
+    ll_hop: float = 0.0
+    ll_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.local, int) and self.local >= 1):
@@ -60,6 +68,9 @@ class Link:
             raise ValueError(f"Link alpha must be >= 0 seconds, got {self.alpha}")
         if not self.beta > 0:
             raise ValueError(f"Link beta must be > 0 seconds per byte, got {self.beta}")
+        if not (self.ll_latency >= 0 and self.ll_hop >= 0 and self.ll_bandwidth >= 0):
+            raise ValueError(f"Link ll_latency, ll_hop (seconds) and ll_bandwidth (bytes/s, 0: no low-latency "
+                             f"protocol) must be >= 0, got {self.ll_latency}, {self.ll_hop}, {self.ll_bandwidth}")
         for name in ("per_collective", "chained"):
             object.__setattr__(self, name, tuple((str(k), float(a), float(b)) for k, a, b in getattr(self, name)))
             for kind, a, b in getattr(self, name):
@@ -84,16 +95,34 @@ class Link:
         return replace(self, local=1, local_link=None) if self.local > 1 else self
 
     def without_latency(self) -> Link:
-        """The same link with every alpha 0 (its measured collectives' and its node-local link's too): what a
-        parameter's share of a bucketed collective pays, the bucket paying the latency once."""
-        return replace(self, alpha=0.0, per_collective=tuple((k, 0.0, b) for k, _, b in self.per_collective),
+        """The same link with every alpha 0 (its measured collectives' and its node-local link's too) and no
+        low-latency protocol: what a parameter's share of a bucketed collective pays, the bucket paying the latency
+        once (a bucket is large: the default protocol's bandwidth)."""
+        return replace(self, alpha=0.0, ll_latency=0.0, ll_hop=0.0, ll_bandwidth=0.0,
+                       per_collective=tuple((k, 0.0, b) for k, _, b in self.per_collective),
                        chained=tuple((k, 0.0, b) for k, _, b in self.chained),
                        local_link=self.local_link.without_latency() if self.local_link else None)
+
+    def default_protocol(self) -> Link:
+        """The same link without its low-latency protocol (its node-local link's too): what a bucket of gradients or
+        gathered parameters pays per collective, large enough that the library runs its default protocol, so that
+        its latency is the default protocol's (``planner.bucket_bytes``, ``grad_reduction_share``)."""
+        if self.ll_bandwidth <= 0 and (self.local_link is None or self.local_link.ll_bandwidth <= 0):
+            return self
+        return replace(self, ll_latency=0.0, ll_hop=0.0, ll_bandwidth=0.0,
+                       local_link=self.local_link.default_protocol() if self.local_link else None)
 
     @property
     def bandwidth(self) -> float:
         """Bytes per second (1 / beta)."""
         return 1.0 / self.beta
+
+    def low_latency(self, steps: int, bus_bytes: float) -> float:
+        """Seconds of a collective of ``steps`` ring steps moving ``bus_bytes`` per rank under the low-latency
+        protocol; infinite where the link has none."""
+        if self.ll_bandwidth <= 0:
+            return math.inf
+        return self.ll_latency + steps * self.ll_hop + bus_bytes / self.ll_bandwidth
 
     def __str__(self) -> str:
         s = f"{self.alpha * 1e6:.3g}us@{self.bandwidth / 1e9:.3g}GB/s"
@@ -325,13 +354,21 @@ _CPU = Preset(
     reserve_bytes=512 * MiB,
 )
 
+def _nccl_ll(bandwidth: float, across: bool = False) -> dict:
+    """NCCL's low-latency protocol (LL) on a GPU preset's link, from NCCL's tuning model (``src/graph/tuning.cc``,
+    v2.19-2.27): a ring collective under LL costs a base of 6.6 µs plus 0.6 µs per step over NVLink, 2.7 µs per
+    step over the network, at a bus bandwidth of half the link's, capped at 141 GB/s on Hopper inside a node (87.7
+    on Ampere) and at 20.4 GB/s across more than two nodes (``llMaxBws``)."""
+    return {"ll_latency": 6.6e-6, "ll_hop": 2.7e-6 if across else 0.6e-6, "ll_bandwidth": bandwidth}
+
+
 _A100 = Preset(
     device=Device(
         "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7,
         host_step_bandwidth=0.75 * 409.6e9 / 8, comm_overlap=True,
     ),
-    intra_node=Link(alpha=5e-6, beta=1 / 300e9),
-    inter_node=Link(alpha=10e-6, beta=1 / 25e9, tree=True),
+    intra_node=Link(alpha=5e-6, beta=1 / 300e9, **_nccl_ll(87.7e9)),
+    inter_node=Link(alpha=10e-6, beta=1 / 25e9, tree=True, **_nccl_ll(0.5 * 25e9, across=True)),
     devices_per_node=8,
     reserve_bytes=4 * GiB,
 )
@@ -350,8 +387,8 @@ _H100 = Preset(
         attention_flops=fused_attention_rate(518e12, 499e12), host_step_bandwidth=0.75 * 614.4e9 / 8,
         comm_overlap=True,
     ),
-    intra_node=Link(alpha=5e-6, beta=1 / 450e9),
-    inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True),
+    intra_node=Link(alpha=5e-6, beta=1 / 450e9, **_nccl_ll(141e9)),
+    inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True, **_nccl_ll(20.4e9, across=True)),
     devices_per_node=8,
     reserve_bytes=4 * GiB,
 )
@@ -376,7 +413,7 @@ _DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_ban
                 "gemm_min_flops", "attention_flops", "host_step_bandwidth", "optimizer_bandwidth",
                 "optimizer_param_latency", "math_bandwidth", "op_latency", "param_latency", "zero3_latency",
                 "host_ranks", "alone_speedup", "comm_overlap"}
-_LINK_KEYS = {"alpha", "beta", "bandwidth", "tree"}
+_LINK_KEYS = {"alpha", "beta", "bandwidth", "tree", "ll_latency", "ll_hop", "ll_bandwidth"}
 
 
 def _size(value: Any, where: str) -> float:
@@ -413,7 +450,10 @@ def load_preset(path: str) -> str:
                                        # mem_bandwidth)
         [intra_node]                   # the link inside a node: alpha (s per message) and
         alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
-        bandwidth = 450e9              # library also has a tree all-reduce (NCCL)
+        bandwidth = 450e9              # library also has a tree all-reduce (NCCL); ll_latency, ll_hop
+        ll_latency = 6.6e-6            # (s) and ll_bandwidth (bytes/s, 0: none): its low-latency
+        ll_hop = 0.6e-6                # protocol for small messages (NCCL's LL), priced beside the
+        ll_bandwidth = "141GB"         # default one and the faster kept (autopart.cost.comm)
         [inter_node]                   # the link between nodes
         alpha = 10e-6
         bandwidth = 50e9
@@ -485,7 +525,8 @@ def load_preset(path: str) -> str:
         bad = set(given) - _LINK_KEYS
         if bad:
             raise ValueError(f"cluster file {path!r}: unknown [{section}] keys {sorted(bad)}; allowed: "
-                             f"alpha and bandwidth (bytes/s) or beta (s/byte)")
+                             f"alpha and bandwidth (bytes/s) or beta (s/byte), tree, ll_latency, ll_hop, "
+                             f"ll_bandwidth")
         if "bandwidth" in given and "beta" in given:
             raise ValueError(f"cluster file {path!r}: [{section}] gives both bandwidth and beta; give one")
         old = getattr(start, section) if start is not None else None
@@ -499,7 +540,13 @@ def load_preset(path: str) -> str:
         tree = given.get("tree", old.tree if old else False)
         if not isinstance(tree, bool):
             raise ValueError(f"cluster file {path!r}: [{section}] tree must be true or false, got {tree!r}")
-        return Link(alpha=float(alpha), beta=float(beta), tree=tree)
+        ll = {}
+        for k in ("ll_latency", "ll_hop", "ll_bandwidth"):
+            v = given.get(k, getattr(old, k) if old else 0.0)
+            ll[k] = _size(v, f"cluster file {path!r} [{section}] {k}") if k == "ll_bandwidth" else v
+            if not isinstance(ll[k], (int, float)) or isinstance(ll[k], bool) or ll[k] < 0:
+                raise ValueError(f"cluster file {path!r}: [{section}] {k} must be a number >= 0, got {v!r}")
+        return Link(alpha=float(alpha), beta=float(beta), tree=tree, **{k: float(v) for k, v in ll.items()})
 
     per_node = data.get("devices_per_node", start.devices_per_node if start is not None else None)
     if per_node is not None and (not isinstance(per_node, int) or per_node < 0):

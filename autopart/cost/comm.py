@@ -8,12 +8,23 @@ the array being all-reduced, the full send buffer of an all-to-all. ``n`` is the
     all-reduce                               2(n-1) α + 2(n-1)/n · S β   (ring)
                                              2⌈log2 n⌉ α + 2(n-1)/n · S β   (tree, ``Link.tree``: the lower wins)
     send/recv                                α + S β
+    each, on a link with a low-latency protocol (``Link.ll_bandwidth``), at most
+                                             ll_latency + steps · ll_hop + bus bytes / ll_bandwidth
 
 NCCL runs all-reduce as a ring or a double binary tree and picks by size (NCCL's tuning model: a tree's latency
 grows with log2 of the nodes, a ring's linearly; inside a node the tree is a chain; docs "Environment Variables",
 NCCL_ALGO). ``Link.tree`` is set on the GPU presets' inter-node link only. Both move the same bytes
 per rank at large sizes (nccl-tests doc/PERFORMANCE.md reports one bus bandwidth, 2(n-1)/n of the algorithm's), so
 the tree changes only the latency term: ``min`` of the two, which is what NCCL's choice approximates.
+
+Small messages: NCCL also runs every collective under its low-latency protocol (LL: each 8-byte store carries its
+own flag, so a step needs no handshake; NCCL's tuning model, ``src/graph/tuning.cc``, prices it at a base of 6.6 µs
+and 0.6 µs per NVLink ring step at about half the bandwidth, capped at 141 GB/s of bus bandwidth on Hopper and 87.7
+on Ampere) and picks the faster protocol per call. A link with ``Link.ll_bandwidth`` prices both and keeps the
+lower: ``ll_latency + steps · ll_hop + bus bytes / ll_bandwidth`` beside the ring's ``steps · α + bus bytes · β``
+(``steps`` = 2(n-1) for an all-reduce, n-1 for the others, 1 for send/recv). An 8-way all-reduce of a decoding
+step's 8 KiB activation on the H100 preset: 15 µs, where the ring's 2(n-1) α is 70 µs; from ~6 MB up (an 8-way
+all-reduce or all-gather) the default protocol wins and nothing changes.
 
 A calibrated link (``autopart.calibrate``) carries α and β measured per collective (``Link.for_collective``):
 gloo and NCCL implement each collective with its own algorithm, so one pair does not fit them all. A measured
@@ -70,7 +81,8 @@ def _ring(nbytes: float, n: int, link: Link) -> float:
     _check(nbytes, n)
     if n == 1:
         return 0.0
-    return (n - 1) * link.alpha + (n - 1) / n * nbytes * link.beta
+    bus = (n - 1) / n * nbytes
+    return min((n - 1) * link.alpha + bus * link.beta, link.low_latency(n - 1, bus))
 
 
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
@@ -87,12 +99,12 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     if _spans_nodes(n, link):
         return hierarchical_time("all_reduce", nbytes, _node_levels(n, link))
     measured = link.for_collective("all_reduce")
-    if not link.tree or measured is not link:
-        return 2 * _ring(nbytes, n, measured)
     _check(nbytes, n)
     if n == 1:
         return 0.0
-    return 2 * min(n - 1, math.ceil(math.log2(n))) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta
+    bus = 2 * (n - 1) / n * nbytes
+    steps = 2 * (min(n - 1, math.ceil(math.log2(n))) if link.tree and measured is link else n - 1)
+    return min(steps * measured.alpha + bus * measured.beta, measured.low_latency(2 * (n - 1), bus))
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
@@ -112,7 +124,7 @@ def send_recv_time(nbytes: float, link: Link) -> float:
     of neighbours cross a node boundary and the step waits for them)."""
     _check(nbytes, 1)
     link = link.across().for_collective("send_recv")
-    return link.alpha + nbytes * link.beta
+    return min(link.alpha + nbytes * link.beta, link.low_latency(1, nbytes))
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:

@@ -120,7 +120,11 @@ def test_plan_without_stages_timing_out_keeps_the_pipeline(monkeypatch):
 
     model, ids = _gpt()
     mesh = autopart.mesh((2,), ("dp",))
-    free = autopart.plan(model, mesh, (ids,), {"labels": ids}, cluster="h100-80gb")
+    # the H100 preset without NCCL's low-latency protocol: with it this tiny GPT's small collectives make ZeRO-1
+    # with selective recompute (48.1 us) beat the 2-stage pipeline (49.9 us) this test needs to win
+    h100 = autopart.preset("h100-80gb", (2,))
+    cluster = dataclasses.replace(h100, links=tuple(link.default_protocol() for link in h100.links))
+    free = autopart.plan(model, mesh, (ids,), {"labels": ids}, cluster=cluster)
     budget = 0.5 * free.predicted["memory_bytes"]["total"] / (1 - autopart.api.MEMORY_MODEL_MARGIN)
     calls = []
     original = planner._accumulated_plan
@@ -132,7 +136,7 @@ def test_plan_without_stages_timing_out_keeps_the_pipeline(monkeypatch):
         raise SolverTimeout("highs found no solution within 0 s (test)")
 
     monkeypatch.setattr(planner, "_accumulated_plan", timeout)
-    p = autopart.plan(model, mesh, (ids,), {"labels": ids}, cluster="h100-80gb", memory_budget=budget)
+    p = autopart.plan(model, mesh, (ids,), {"labels": ids}, cluster=cluster, memory_budget=budget)
     assert calls and p.pipeline["degree"] == 2, p.pipeline
     assert "not solved in time" in p.solver["unsolved"]
 

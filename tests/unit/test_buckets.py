@@ -24,7 +24,7 @@ def _split(axes, cluster, nbytes):
     """(latency, bandwidth seconds) of one reduce-scatter bucket of ``nbytes`` over ``axes``."""
     mesh = cluster.mesh_shape
     levels = sorted(axes, reverse=True)
-    lat = hierarchical_time("reduce_scatter", 0.0, [(mesh[a], cluster.link(a)) for a in levels])
+    lat = hierarchical_time("reduce_scatter", 0.0, [(mesh[a], cluster.link(a).default_protocol()) for a in levels])
     bw = hierarchical_time("reduce_scatter", nbytes, [(mesh[a], cluster.link(a).without_latency()) for a in levels])
     return lat, bw
 

@@ -2,6 +2,7 @@
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,6 +77,42 @@ def test_all_reduce_tree_latency():
         assert bus == pytest.approx(bw, rel=3e-3)  # the latency is 0.2% of 8 GiB's time on NVLink's ring
     # NCCL's tree spans nodes (inside one it is a chain, the ring's step count); gloo: rings
     assert h100.link(0).tree and not h100.link(1).tree and not preset("cpu", (4,)).link(0).tree
+
+
+def test_low_latency_protocol_prices_small_messages():
+    # NCCL's LL protocol (tuning.cc): base + steps x hop at its own bus bandwidth, beside the ring's steps x alpha;
+    # the faster is priced. Steps: 2(n-1) for an all-reduce, n-1 for the others, 1 for send/recv
+    ll = Link(alpha=5e-6, beta=1 / 450e9, ll_latency=6.6e-6, ll_hop=0.6e-6, ll_bandwidth=141e9)
+    small, big = 8192.0, 64e6
+    assert all_reduce_time(small, 8, ll) == pytest.approx(6.6e-6 + 14 * 0.6e-6 + 1.75 * small / 141e9)
+    assert all_gather_time(small, 8, ll) == pytest.approx(6.6e-6 + 7 * 0.6e-6 + 0.875 * small / 141e9)
+    assert reduce_scatter_time(small, 8, ll) == all_gather_time(small, 8, ll)
+    assert all_to_all_time(small, 8, ll) == all_gather_time(small, 8, ll)
+    plain = Link(alpha=5e-6, beta=1 / 450e9)
+    assert send_recv_time(small, ll) == send_recv_time(small, plain)  # one step: alpha (5 us) < LL's 7.2 us
+    slow = replace(ll, alpha=10e-6)
+    assert send_recv_time(small, slow) == pytest.approx(6.6e-6 + 0.6e-6 + small / 141e9)
+    assert all_reduce_time(small, 8, plain) == pytest.approx(14 * 5e-6 + 1.75 * small / 450e9)  # 4.6x LL's
+    for fn in (all_reduce_time, all_gather_time):  # large messages: the default protocol, unchanged
+        assert fn(big, 8, ll) == fn(big, 8, plain)
+    assert all_reduce_time(small, 1, ll) == 0.0
+    # crossing: LL wins below ~6 MB on 8 ranks, never above (its bandwidth is a third of the link's)
+    cross = 55e-6 / (1.75 * (1 / 141e9 - 1 / 450e9))
+    assert all_reduce_time(0.99 * cross, 8, ll) < all_reduce_time(0.99 * cross, 8, plain)
+    assert all_reduce_time(1.01 * cross, 8, ll) == all_reduce_time(1.01 * cross, 8, plain)
+    # a measured collective keeps its fit (gloo or NCCL measured by calibrate); a parameter's share of a bucket
+    # pays bandwidth only (without_latency drops LL as well)
+    measured = replace(ll, per_collective=(("all_reduce", 2e-5, 1e-9),))
+    assert all_reduce_time(small, 8, measured) == pytest.approx(14 * 2e-5 + 1.75 * small * 1e-9)
+    assert all_reduce_time(small, 8, ll.without_latency()) == pytest.approx(1.75 * small / 450e9)
+    # the GPU presets carry NCCL's numbers (NVLink inside a node, the network across); cpu (gloo) has none
+    h100 = preset("h100-80gb", (16, 8))
+    assert all_reduce_time(small, 8, h100.link(1)) == pytest.approx(all_reduce_time(small, 8, ll))
+    assert h100.link(0).ll_hop == 2.7e-6 and h100.link(0).ll_bandwidth == 20.4e9
+    assert preset("a100-80gb", (8,)).link(0).ll_bandwidth == 87.7e9
+    assert preset("cpu", (4,)).link(0).ll_bandwidth == 0.0
+    with pytest.raises(ValueError, match="ll_bandwidth"):
+        Link(alpha=1e-6, beta=1e-9, ll_bandwidth=-1.0)
 
 
 def test_exposed_after():
@@ -518,11 +555,18 @@ def test_cluster_file_overlap_and_tree(tmp_path):
         assert not c.device.comm_overlap and not c.link(0).tree and c.device.gemm_latency == 0.0  # overridden
         assert c.link(0).bandwidth == pytest.approx(50e9)  # the rest from the base
         assert preset("h100-80gb", (4, 8)).link(0).tree
+        assert c.link(1).ll_bandwidth == 141e9  # the low-latency protocol from the base, overridable
+        path.write_text('name = "test-no-ll"\nbase = "h100-80gb"\n[intra_node]\nll_bandwidth = 0\n')
+        assert preset(load_preset(str(path)), (4, 8)).link(1).ll_bandwidth == 0.0
+        path.write_text('name = "test-bad-ll"\nbase = "h100-80gb"\n[intra_node]\nll_hop = -1\n')
+        with pytest.raises(ValueError, match="ll_hop must be a number >= 0"):
+            load_preset(str(path))
         path.write_text('name = "test-bad-overlap"\nbase = "h100-80gb"\n[device]\ncomm_overlap = "yes"\n')
         with pytest.raises(ValueError, match="comm_overlap must be true or false"):
             load_preset(str(path))
     finally:
-        PRESETS.pop("test-gloo-h100", None)
+        for name in ("test-gloo-h100", "test-no-ll"):
+            PRESETS.pop(name, None)
 
 
 def test_views_move_no_bytes():

@@ -351,6 +351,41 @@ def test_repair_to_budget_counts_edge_memory():
     assert repaired > 3
 
 
+def test_prefer_smaller_on_ties_keeps_the_cost_and_lowers_memory():
+    """The solver breaks exact ties arbitrarily; the polish moves a group to the option of least memory among those
+    costing no more with its neighbours as chosen, only where no memory row grows: random problems keep their cost
+    and no peak row grows; a hand-made tie (a frozen weight kept whole or as the slice its consumer reads) resolves
+    to the slice, and not where the slice would cost more."""
+    from autopart.planner import prefer_smaller_on_ties
+
+    rng = np.random.default_rng(11)
+    lowered = 0
+    for _ in range(60):
+        p = _with_edge_memory(rng, random_problem(rng), 2)
+        for c in p.node_cost:  # ties: copy an option's cost onto another
+            if len(c) > 1 and rng.random() < 0.7:
+                c[int(rng.integers(1, len(c)))] = c[0]
+        edges = [(u, v, np.asarray(m)) for u, v, m in p.edges]
+        ems = [None if e is None else np.asarray(e) for e in p.edge_memory]
+        start = [int(rng.integers(len(c))) for c in p.node_cost]
+        before = p.evaluate(start)[0]
+        if not math.isfinite(before):
+            continue
+        out = prefer_smaller_on_ties(list(start), p.node_cost, p.node_memory, edges, ems)
+        assert p.evaluate(out)[0] <= before * (1 + 1e-9) + 1e-12
+        assert (p.peaks(out) <= p.peaks(start) + 1e-9).all()
+        lowered += bool((p.peaks(out) < p.peaks(start) - 1e-9).any())
+    assert lowered >= 5, lowered
+    # weight options: whole (8 bytes), the slice its matmul reads (2), a smaller slice that costs a conversion (1)
+    cost = [np.array([0.0, 0.0, 0.5]), np.array([1.0, 3.0])]
+    mem = [np.array([8.0, 2.0, 1.0]), np.array([0.0, 0.0])]
+    edge = (0, 1, np.array([[0.0, 0.0], [0.0, 5.0], [0.0, 0.0]]))  # the slice feeds option 1 only at a price
+    assert prefer_smaller_on_ties([0, 0], cost, mem, [edge]) == [1, 0]
+    assert prefer_smaller_on_ties([0, 1], cost, mem, [edge]) == [0, 1]  # there the slice costs 5 more: kept whole
+    rows = [np.array([[8.0, 1.0], [2.0, 3.0], [1.0, 1.0]]), np.zeros((2, 2))]  # a row that would grow: refused
+    assert prefer_smaller_on_ties([0, 0], cost, rows, [edge]) == [0, 0]
+
+
 def test_share_solutions_answers_a_problem_solved_before():
     from autopart.solver.ilp import record_solves, share_solutions
 
