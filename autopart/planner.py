@@ -2083,6 +2083,15 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             hit = cache[nkey] = (opts_r, *_node_prices(rep, opts_r, val, info, cluster, opts, dp_axes, saving_users,
                                                        last_of_layer))
         _, comp, grad, bucket, fwd, icomm, mem, kfull, ksel, ilat = hit
+        if passes > 1 and info.kind[rep.name] == "param" and info.needs_grad[rep.name]:
+            # several micro-batches (accumulation, a pipeline's): the runtime accumulates ZeRO-2's whole gradient
+            # and reduce-scatters it into the slice only from the last backward (runtime/grads.py), so until then
+            # it holds what ZeRO-1 holds
+            whole = [a for a, o in enumerate(opts_r) if o.tag == "zero2"]
+            if whole:
+                grad = grad.copy()  # the cached prices stay the one pass's
+                for a in whole:
+                    grad[a] = param_grad_bytes(val, opts_r[a].output, mesh, "", opts.grad_dtype)
         if info.kind[rep.name] == "param" and gather_share:  # the share forward does not hide, per gathered axes
             icomm = icomm.copy()  # the cached prices stay whole
             for a, o in enumerate(opts_r):

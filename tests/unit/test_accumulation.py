@@ -65,6 +65,19 @@ def test_accumulation_priced_on_a_gpu_preset(gpu_gpt, zero):
     assert "gradient accumulation: 4 micro-batches of 8 (batch 32)" in str(back)
 
 
+def test_zero2_holds_the_whole_gradient_through_accumulation(gpu_gpt):
+    """ZeRO-2 keeps only its gradient slice in one pass; over several micro-batches the runtime accumulates the whole
+    gradient and reduce-scatters it into the slice from the last backward only (runtime/grads.py), so the plan
+    counts what ZeRO-1 holds. Before, it counted the slice: 8x too little on 8 ranks, which also made ZeRO-2 look
+    leaner than ZeRO-1 where they are not."""
+    model, ids, t = gpu_gpt
+    kw = dict(cluster="h100-80gb", traced=t)
+    grads = {(z, m): autopart.evaluate(model, 8, (ids,), {"labels": ids}, zero=z, micro_batches=m, **kw)
+             .predicted["memory_bytes"]["gradients"] for z in (1, 2) for m in (1, 4)}
+    assert grads[(2, 1)] == pytest.approx(grads[(1, 1)] / 8, rel=0.01)  # one pass: the slice
+    assert grads[(2, 4)] == pytest.approx(grads[(1, 4)]) == pytest.approx(grads[(1, 1)])  # accumulating: whole
+
+
 def test_per_op_latency_paid_by_every_micro_batch():
     """On a device with a framework time per op (a calibrated CPU), every micro-batch pays it."""
     model, ids = _gpt(batch=4, seq=16)

@@ -229,7 +229,9 @@ def test_budget_sweep_switches_techniques_in_order():
         raise AssertionError("some budget must be too small")
     assert len(seen) >= 2, seen
     # accumulation first, on its own; ZeRO-2/3 and recompute appear too
-    assert seen[0] == (level, (), 2) and any(z >= 2 for z, _, _ in seen) and any(c for _, c, _ in seen), seen
+    # (under accumulation ZeRO-2 holds the whole gradient as ZeRO-1 does: either, at the same cost)
+    assert seen[0][1:] == ((), 2) and seen[0][0] <= 2 and any(z >= 2 for z, _, _ in seen), seen
+    assert any(c for _, c, _ in seen), seen
 
 
 def test_forced_checkpoint_and_zero_recorded():
