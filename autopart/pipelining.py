@@ -118,6 +118,12 @@ class Unit:
                          grad_bytes=self.grad_bytes, transient_bytes=self.transient_bytes / m)
 
 
+def _whole_grad_bytes(rec: dict) -> float:
+    """A parameter's whole local gradient from its plan record: ``grad_whole_bytes`` under ZeRO-2 (whose
+    ``grad_bytes`` is the slice kept after the step), else ``grad_bytes``."""
+    return rec.get("grad_whole_bytes", rec.get("grad_bytes", 0.0))
+
+
 def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -> tuple[list[Unit], dict[str, int]]:
     """Per-block costs of a (stage-mesh) sharding plan, and the unit index of every planned node.
 
@@ -171,9 +177,12 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
                 units[u].fixed_s += nodes[n.name]["compute_s"]
                 units[u].block_fixed_s += nodes[n.name]["compute_s"] * own
                 units[u].state_bytes += nodes[n.name]["memory_bytes"]
-                units[u].grad_bytes += nodes[n.name].get("grad_bytes", 0.0)
+                # held whole until the parameter's last accumulation, ZeRO-2's too: the runtime reduce-scatters it
+                # into the slice from there (runtime/grads.py), while every stage peaks before
+                grads = _whole_grad_bytes(nodes[n.name])
+                units[u].grad_bytes += grads
                 units[u].block_state_bytes += nodes[n.name]["memory_bytes"] * own
-                units[u].block_grad_bytes += nodes[n.name].get("grad_bytes", 0.0) * own
+                units[u].block_grad_bytes += grads * own
     for n in order:
         rec = nodes[n.name]
         if rec["op"] in ("param", "buffer", "constant", "input"):
@@ -228,8 +237,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         if ph is None or ph not in unit_of:
             continue
         val = by_name[ph].meta.get("val") if ph in by_name else None
-        # summed in the reduce dtype (grad_bytes are in the gradients' own, PlanOptions.grad_dtype)
-        nbytes = nodes[ph].get("grad_bytes", 0.0) * (
+        # summed in the reduce dtype (grad_bytes are in the gradients' own, PlanOptions.grad_dtype); ZeRO-2's
+        # reduce-scatter moves the whole gradient, not the slice it keeps
+        nbytes = _whole_grad_bytes(nodes[ph]) * (
             reduce_scale(val.dtype, plan.options.get("reduce_dtype"))
             / reduce_scale(val.dtype, plan.options.get("grad_dtype")) if val is not None else 1.0)
         # its share of the runtime's bucket, not a collective of its own: per-parameter latencies priced pp2xdp2's

@@ -3096,6 +3096,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 rec["keep_bytes"] = float(prob.keep_full[gid][a]) / k  # kept under full recompute
         if info.kind[n.name] == "param":
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
+            if o.tag == "zero2" and info.needs_grad[n.name]:
+                # the whole local gradient: what its reduce-scatter moves, and what a pipeline holds until the
+                # parameter's last accumulation (``pipelining.block_units``)
+                rec["grad_whole_bytes"] = param_grad_bytes(value_of(n), o.output, mesh, "", opts.grad_dtype)
             rec["optimizer_step_s"] = float(step_cost[gid][a]) / k if step_cost is not None else 0.0
             if o.tag in ("zero1", "zero2") and info.needs_grad[n.name]:  # gathered after the step, bucketed
                 entry = zero1_gather_entry(value_of(n), o.output, mesh)

@@ -64,6 +64,26 @@ def test_forced_pipeline_section(schedule, virtual):
     assert "pipeline: 2 stages" in text and "schedule" in text
 
 
+def test_zero2_in_a_pipeline_reduces_and_holds_the_whole_gradient():
+    """A pipeline's ZeRO-2 parameter reduce-scatters its whole gradient, as ZeRO-1's does, and holds it whole until
+    its last accumulation (runtime/grads.py). The pipeline model read both off the slice ZeRO-2 keeps after the
+    step: its reduction priced 1/dp of the bytes (2 of 4 ranks here: half), its stages' gradients a slice."""
+    model = _model()
+    mesh = autopart.mesh((2, 2), ("pp", "dp"))
+    plans = {z: autopart.plan(model, mesh, (IDS,), {"labels": IDS}, roles={"pp": "pp", "dp": "dp"}, zero=z,
+                              cluster="h100-80gb", pipeline={"schedule": "1f1b", "micro_batches": 4})
+             for z in (1, 2)}
+    one, two = plans[1].pipeline, plans[2].pipeline
+    assert set(plans[2].zero.values()) == {2}
+    assert two["gradient_reduction_s"] == pytest.approx(one["gradient_reduction_s"], rel=1e-9)
+    for a, b in zip(one["stages"], two["stages"]):
+        assert b["memory_bytes"]["gradients"] == pytest.approx(a["memory_bytes"]["gradients"], rel=1e-9)
+        assert b["memory_bytes"]["gradients"] > 0
+    # the node records: ZeRO-2's whole gradient is ZeRO-1's
+    whole = {n: r["grad_whole_bytes"] for n, r in plans[2].nodes.items() if "grad_whole_bytes" in r}
+    assert whole and all(w == pytest.approx(plans[1].nodes[n]["grad_bytes"]) for n, w in whole.items())
+
+
 def test_block_units_fold_embedding_and_head():
     model = _model()
     t = trace(model, (IDS,), {"labels": IDS})
