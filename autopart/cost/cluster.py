@@ -354,6 +354,7 @@ _CPU = Preset(
     reserve_bytes=512 * MiB,
 )
 
+
 def _nccl_ll(bandwidth: float, across: bool = False) -> dict:
     """NCCL's low-latency protocol (LL) on a GPU preset's link, from NCCL's tuning model (``src/graph/tuning.cc``,
     v2.19-2.27): a ring collective under LL costs a base of 6.6 µs plus 0.6 µs per step over NVLink, 2.7 µs per
