@@ -3385,6 +3385,28 @@ def _local_costs(g: int, cost: list[np.ndarray], adj: dict, choice: list[int]) -
     return t
 
 
+def _incident_memory(edges: list[tuple[int, int, np.ndarray]], edge_memory: list[np.ndarray | None] | None
+                     ) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """Group -> (other end, (K_group, K_other, R) bytes) of every edge at it with a memory term (``edge_memory``,
+    one per edge, (Ka, Kb) or (Ka, Kb, R) or None)."""
+    madj: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
+    for e, (u, v, _) in enumerate(edges):
+        em = edge_memory[e] if edge_memory is not None else None
+        if em is not None:
+            em = em[:, :, None] if em.ndim == 2 else em
+            madj[u].append((v, em))
+            madj[v].append((u, em.transpose(1, 0, 2)))
+    return madj
+
+
+def _local_memory(g: int, mem: list[np.ndarray], madj: dict, choice: list[int]) -> np.ndarray:
+    """(K_g, R): each option's memory rows plus its edges' (``_incident_memory``), the neighbours as chosen."""
+    full = mem[g]
+    for other, em in madj[g]:
+        full = full + em[:, choice[other]]
+    return full
+
+
 def prefer_smaller_on_ties(choice: list[int], cost: list[np.ndarray], mem: list[np.ndarray],
                            edges: list[tuple[int, int, np.ndarray]],
                            edge_memory: list[np.ndarray | None] | None = None, passes: int = 4) -> list[int]:
@@ -3397,22 +3419,14 @@ def prefer_smaller_on_ties(choice: list[int], cost: list[np.ndarray], mem: list[
     a switch opens another."""
     mem = [m[:, None] if m.ndim == 1 else m for m in mem]
     adj = _incident(edges)
-    madj: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
-    for e, (u, v, _) in enumerate(edges):
-        em = edge_memory[e] if edge_memory is not None else None
-        if em is not None:
-            em = em[:, :, None] if em.ndim == 2 else em
-            madj[u].append((v, em))
-            madj[v].append((u, em.transpose(1, 0, 2)))
+    madj = _incident_memory(edges, edge_memory)
     choice = list(choice)
     for _ in range(passes):
         changed = False
         for g in range(len(choice)):
             if len(cost[g]) < 2:
                 continue
-            full = mem[g]
-            for other, em in madj[g]:
-                full = full + em[:, choice[other]]
+            full = _local_memory(g, mem, madj, choice)
             cur = choice[g]
             delta = full - full[cur]  # (K, R)
             smaller = np.nonzero((delta <= 0).all(axis=1) & (delta < 0).any(axis=1))[0]
@@ -3440,20 +3454,7 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
     mem = [m[:, None] if m.ndim == 1 else m for m in mem]
     limit = np.broadcast_to(np.asarray(limit, dtype=float), (mem[0].shape[1],)) if mem else np.zeros(1)
     adj = _incident(edges)
-    madj: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)  # group -> (other end, (K_g, K_other, R))
-    for e, (u, v, _) in enumerate(edges):
-        em = edge_memory[e] if edge_memory is not None else None
-        if em is not None:
-            em = em[:, :, None] if em.ndim == 2 else em
-            madj[u].append((v, em))
-            madj[v].append((u, em.transpose(1, 0, 2)))
-
-    def edge_mem_of(g: int) -> np.ndarray:
-        """(K_g, R): the edge memory incident to g for each of its options, neighbours as chosen."""
-        out = np.zeros_like(mem[g])
-        for other, em in madj[g]:
-            out = out + em[:, choice[other]]
-        return out
+    madj = _incident_memory(edges, edge_memory)
 
     def excess(used: np.ndarray) -> float:
         return float(np.maximum(used - limit, 0.0).sum())
@@ -3467,7 +3468,7 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
             return choice
         best = None
         for g in range(len(choice)):
-            full = mem[g] + edge_mem_of(g) if madj[g] else mem[g]
+            full = _local_memory(g, mem, madj, choice)
             delta = full - full[choice[g]]  # (K, R): the change of every row if g switched
             gain = over - np.maximum(used + delta - limit, 0.0).sum(axis=1)
             better = np.nonzero(gain > 0)[0]
@@ -3484,7 +3485,7 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
         if best is None:
             return None
         _, g, a = best
-        full = mem[g] + edge_mem_of(g) if madj[g] else mem[g]
+        full = _local_memory(g, mem, madj, choice)
         used = used + full[a] - full[choice[g]]
         choice[g] = a
     return None
