@@ -507,11 +507,13 @@ def memory(plan) -> dict[str, Any]:
         at = "optimizer step (gradients, the step's temporaries or the ZeRO-1/2 parameter gather, activations freed)"
     elif fwd >= bwd:
         kv = pred.get("kv_cache", 0.0)  # inference: held by the attentions, in the forward's peak
-        kinds = {"parameters": pred["parameters"] + pred["gathered_parameters"], "gradients": 0.0,
+        acc = pred.get("accumulated_gradients", 0.0)  # gradient accumulation: earlier micro-batches' gradients
+        kinds = {"parameters": pred["parameters"] + pred["gathered_parameters"], "gradients": acc,
                  "optimizer_states": pred["optimizer_states"],
-                 "activations": fwd - states - pred["gathered_parameters"] - kv, "kv_cache": kv,
+                 "activations": fwd - states - pred["gathered_parameters"] - kv - acc, "kv_cache": kv,
                  "other": pred.get("buffers", 0.0)}
-        at = "end of forward (saved activations, no gradients yet)"
+        at = ("end of a later micro-batch's forward (its saved activations beside the gradients accumulated so far)"
+              if "accumulated_gradients" in pred else "end of forward (saved activations, no gradients yet)")
     else:
         kinds = {"parameters": pred["parameters"], "gradients": bwd - states,
                  "optimizer_states": pred["optimizer_states"], "activations": 0.0, "kv_cache": 0.0,

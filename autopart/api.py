@@ -253,11 +253,12 @@ def _add_micro_batch_program(pm, model, m: Mesh, plan: Plan, example_inputs: tup
     micro_kw = dict(plan_kw, memory_budget=float("inf"), pipeline="off", checkpoint=dict(plan.checkpoint),
                     cluster=Cluster.from_json(plan.cluster))
     margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), int(acc["micro_batch_size"]))
-    prog = _program_maker(model, m, pins, micro_kw)(margs, mkw, dict(plan.params))
+    prog = _program_maker(model, m, pins, micro_kw)(margs, mkw, plan.param_pins())
     if prog.plan.reduced != plan.reduced or prog.plan.zero != plan.zero:
         raise RuntimeError("gradient accumulation: the micro-batch's re-solved plan reduces gradients differently "
                            f"from the plan (reduced {prog.plan.reduced} vs {plan.reduced}; ZeRO {prog.plan.zero} vs "
-                           f"{plan.zero}); pass zero=<level> and roles={{'<axis>': 'dp'}} explicitly so both agree")
+                           f"{plan.zero}); pass zero=<level> and roles={{'<axis>': 'dp'}} explicitly so both agree, "
+                           f"and report this: the parameters were pinned to the plan's options")
     if local > 1:
         size = _local_micro_batch(int(acc["micro_batch_size"]), local, int(acc["batch"]), "gradient accumulation")
         margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), size)
@@ -363,7 +364,12 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     make_program = _program_maker(model, stage_mesh, pins, micro_kw, local)
     # this rank's micro-batch (the global one unless local_batch); make_program traces the global micro-batch
     margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(pipe["batch"]), size)
-    prog = make_program(margs, mkw, dict(plan.params))
+    prog = make_program(margs, mkw, plan.param_pins())
+    if prog.plan.zero != plan.zero:
+        raise RuntimeError(f"pipeline: the micro-batch's re-solved plan shards gradients and optimizer states "
+                           f"differently from the plan (ZeRO {prog.plan.zero} vs {plan.zero}); pass zero=<level> "
+                           f"explicitly so both agree, and report this: the parameters were pinned to the plan's "
+                           f"options")
     # the buckets the pipelined plan was priced with (its reduction runs from the schedule's last micro-batches),
     # not the micro-batch re-solve's own choice
     prog.plan.options["bucket_bytes"] = dict(plan.options.get("bucket_bytes", {}))

@@ -124,6 +124,17 @@ class Plan:
         return {(True, True): "data+tensor", (True, False): "tensor", (False, True): "data"}.get(
             (p_shard, i_shard), "replicated")
 
+    def param_pins(self) -> dict[str, str]:
+        """Every parameter pinned to this plan's exact option, as ``plan(..., pins=)`` takes them: its placement and
+        variant (``"R [zero2]"``; ``"R []"`` for the plain one). A re-solve under these pins (the micro-batch program
+        of gradient accumulation or of a pipeline) keeps the plan's ZeRO levels, which the placement alone leaves
+        open (ZeRO-0, -1 and -2 all hold ``R``). A plan saved before ``options["param_tags"]`` existed pins the
+        placements only."""
+        tags = self.options.get("param_tags")
+        if tags is None:
+            return dict(self.params)
+        return {fqn: f"{spec} [{tags.get(fqn, '')}]" for fqn, spec in self.params.items()}
+
     def collective_counts(self, layer: str | None = None, direction: str = "fwd") -> Counter:
         """Counter of (kind, axis name) over edges (optionally of one layer), forward or backward."""
         c: Counter = Counter()

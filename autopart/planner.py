@@ -1176,10 +1176,12 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
 
 
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
-    pin, _, tag = pin.partition("[")  # "S(2) [cp_ring]": a tagged variant, as options print (OpOption.__str__)
-    spec, tag = parse_spec(pin.strip()), tag.rstrip("] ")
+    # "S(2) [cp_ring]": that tagged variant only, as options print (OpOption.__str__); "R []": the untagged one
+    # only (``Plan.param_pins``: not the ZeRO-1/2 slices of the same placement); "R": any variant of it
+    pin, bracket, tag = pin.partition("[")
+    spec, tag = parse_spec(pin.strip()), tag.rstrip("] ").strip()
     keep = [o for o in opts if (o.output if not (o.output and isinstance(o.output[0], tuple)) else o.output[0]) == spec
-            and (not tag or o.tag == tag)]
+            and (not bracket or o.tag == tag)]
     if not keep:
         raise ValueError(f"pin {name}={pin!r} is not a legal placement here; legal output specs: "
                          f"{sorted({spec_str(o.output) for o in opts if not isinstance(o.output[0], tuple)})}")
@@ -1200,7 +1202,7 @@ class Problem:
     tied_layers: int
     fwd_compute: list[np.ndarray] = field(default_factory=list)  # forward-only compute (what recompute costs)
     region: list[str] = field(default_factory=list)  # per group: "" | "layer" | "attention" | "layer_output"
-    grad_memory: list[np.ndarray] = field(default_factory=list)  # parameter gradients (not live at the peak)
+    grad_memory: list[np.ndarray] = field(default_factory=list)  # parameter gradients after the reduction
     bucket_memory: list[np.ndarray] = field(default_factory=list)  # gradients that go through reduction buckets
     scale: list[int] = field(default_factory=list)  # per group: how many nodes its costs stand for
     # what full / selective recompute still keeps of a node's saved bytes: inputs from outside the layer / region
@@ -1216,6 +1218,11 @@ class Problem:
     # ``_record`` takes off again
     node_latency: list[np.ndarray] = field(default_factory=list)
     passes: int = 1
+    # gradient accumulation without stages (``PlanOptions.micro_batches``; empty otherwise): per group, the gradient
+    # it holds from the first micro-batch's backward to the last one's, when the reduction starts. The end-of-forward
+    # row holds it: every micro-batch but the first runs forward beside it. ZeRO-2 holds the whole gradient there
+    # and its slice (``grad_memory``) only after the reduction; the other levels the same in both
+    held_grad_memory: list[np.ndarray] = field(default_factory=list)
 
 
 _ATTN_RE = re.compile(r"(^|[._])(self_)?attn($|[._])|attention", re.IGNORECASE)
@@ -2066,6 +2073,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 out_nodes.add(_producer(a))
     scales = []
     passes = opts.latency_passes or opts.micro_batches
+    accumulating = opts.micro_batches > 1 and not opts.stage
+    held_grad_memory: list[np.ndarray] = []
     node_latency = []
     for members in groups:
         rep = node_of[members[0]]
@@ -2083,15 +2092,20 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             hit = cache[nkey] = (opts_r, *_node_prices(rep, opts_r, val, info, cluster, opts, dp_axes, saving_users,
                                                        last_of_layer))
         _, comp, grad, bucket, fwd, icomm, mem, kfull, ksel, ilat = hit
+        held = grad  # what it holds while micro-batches accumulate
         if passes > 1 and info.kind[rep.name] == "param" and info.needs_grad[rep.name]:
             # several micro-batches (accumulation, a pipeline's): the runtime accumulates ZeRO-2's whole gradient
             # and reduce-scatters it into the slice only from the last backward (runtime/grads.py), so until then
             # it holds what ZeRO-1 holds
             whole = [a for a, o in enumerate(opts_r) if o.tag == "zero2"]
             if whole:
-                grad = grad.copy()  # the cached prices stay the one pass's
+                held = grad.copy()  # the cached prices stay the one pass's
                 for a in whole:
-                    grad[a] = param_grad_bytes(val, opts_r[a].output, mesh, "", opts.grad_dtype)
+                    held[a] = param_grad_bytes(val, opts_r[a].output, mesh, "", opts.grad_dtype)
+                if opts.stage:
+                    # a pipeline stage holds it through the schedule, whose peak is mid-way (its memory is the
+                    # pipeline model's, from the records' ``grad_whole_bytes``)
+                    grad = held
         if info.kind[rep.name] == "param" and gather_share:  # the share forward does not hide, per gathered axes
             icomm = icomm.copy()  # the cached prices stay whole
             for a, o in enumerate(opts_r):
@@ -2121,6 +2135,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         fwd_compute.append(fwd * k)
         fwd_once.append(fwd)
         grad_memory.append(grad * k)
+        if accumulating:
+            held_grad_memory.append(held * k)
         bucket_memory.append(bucket * k)
         keep_full.append(kfull * k)
         keep_selective.append(ksel * k)
@@ -2200,7 +2216,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
                 edge_saved[key] = (s0 + shard_b * scale, g0 + gathered_b * scale, outside_full, outside_sel)
     return Problem(info, groups, group_of, node_cost, compute_cost, node_memory, edges, tied_layers, fwd_compute,
                    region, grad_memory, bucket_memory, scales, keep_full, keep_selective, edge_saved, node_latency,
-                   passes)
+                   passes, held_grad_memory)
 
 
 def one_micro_batch(prob: Problem, m: int) -> Problem:
@@ -2222,7 +2238,8 @@ def one_micro_batch(prob: Problem, m: int) -> Problem:
 
 # The three moments of a training step whose live bytes the ILP bounds (``memory_rows``); the plan's peak is the
 # largest (``peak_forward`` / ``peak_backward`` / ``peak_optimizer`` in ``plan.predicted["memory_bytes"]``).
-MEMORY_ROWS = ("end of forward (model states, gathered parameters, saved activations, one recomputed layer)",
+MEMORY_ROWS = ("end of forward (model states, gathered parameters, saved activations, one recomputed layer; under "
+               "gradient accumulation, the gradients accumulated so far)",
                "end of backward (model states, gradients, one reduction bucket)",
                "optimizer step (model states, gradients, the step's temporaries; after it, the ZeRO-1/2 parameter "
                "gather in flight instead of their gradients)")
@@ -2349,7 +2366,8 @@ def memory_rows(prob: Problem, mem: list[np.ndarray], temps: list[np.ndarray],
         kind = prob.info.kind[prob.groups[g][0]]
         states = m if kind in ("param", "buffer", "constant") else 0.0 * m
         grads = states + prob.grad_memory[g]
-        out.append(np.stack([m, grads + (buckets[g] if buckets is not None else 0.0), grads + temps[g]], axis=1))
+        forward = m + prob.held_grad_memory[g] if prob.held_grad_memory else m
+        out.append(np.stack([forward, grads + (buckets[g] if buckets is not None else 0.0), grads + temps[g]], axis=1))
     return out
 
 
@@ -2725,7 +2743,7 @@ def _micro_batches_to_fit(plan, traced: Traced, cluster: Cluster, axis_names, op
     one-pass sharding fit, from ``plan``'s solve (``free_memory_rows_bytes``, ``free_activation_bytes``), among the
     counts dividing the batch into parts that still split over the plan's batch shards; 1 if none would. Without a
     plan (nothing fits in one pass), the most: one sample per data-parallel rank (the axes with role "dp")."""
-    from autopart.pipelining import _batch_of, _batch_shards
+    from autopart.pipelining import _batch_of, _batch_shards, _whole_grad_bytes
 
     if not any(needs_grad_map(traced).values()):
         return 1
@@ -2736,9 +2754,12 @@ def _micro_batches_to_fit(plan, traced: Traced, cluster: Cluster, axis_names, op
     sol = plan.solver
     limit = plan.options["memory_limit"]
     rows, act = sol.get("free_memory_rows_bytes"), sol.get("free_activation_bytes", 0.0)
-    if not rows or max(rows[1:]) > limit or rows[0] - act >= limit or act <= 0:
+    # accumulating, each forward after the first runs beside the gradients so far (ZeRO-2's whole: the end-of-forward
+    # row's ``held_grad_memory``), which the one-pass row did not hold
+    held = sum(_whole_grad_bytes(r) for r in plan.nodes.values() if r["op"] == "param")
+    if not rows or max(rows[1:]) > limit or rows[0] - act + held >= limit or act <= 0:
         return 1  # states, gradients or the optimizer step bind, or nothing is left for activations
-    need = act / (limit - (rows[0] - act))
+    need = act / (limit - (rows[0] - act + held))
     ways = _batch_shards(plan, traced, cluster.mesh_shape)
     return next((d for d in range(2, batch + 1) if batch % d == 0 and d >= need and (batch // d) % ways == 0), 1)
 
@@ -3015,7 +3036,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     if prob.passes > 1:  # the ILP's price of the micro-batches' latency; the record prices them from its own terms
         prob = dataclasses.replace(prob, node_cost=[c - (prob.passes - 1) * lat for c, lat in
                                                     zip(prob.node_cost, prob.node_latency)], passes=1)
-    nodes, params, inputs, reduced, zero = {}, {}, {}, {}, {}
+    nodes, params, inputs, reduced, zero, param_tags = {}, {}, {}, {}, {}, {}
     compute = 0.0
     memory = defaultdict(float)
     temporaries = {"plain": 0.0, "zero": 0.0}
@@ -3043,6 +3064,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             memory["optimizer_states"] += opt_states
             memory["gathered_parameters"] += m - local - opt_states
             memory["gradients"] += float(prob.grad_memory[gid][a])
+            if prob.held_grad_memory:
+                memory["accumulated_gradients"] = memory.get("accumulated_gradients", 0.0) + float(
+                    prob.held_grad_memory[gid][a])
         else:
             memory["activations" if kind == "op" else "buffers"] += m
     comm_total = 0.0
@@ -3113,6 +3137,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             params[fqn] = spec_str(o.output)
             for alias in traced.aliases.get(fqn, []):  # tied names share the one parameter's placement
                 params[alias] = spec_str(o.output)
+            if o.tag:  # the variant of that placement (a ZeRO level): ``Plan.param_pins``
+                for alias in (fqn, *traced.aliases.get(fqn, [])):
+                    param_tags[alias] = o.tag
             gathered = [i for i in range(len(mesh)) if is_shard(o.output[i]) and n.users and all(
                 isinstance(chosen[u.name].inputs[tensor_inputs(u).index(n)][i], Replicate) for u in n.users)]
             if gathered and o.tag == "zero3":
@@ -3239,9 +3266,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             "chosen": int(sol.choice[gid]),
         }
     unsupported = sorted({str(n.target) for n in info.nodes if not info.known[n.name]})
-    # three candidate peaks (MEMORY_ROWS): end of forward (activations saved, no gradient yet, plus the loss's
-    # backward temporaries, counted in the activations), end of backward (gradients, one reduction bucket, no
-    # activation) and the optimizer step (below)
+    # three candidate peaks (MEMORY_ROWS): end of forward (activations saved, no gradient yet unless micro-batches
+    # accumulate them, plus the loss's backward temporaries, counted in the activations), end of backward
+    # (gradients, one reduction bucket, no activation) and the optimizer step (below)
     states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
     if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
         memory["kv_cache"] = sum(kv_cache_bytes(n, chosen[n.name], mesh, opts.kv_cache_tokens)
@@ -3254,6 +3281,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \
         memory.get("kv_cache", 0.0)
     memory["peak_forward"] += recompute
+    # gradient accumulation: every micro-batch but the first runs forward beside the gradients accumulated so far
+    memory["peak_forward"] += memory.get("accumulated_gradients", 0.0)
     memory["peak_backward"] = states + memory["gradients"] + sum(reduction_bucket_bytes(
         prob, sol.choice, cluster, max([BUCKET_BYTES, *sizes.values()])))
     # the optimizer step: states, every gradient and the temporaries of the group being stepped; after it the
@@ -3287,7 +3316,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         cluster=cluster.to_json(),
         options={"roles": dict(opts.roles), "pins": dict(opts.pins), "local_batch": opts.local_batch,
                  "memory_limit": limit, "tp_comm_overlap": overlap,
-                 "bucket_bytes": sizes, "reduce_dtype": opts.reduce_dtype, "grad_dtype": opts.grad_dtype},
+                 "bucket_bytes": sizes, "reduce_dtype": opts.reduce_dtype, "grad_dtype": opts.grad_dtype,
+                 "param_tags": param_tags},
         nodes=nodes,
         params=params,
         inputs=inputs,

@@ -60,6 +60,11 @@ CONFIGS = {
     "dp2+zero1": ((2,), ("dp",), {"dp": "dp"}, {"zero": 1}),
     "dp2+zero2": ((2,), ("dp",), {"dp": "dp"}, {"zero": 2}),
     "dp2+zero3": ((2,), ("dp",), {"dp": "dp"}, {"zero": 3}),
+    # gradient accumulation without stages: 4 micro-batches of 2 (one a rank), reduced once from the last backward
+    "dp2+acc4": ((2,), ("dp",), {"dp": "dp"}, {"pipeline": {"stages": 1, "micro_batches": 4}}),
+    "dp2+zero1+acc4": ((2,), ("dp",), {"dp": "dp"}, {"zero": 1, "pipeline": {"stages": 1, "micro_batches": 4}}),
+    "dp2+zero2+acc4": ((2,), ("dp",), {"dp": "dp"}, {"zero": 2, "pipeline": {"stages": 1, "micro_batches": 4}}),
+    "dp2+zero3+acc4": ((2,), ("dp",), {"dp": "dp"}, {"zero": 3, "pipeline": {"stages": 1, "micro_batches": 4}}),
     "pp2-1f1b": ((2,), ("pp",), {"pp": "pp"}, {"pipeline": {"schedule": "1f1b", "micro_batches": 4}}),
     "pp2-gpipe": ((2,), ("pp",), {"pp": "pp"}, {"pipeline": {"schedule": "gpipe", "micro_batches": 4}}),
     "pp2xtp2-1f1b": ((2, 2), ("pp", "tp"), {"pp": "pp", "tp": "tp"},

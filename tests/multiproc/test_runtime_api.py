@@ -146,6 +146,43 @@ def test_local_batch_with_gradient_accumulation(zero):
         assert stats["launched_in_backward"] + stats["launched_at_end"] == len(batches()) * n_buckets, stats
 
 
+def _budget_accumulation_run() -> tuple:
+    import autopart
+
+    model = make_model("gpt")
+    mesh = autopart.mesh((2,), ("dp",))
+    ids0 = batches()[0]
+    kw = dict(roles={"dp": "dp"}, pipeline={"stages": 1, "micro_batches": 2})
+    free = autopart.plan(model, mesh, (ids0,), {"labels": ids0}, **kw)
+    pm = autopart.parallelize(model, mesh, (ids0,), {"labels": ids0},
+                              memory_budget=0.7 * free.predicted["memory_bytes"]["total"], **kw)
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    losses = []
+    for ids in batches():
+        losses.append(pm.forward_backward(ids, labels=ids).item())
+        opt.step()
+        opt.zero_grad()
+    micro = next(p.plan for p in pm._programs.values() if p.plan is not pm.plan)
+    return losses, {k: v.clone() for k, v in pm.full_state_dict().items()}, dict(pm.plan.zero), dict(micro.zero)
+
+
+def test_gradient_accumulation_keeps_the_plans_zero_levels():
+    """A budget that makes the planner shard some parameters ZeRO-3 and keep others whole (ZeRO-2 slices) under 2
+    accumulated micro-batches: the micro-batch program, re-solved without the budget, keeps every parameter's ZeRO
+    level (pinned with ``Plan.param_pins``: placement and variant). Pinned by placement only, it chose other levels
+    for the whole ones and parallelize failed. Losses and parameters match one process over 3 AdamW steps."""
+    from tests.multiproc.parity import reference
+
+    results = run_ranks(2, _budget_accumulation_run)
+    ref_losses, ref_params, _ = reference("gpt")
+    for losses, params, zero, micro_zero in results:
+        assert 3 in zero.values() and len(set(zero.values())) > 1, zero  # mixed levels, decided by the budget
+        assert micro_zero == zero
+        assert losses == pytest.approx(ref_losses, abs=1e-5), (losses, ref_losses)
+        for k, v in ref_params.items():
+            torch.testing.assert_close(params[k], v, rtol=0, atol=1e-5)
+
+
 def _checkpoint_round_trip(pm, opt, fresh, opt2, path: str, optimizer_first: bool = False) -> None:
     """``pm``'s weights and ``opt``'s state saved with torch.distributed.checkpoint, loaded into ``fresh`` and
     ``opt2`` as the README says (the optimizer's state before the weights if ``optimizer_first``)."""

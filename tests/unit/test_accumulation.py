@@ -67,15 +67,51 @@ def test_accumulation_priced_on_a_gpu_preset(gpu_gpt, zero):
 
 def test_zero2_holds_the_whole_gradient_through_accumulation(gpu_gpt):
     """ZeRO-2 keeps only its gradient slice in one pass; over several micro-batches the runtime accumulates the whole
-    gradient and reduce-scatters it into the slice from the last backward only (runtime/grads.py), so the plan
-    counts what ZeRO-1 holds. Before, it counted the slice: 8x too little on 8 ranks, which also made ZeRO-2 look
-    leaner than ZeRO-1 where they are not."""
+    gradient and reduce-scatters it into the slice from the last backward only (runtime/grads.py), so until then
+    it holds what ZeRO-1 holds (``accumulated_gradients``), and the slice after the reduction (``gradients``: the
+    end of backward, the optimizer step). Once, it counted the slice throughout (8x too little on 8 ranks), then the
+    whole gradient throughout (beside the reduction buckets that take its place)."""
     model, ids, t = gpu_gpt
     kw = dict(cluster="h100-80gb", traced=t)
-    grads = {(z, m): autopart.evaluate(model, 8, (ids,), {"labels": ids}, zero=z, micro_batches=m, **kw)
-             .predicted["memory_bytes"]["gradients"] for z in (1, 2) for m in (1, 4)}
-    assert grads[(2, 1)] == pytest.approx(grads[(1, 1)] / 8, rel=0.01)  # one pass: the slice
-    assert grads[(2, 4)] == pytest.approx(grads[(1, 4)]) == pytest.approx(grads[(1, 1)])  # accumulating: whole
+    mem = {(z, m): autopart.evaluate(model, 8, (ids,), {"labels": ids}, zero=z, micro_batches=m, **kw)
+           .predicted["memory_bytes"] for z in (1, 2) for m in (1, 4)}
+    grads = {k: v["gradients"] for k, v in mem.items()}
+    assert grads[(2, 1)] == pytest.approx(grads[(1, 1)] / 8, rel=0.01)  # after the reduction: the slice
+    assert grads[(2, 4)] == pytest.approx(grads[(2, 1)]) and grads[(1, 4)] == pytest.approx(grads[(1, 1)])
+    assert "accumulated_gradients" not in mem[(1, 1)] and "accumulated_gradients" not in mem[(2, 1)]
+    # accumulating: both hold the whole gradient, at the end of every forward after the first
+    assert mem[(2, 4)]["accumulated_gradients"] == pytest.approx(mem[(1, 4)]["accumulated_gradients"]) == \
+        pytest.approx(grads[(1, 1)])
+    for z in (1, 2):
+        m = mem[(z, 4)]
+        states = m["parameters"] + m["optimizer_states"] + m["buffers"]
+        assert m["peak_forward"] >= states + m["accumulated_gradients"] + m["activations"]
+
+
+def test_end_of_forward_holds_accumulated_gradients_at_every_zero_level(gpu_gpt):
+    """Under accumulation the end-of-forward row holds the gradients accumulated so far, at every ZeRO level: the
+    plan's ``peak_forward`` exceeds the one-pass row's states and activations by them, and a budget between the
+    two rows is refused where it once passed (the ILP's row held no gradient)."""
+    model, ids, t = gpu_gpt
+    kw = dict(cluster="h100-80gb", traced=t, micro_batches=4)
+    binding = 0
+    for z in (0, 1, 2, 3):
+        p = autopart.evaluate(model, 8, (ids,), {"labels": ids}, zero=z, **kw)
+        m = p.predicted["memory_bytes"]
+        assert m["accumulated_gradients"] == pytest.approx(m["gradients"] * (8 if z == 2 else 1), rel=0.01), z
+        without = m["peak_forward"] - m["accumulated_gradients"]
+        assert m["accumulated_gradients"] > 0.05 * without, z  # large enough to matter
+        if m["peak_forward"] < max(m["peak_backward"], m["peak_optimizer"]):
+            continue
+        binding += 1
+        budget = (without + m["peak_forward"]) / 2
+        try:
+            q = autopart.evaluate(model, 8, (ids,), {"labels": ids}, zero=z, checkpoint="none", offload="none",
+                                  memory_budget=budget / (1 - autopart.api.MEMORY_MODEL_MARGIN), **kw)
+        except ValueError:
+            continue
+        assert q.predicted["memory_bytes"]["total"] <= budget * (1 + 1e-9), z  # fits by another sharding
+    assert binding >= 3  # the end of forward binds at ZeRO-0..3 here (all but ZeRO-0, whose optimizer step may)
 
 
 def test_per_op_latency_paid_by_every_micro_batch():

@@ -80,6 +80,30 @@ def test_pins_are_respected():
         autopart.plan(_gpt(), (2,), (IDS,), {"labels": IDS}, pins={"nope.weight": "R"})
 
 
+def test_pins_name_the_variant_of_a_placement():
+    """``"R [zero2]"`` pins that variant, ``"R []"`` the plain one, ``"R"`` any; ``Plan.param_pins`` pins every
+    parameter to the plan's exact option, and a plan saved without ``param_tags`` pins placements only."""
+    mesh = autopart.mesh((2,), ("dp",))
+    kw = dict(roles={"dp": "dp"})
+    w = "blocks.0.mlp.fc.weight"
+    for pin, level in (("R [zero2]", 2), ("R [zero1]", 1), ("R []", 0)):
+        p = autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, pins={w: pin}, **kw)
+        assert p.params[w] == "R" and p.zero.get(w, 0) == level, (pin, p.zero.get(w))
+    with pytest.raises(ValueError, match="not a legal placement"):
+        autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, pins={w: "R [zero3]"}, **kw)  # ZeRO-3 slices it
+    p = autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, zero=3, **kw)
+    pins = p.param_pins()
+    assert set(pins) == set(p.params)
+    assert all(pins[f] == f"{p.params[f]} [zero3]" for f in p.zero) and pins[w] == "S(0) [zero3]"
+    plain = autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, zero=0, **kw).param_pins()
+    assert plain and all(s.endswith(" []") for s in plain.values())
+    again = autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, pins=pins, **kw)  # ZeRO left to the solver
+    assert again.params == p.params and again.zero == p.zero
+    old = Plan.from_json(p.to_json())
+    del old.options["param_tags"]
+    assert old.param_pins() == p.params
+
+
 def test_unpinned_small_model_plans_and_costs_agree():
     """Without roles the solver picks freely; its objective and the recorded prediction describe one plan."""
     p = autopart.plan(_gpt(), autopart.mesh((2,), ("a",)), (IDS,), {"labels": IDS})
