@@ -922,6 +922,119 @@ def read_plan(plan, traced, base: dict, plan_s: float = 0.0) -> Advice:
                   terms=terms(plan, traced, comm), plan_s=plan_s, plan=plan, **base)
 
 
+# ---- serving: the batch that maximizes throughput --------------------------------------------------------------
+@dataclass(frozen=True)
+class Serving:
+    """``advise_serving``: the served model planned at growing batches, and the batch of most tokens/s whose latency
+    stays within ``max_latency_s`` (``to_json()`` for the fields)."""
+
+    rows: list  # the Advice of every batch tried, by batch
+    best: Any  # the Advice of most tokens/s among those that fit within the latency bound, or None
+    max_latency_s: float | None
+    stopped: str  # why the search went no further
+
+    def to_json(self) -> dict[str, Any]:
+        return {"best_batch": self.best.batch if self.best is not None else None, "max_latency_s": self.max_latency_s,
+                "stopped": self.stopped, "rows": [r.to_json() for r in self.rows]}
+
+    def table(self) -> list[dict[str, Any]]:
+        """A row per batch tried: what practitioners compare (None where it does not fit)."""
+        out = []
+        for a in self.rows:
+            ok = a.fits and (self.max_latency_s is None or a.step_time_s <= self.max_latency_s)
+            by = a.memory.get("by_kind", {}) if a.fits else {}
+            out.append({"batch": a.batch, "fits": a.fits, "within_latency": ok,
+                        "mesh": "x".join(map(str, a.mesh)), "strategy": a.strategy.get("name") if a.fits else None,
+                        "latency_s": a.step_time_s if a.fits else None,
+                        "tokens_per_s": a.tokens_per_s if a.fits else None,
+                        "tokens_per_s_per_gpu": a.tokens_per_s / a.gpus if a.fits else None,
+                        "peak_bytes": a.memory.get("peak") if a.fits else None,
+                        "kv_cache_bytes": by.get("kv_cache") if a.fits else None,
+                        "why": "" if a.fits else a.binding, "best": a is self.best})
+        return out
+
+    def __str__(self) -> str:
+        if not self.rows:
+            return "nothing planned"
+        a0 = self.rows[0]
+        head = (f"{a0.model} ({a0.params / 1e9:.2f}B parameters) served on {a0.gpus} x {a0.cluster}, {a0.seq} "
+                f"token(s) per sequence a step{a0.cache_text()}"
+                + (f", latency at most {self.max_latency_s * 1e3:.4g} ms" if self.max_latency_s else ""))
+        lines = [head, f"{'batch':>6} {'mesh':>6} {'strategy':<26} {'latency':>11} {'tokens/s':>12} "
+                       f"{'per GPU':>10} {'peak GiB':>9} {'K/V GiB':>8}"]
+        for r in self.table():
+            if not r["fits"]:
+                lines.append(f"{r['batch']:>6} does not fit: {r['why'][:100]}")
+                continue
+            mark = " <- best" if r["best"] else ("" if r["within_latency"] else " (over the latency bound)")
+            lines.append(f"{r['batch']:>6} {r['mesh']:>6} {r['strategy'][:26]:<26} {r['latency_s'] * 1e3:>8.3f} ms "
+                         f"{r['tokens_per_s']:>12,.0f} {r['tokens_per_s_per_gpu']:>10,.0f} "
+                         f"{r['peak_bytes'] / 2**30:>9.2f} {(r['kv_cache_bytes'] or 0) / 2**30:>8.2f}{mark}")
+        if self.best is not None and a0.fits:
+            lines.append(f"most tokens/s: batch {self.best.batch}, {self.best.tokens_per_s / a0.tokens_per_s:.1f}x "
+                         f"batch {a0.batch}'s, at {self.best.step_time_s / a0.step_time_s:.1f}x its latency")
+        lines.append(f"stopped: {self.stopped}")
+        return "\n".join(lines)
+
+
+def advise_serving(model: str | None = "llama", size: str | None = None, *, max_batch: int = 1024,
+                   max_latency_s: float | None = None, refine: int = 3, log: Callable[[str], None] | None = None,
+                   **kw) -> Serving:
+    """The throughput objective of serving: ``advise(..., inference=True)`` at batch 1, 2, 4, ... (each planned on
+    its own: the mesh, tensor/data split and memory change with the batch) until a batch does not fit (the K/V
+    cache grows with it), runs past ``max_latency_s`` (a step's latency bound: the time between tokens when
+    decoding) or passes ``max_batch``; then ``refine`` bisections between the last batch kept and the first refused.
+    Returns every batch tried and the one of most tokens/s among those kept (``Serving.best``): a larger batch
+    amortizes the weights each step reads, so throughput grows with it while latency grows slower, until compute
+    binds. ``kw``: ``advise``'s arguments (``cluster``, ``nodes``, ``seq``, ``kv_cache_tokens``, ...), not ``batch``.
+
+    >>> print(autopart.advise_serving("llama", "70b", nodes=1, seq=1, kv_cache_tokens=8192, max_latency_s=0.05))
+    """
+    for k in ("batch", "built", "traced", "inference"):
+        if k in kw:
+            raise ValueError(f"advise_serving chooses {k!r} itself; leave it out (max_batch= caps the batch)")
+    if max_batch < 1 or (max_latency_s is not None and max_latency_s <= 0) or refine < 0:
+        raise ValueError(f"max_batch={max_batch}, max_latency_s={max_latency_s}, refine={refine}: give max_batch "
+                         ">= 1, a positive latency bound (or None) and refine >= 0")
+    rows: dict[int, Advice] = {}
+
+    def kept(a: Advice) -> bool:
+        return a.fits and (max_latency_s is None or a.step_time_s <= max_latency_s)
+
+    def at(b: int) -> Advice:
+        a = rows[b] = advise(model, size, batch=b, inference=True, **kw)
+        if log is not None:
+            log(f"batch {b}: " + (f"{a.step_time_s * 1e3:.3f} ms, {a.tokens_per_s:,.0f} tokens/s on mesh "
+                                  f"{'x'.join(map(str, a.mesh))} ({a.strategy['name']})" if a.fits
+                                  else f"does not fit: {a.binding[:120]}"))
+        return a
+
+    b, stopped, refused = 1, f"max_batch {max_batch} reached", None
+    while b <= max_batch:
+        a = at(b)
+        if not a.fits:
+            stopped, refused = f"batch {b} does not fit: {a.binding}", b
+            break
+        if not kept(a):
+            stopped, refused = f"batch {b}'s latency {a.step_time_s * 1e3:.3f} ms is over the bound", b
+            break
+        b *= 2
+    good = [x for x in rows if kept(rows[x])]
+    if refused is not None and good:
+        lo, hi = max(good), refused
+        for _ in range(refine):
+            mid = (lo + hi) // 2
+            if mid in (lo, hi):
+                break
+            if kept(at(mid)):
+                lo = mid
+            else:
+                hi = mid
+    good = [rows[x] for x in sorted(rows) if kept(rows[x])]
+    best = max(good, key=lambda a: a.tokens_per_s) if good else None
+    return Serving(rows=[rows[x] for x in sorted(rows)], best=best, max_latency_s=max_latency_s, stopped=stopped)
+
+
 # ---- published practice and the sweep --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Recipe:

@@ -126,6 +126,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_arg(text: str) -> int | str:
+    if text == "max":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch {text!r}: give a number of sequences, or 'max' with "
+                                         "--inference") from None
+
+
 def _rich_advice(adv, console) -> None:
     from rich.table import Table
 
@@ -229,6 +239,28 @@ def cmd_advise(args: argparse.Namespace) -> int:
                 console.print(f"wrote {args.out}/design_guide.md, .json and {png}")
         return 0
     overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    if args.batch == "max" or args.max_latency_ms is not None:
+        if args.batch != "max" or not args.inference:
+            raise ValueError("--max-latency-ms bounds the serving search: pass it with --inference --batch max")
+        srv = adv_mod.advise_serving(
+            args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
+            nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq=args.seq or 2048, dtype=dtype,
+            time_limit_s=args.time_limit, max_plan_s=args.max_plan_s, views=not args.physical_mesh,
+            relative_gap=gap, kv_cache_tokens=args.context, max_batch=args.max_batch,
+            max_latency_s=args.max_latency_ms / 1e3 if args.max_latency_ms is not None else None,
+            log=None if args.json else lambda line: console.print(line, highlight=False), **overrides)
+        if args.json:
+            print(json.dumps(srv.to_json(), indent=1))
+        else:
+            console.print(str(srv), highlight=False, soft_wrap=True)
+            if srv.best is not None:
+                console.print()
+                _rich_advice(srv.best, console)
+        if args.out and srv.best is not None:
+            srv.best.plan.save(args.out)
+            if not args.json:
+                console.print(f"plan of batch {srv.best.batch} saved to {args.out}")
+        return 0 if srv.best is not None else 2
     a = adv_mod.advise(args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
                        nodes=args.nodes, gpus_per_node=args.gpus_per_node, batch=args.batch, seq=args.seq or 2048,
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
@@ -290,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                                                            "path of a .json/.toml cluster file")
     a.add_argument("--nodes", type=int, default=1)
     a.add_argument("--gpus-per-node", type=int, default=8)
-    a.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per GPU)")
+    a.add_argument("--batch", type=_batch_arg, default=None,
+                   help="global batch in sequences (default: one per GPU); with --inference, 'max': the batch of "
+                        "most tokens/s that fits (and keeps --max-latency-ms), searched 1, 2, 4, ... up to "
+                        "--max-batch")
+    a.add_argument("--max-latency-ms", type=float, default=None,
+                   help="--batch max: the longest a step may take (decoding: the time between tokens)")
+    a.add_argument("--max-batch", type=int, default=1024, help="--batch max: the largest batch tried")
     a.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; 4096 for --sweep)")
     a.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     a.add_argument("--optimizer-bytes", type=float, default=12.0, help="optimizer bytes per parameter (12: Adam "

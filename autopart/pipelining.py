@@ -80,7 +80,11 @@ class Unit:
     fwd_s: float = 0.0  # forward compute of the recomputable nodes (what full recompute costs)
     act_bytes: float = 0.0
     ckpt_act_bytes: float = 0.0  # kept under full recompute (the block's input/output)
-    state_bytes: float = 0.0  # parameters + optimizer states (+ gathered copies)
+    state_bytes: float = 0.0  # parameters + optimizer states (+ gathered copies) + the K/V cache (``kv_bytes``)
+    # serving: the K/V cache of every sequence of the batch at the block's attentions. Resident like the weights,
+    # whatever the micro-batch count and however many are in flight: each micro-batch's sequences keep their cache
+    # on the stage between decoding steps (in ``state_bytes``, not ``act_bytes``)
+    kv_bytes: float = 0.0
     grad_bytes: float = 0.0
     transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
@@ -98,6 +102,7 @@ class Unit:
     block_act_bytes: float = 0.0
     block_ckpt_bytes: float = 0.0
     block_state_bytes: float = 0.0
+    block_kv_bytes: float = 0.0
     block_grad_bytes: float = 0.0
     block_transient_bytes: float = 0.0
     block_reduce_s: float = 0.0
@@ -192,7 +197,12 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         u = units[unit_of[n.name]]
         own = rec["layer"] == u.name
         tr = rec.get("transient_bytes", 0.0)
-        kept = rec["memory_bytes"] - tr
+        kv = rec.get("kv_cache_bytes", 0.0)
+        kept = rec["memory_bytes"] - tr - kv
+        u.kv_bytes += kv
+        u.state_bytes += kv
+        u.block_kv_bytes += kv * own
+        u.block_state_bytes += kv * own
         # the framework's time per op (Device.op_latency) is paid by every micro-batch, not split between them, and
         # so is the latency of the collectives inside its lowering (``comm_latency_s``: a vocab-parallel loss's)
         lat = min(cluster.device.op_latency + rec.get("comm_latency_s", 0.0), rec["time_s"])
@@ -358,7 +368,8 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
                                 floor_s=second.block_floor_s,
                                 fwd_s=second.block_fwd_s, act_bytes=second.block_act_bytes,
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
-                                state_bytes=second.block_state_bytes, grad_bytes=second.block_grad_bytes,
+                                state_bytes=second.block_state_bytes, kv_bytes=second.block_kv_bytes,
+                                grad_bytes=second.block_grad_bytes,
                                 transient_bytes=second.block_transient_bytes, reduce_s=second.block_reduce_s,
                                 late_s=second.block_late_s, gather_s=second.block_gather_s,
                                 step_s=second.block_step_s)
@@ -655,9 +666,6 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
     ckpt.update({units[i].name: "full" for i, c in enumerate(pl.checkpointed) if c or units[i].full})
     ends = list(pl.boundaries[1:]) + [len(units)]
     m = o.micro_batches
-    # inference: the K/V cache (of every sequence, in the activations of the micro-batches in flight: all of them
-    # forward-only) of the stage plan's attentions, a block's share each
-    kv_block = plan.predicted.get("memory_bytes", {}).get("kv_cache", 0.0) / max(1, len(units))
     stage_recs = []
     for c, (i, j) in enumerate(zip(pl.boundaries, ends)):
         us = units[i:j]
@@ -665,15 +673,15 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         act = sum((min(u.ckpt_act_bytes, u.act_bytes) if pl.checkpointed[i + k] or u.full else u.act_bytes) / m
                   for k, u in enumerate(us))
         states, grads = sum(u.state_bytes for u in us), sum(u.grad_bytes for u in us)
+        kv = sum(u.kv_bytes for u in us)  # in ``states`` (resident), reported apart
         tr = sum(u.transient_bytes for u in us) / m
         # GPipe peaks as backward starts, every micro-batch's activations held and gradients not yet allocated
         # (solver/pipeline.py); the other schedules hold their in-flight count with gradients allocated
         total = float(stage_peak(states + grads, grads, act, tr, n_fl, o.schedule == "gpipe"))
-        kv = min(n_fl * act, kv_block * (j - i))  # in ``act``, reported apart
         stage_recs.append({
             "index": c, "rank": c % o.stages, "layers": [u.name for u in us],
             "time_s": pl.stage_time_s[c], "in_flight": n_fl,
-            "memory_bytes": {"states": states, "gradients": grads, "activations": n_fl * act + tr - kv,
+            "memory_bytes": {"states": states - kv, "gradients": grads, "activations": n_fl * act + tr,
                              "kv_cache": kv, "total": total},
             "send_bytes": us[-1].out_bytes / m if j < len(units) else 0.0,
             "checkpointed": [u.name for k, u in enumerate(us) if pl.checkpointed[i + k] or u.full],

@@ -2835,6 +2835,15 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     timeouts: dict[str, SolverTimeout] = {}
 
     working = inference_working_bytes(info) if not any(info.needs_grad.values()) else 0.0
+    if not any(info.needs_grad.values()):
+        if any(m != "none" for m in base_modes.values()):
+            raise ValueError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
+                             "gradient): recompute frees what forward saves for backward, and serving saves "
+                             "nothing; plan it with checkpoint='none' (or leave it to the planner)")
+        if "activations" in base_off:
+            raise ValueError(f"offload={opts.offload!r} on a forward-only graph (no parameter requires a gradient): "
+                             "activation offload moves what forward saves for backward, and serving saves nothing "
+                             "(a K/V cache stays on the device); plan it with offload='none'")
     warm_hint = warm_start_choice(opts.warm_start, prob)
 
     def recompute_bytes(modes: dict[str, str], ckpt_mem: list[np.ndarray], choice) -> float:
@@ -2934,8 +2943,9 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
     bucket0 = buckets_of(sol0.choice)[0]
     rows0 = (sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-             np.array([recompute_bytes(modes0, ckpt0, sol0.choice), buckets_of(sol0.choice)[1], optimizer_row_base(
-                 prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster), cluster)]))
+             np.array([recompute_bytes(modes0, ckpt0, sol0.choice) + working, buckets_of(sol0.choice)[1],
+                       optimizer_row_base(prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster),
+                                          cluster)]))
     row0 = max(rows0)
     binds = row0 > limit
     timings["free_memory_row_bytes"] = row0  # the memory row of the fastest plan, memory ignored
@@ -2954,11 +2964,14 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         best = min((r[0].objective for r in results.values()), default=math.inf)
         return best > 1.02 * sol0.objective
 
-    if opts.checkpoint is None and layers and tight():
+    # forward-only (serving): nothing is saved for backward, so neither recompute nor activation offload frees
+    # anything; the K/V cache a decoding step holds stays on the device (the runtime keeps it there)
+    training = any(info.needs_grad.values())
+    if opts.checkpoint is None and layers and training and tight():
         # memory binds: recompute may buy a cheaper sharding or make the model fit at all
         run("selective", {lay: "selective" for lay in layers}, base_off)
         run("full", {lay: "full" for lay in layers}, base_off)
-    if forced_off is None and cluster.device.name != "cpu" and binds and (
+    if forced_off is None and cluster.device.name != "cpu" and binds and training and (
             not results or min(r[0].objective for r in results.values()) > 1.3 * sol0.objective):
         # still binding: host memory (offload never pays on a CPU cluster, where host memory is device memory)
         full = base_modes or {lay: "full" for lay in layers}
@@ -2976,9 +2989,12 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
         exc = min(errors.values(), key=lambda e: e.min_memory)
         kind_of = {name: info.kind[groups[g][0]] for g, name in enumerate(names)}
-        contrib = ", ".join(
-            f"{'model states (parameter, gradient, optimizer)' if kind_of.get(n) == 'param' else 'activations'} "
-            f"of {n} {_fmt_bytes(b)}" for n, b in exc.contributors)
+
+        def what(n: str) -> str:
+            if kind_of.get(n) == "param":
+                return "model states (parameter, gradient, optimizer)" if training else "weights"
+            return "K/V cache" if opts.kv_cache_tokens and "attention" in n else "activations"
+        contrib = ", ".join(f"{what(n)} of {n} {_fmt_bytes(b)}" for n, b in exc.contributors)
         tried = ", ".join(timings["checkpoint_variants"])
         keep = 1 - opts.memory_margin
         given = (f"{_fmt_bytes(limit / keep)} less the memory model's {opts.memory_margin:.0%} margin, "
@@ -3114,6 +3130,9 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         ep = ep_axes(n, o.inputs) if n.target is regions.OP else ()
         if ep:  # expert parallel: what the plan prints
             rec["ep_axes"], rec["experts"] = list(ep), regions.region(n.args[0]).num_experts
+        kv = kv_cache_bytes(n, o, mesh, opts.kv_cache_tokens) if info.kind[n.name] == "op" else 0.0
+        if kv:  # in its memory_bytes: the cache of every sequence of the batch, held between steps
+            rec["kv_cache_bytes"] = kv
         if info.kind[n.name] == "op" and info.needs_grad[n.name]:
             rec["transient_bytes"] = transient_bytes(n, o, mesh)
             if prob.keep_full:

@@ -521,3 +521,44 @@ def test_inference_advice_is_forward_only_with_its_kv_cache(capsys) -> None:
     assert rc == 0 and "latency (one batch)" in text and "K/V cache of 2048 tokens" in text and "kv_cache" in text
     assert main(["advise", "--sweep", "--inference"]) == 1
     assert "--sweep is the training design guide" in capsys.readouterr().err
+
+
+def test_serving_search_finds_the_batch_of_most_tokens_per_s(capsys) -> None:
+    """``advise_serving``: decoding at batch 1, 2, 4, ... until the K/V cache no longer fits (a 1.7 GiB budget on
+    2 H100s), then bisected. Every batch that fits stays within the budget (a forward-only plan's working bytes
+    were missing from the check of its first solve: batch 64 was said to fit at 2.1 GiB), tokens/s grows with
+    the batch while memory-bound, the answer is the most tokens/s among those kept; with a latency bound, the
+    largest batch within it."""
+    import dataclasses
+
+    c = preset("h100-80gb", (1, 2))
+    small = dataclasses.replace(c, reserve_bytes=c.device.memory_bytes - int(1.7 * 2**30))
+    kw = dict(layers=2, seq=1, kv_cache_tokens=8192, gpus_per_node=2, views=False)
+    s = adv.advise_serving("llama", "1b", cluster=small, max_batch=1024, **kw)
+    batches = [a.batch for a in s.rows]
+    powers = [b for b in batches if b & (b - 1) == 0]
+    assert powers == [2**i for i in range(len(powers))] and len(powers) >= 6
+    fit = [a for a in s.rows if a.fits]
+    refused = min(a.batch for a in s.rows if not a.fits)
+    assert all(a.batch < refused for a in fit) and "does not fit" in s.stopped
+    assert any(b & (b - 1) for b in batches)  # bisected between the last power kept and the refused one
+    for a in fit:
+        assert a.memory["peak"] <= small.memory_budget * (1 + 1e-9), (a.batch, a.memory["peak"])
+    one = {a.batch: a for a in fit}
+    assert one[16].tokens_per_s > one[8].tokens_per_s > 4 * one[1].tokens_per_s  # weights read once per step
+    assert s.best is max(fit, key=lambda a: a.tokens_per_s)
+    assert "<- best" in str(s) and s.to_json()["best_batch"] == s.best.batch
+    # a latency bound between batch 8's and batch 16's: the largest batch within it, found by bisection
+    bound = (one[8].step_time_s + one[16].step_time_s) / 2
+    t = adv.advise_serving("llama", "1b", cluster=small, max_batch=1024, max_latency_s=bound, **kw)
+    assert t.best.step_time_s <= bound and 8 <= t.best.batch < 16
+    assert all(a.step_time_s > bound for a in t.rows if a.batch > t.best.batch)
+    assert "over the bound" in t.stopped
+    with pytest.raises(ValueError, match="chooses 'batch' itself"):
+        adv.advise_serving("llama", "1b", batch=4, **kw)
+    rc = main(["advise", "--model", "llama:1b", "--layers", "2", "--gpus-per-node", "2", "--seq", "1",
+               "--inference", "--context", "2048", "--batch", "max", "--max-batch", "4", "--physical-mesh"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "<- best" in text and "max_batch 4 reached" in text and "latency (one batch)" in text
+    assert main(["advise", "--model", "llama:1b", "--max-latency-ms", "5"]) == 1
+    assert "--inference --batch max" in capsys.readouterr().err

@@ -334,3 +334,42 @@ def test_collectives_inside_a_lowering_pay_their_latency_per_micro_batch():
     comm = per_micro_batch_s(p.nodes, p.collectives, cluster.device)[1]
     assert comm - per_micro_batch_s(plain_nodes, p.collectives, cluster.device)[1] == \
         pytest.approx(inside["cross_entropy_loss"])
+
+
+def _frozen_llama(batch: int = 16):
+    from autopart.models import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=256, max_seq_len=64, n_layer=4, n_head=8, n_kv_head=2, d_model=256,
+                                  d_ff=512)).to(torch.bfloat16)
+    model.requires_grad_(False)
+    return model, torch.randint(0, 256, (batch, 1), device="meta")
+
+
+def test_pipelined_serving_holds_every_sequences_kv_cache():
+    """Decoding in a pipeline of 8 micro-batches: each stage holds the K/V cache of every sequence of the batch
+    for its layers, however few micro-batches are in flight (a sequence's cache stays on the stage between steps).
+    It was counted with the activations of the micro-batches in flight: an 8th and a 4th of it here."""
+    model, ids = _frozen_llama()
+    tokens = 4096
+    p = autopart.plan(model, autopart.mesh((2,), ("pp",)), (ids,), {}, cluster="h100-80gb", roles={"pp": "pp"},
+                      pipeline={"stages": 2, "micro_batches": 8, "schedule": "1f1b"}, kv_cache_tokens=tokens)
+    per_layer = 2 * 16 * 2 * tokens * (256 // 8) * 2  # K and V: batch 16, 2 K/V heads of 32, bf16
+    stages = p.pipeline["stages"]
+    assert [s["in_flight"] for s in stages] == [2, 1]
+    for s in stages:
+        mem = s["memory_bytes"]
+        assert mem["kv_cache"] == pytest.approx(per_layer * len(s["layers"]))
+        assert mem["total"] >= mem["states"] + mem["kv_cache"] + mem["activations"] - 1
+    assert p.predicted["memory_bytes"]["kv_cache"] == pytest.approx(2 * per_layer)  # the rank's chunk: its 2 layers
+
+
+def test_forward_only_refuses_recompute_and_activation_offload():
+    """Serving saves nothing for backward: recompute and activation offload would only have dropped the K/V cache
+    from the memory rows (a plan that does not fit, said to fit). Forced, a clear error; unforced, never tried."""
+    model, ids = _frozen_llama()
+    mesh = autopart.mesh((2,), ("tp",))
+    with pytest.raises(ValueError, match="checkpoint='full' on a forward-only graph"):
+        autopart.plan(model, mesh, (ids,), {}, cluster="h100-80gb", checkpoint="full", kv_cache_tokens=64)
+    with pytest.raises(ValueError, match="offload='activations' on a forward-only graph"):
+        autopart.plan(model, mesh, (ids,), {}, cluster="h100-80gb", offload="activations", kv_cache_tokens=64)
