@@ -53,14 +53,14 @@ def main() -> None:
                                         max_batch=a.max_batch, max_latency_s=bound)
             wall = time.perf_counter() - t0
             what = f"{spec}, context {a.context}" + (f", latency <= {bound * 1e3:g} ms" if bound else "")
-            print(f"\n### {what} ({len(s.rows)} batches planned in {wall:.0f} s)\n")
+            print(f"\n### {what} ({len(s.rows)} batches planned in {wall:.0f} s)\n", flush=True)
             print("\n".join(_table(s)))
             one = s.rows[0]
             if s.best is not None and one.fits:
                 print(f"\nbest: batch {s.best.batch}, {s.best.tokens_per_s:,.0f} tokens/s = "
                       f"{s.best.tokens_per_s / one.tokens_per_s:.1f}x batch 1's ({one.tokens_per_s:,.0f}), latency "
                       f"{s.best.step_time_s * 1e3:.2f} ms = {s.best.step_time_s / one.step_time_s:.1f}x batch 1's")
-            print(f"stopped: {s.stopped[:200]}")
+            print(f"stopped: {s.stopped[:200]}", flush=True)
             out.append({"model": spec, "context": a.context, "max_latency_s": bound, "wall_s": wall,
                         **s.to_json()})
     if a.json:
