@@ -240,8 +240,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
         return 0
     overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
     if args.batch == "max" or args.max_latency_ms is not None:
-        if args.batch != "max" or not args.inference:
+        if args.batch != "max":
             raise ValueError("--max-latency-ms bounds the serving search: pass it with --inference --batch max")
+        if not args.inference:
+            raise ValueError("--batch max searches serving's batch of most tokens/s: add --inference (training "
+                             "plans take a number of sequences)")
         srv = adv_mod.advise_serving(
             args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
             nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq=args.seq or 2048, dtype=dtype,

@@ -562,3 +562,5 @@ def test_serving_search_finds_the_batch_of_most_tokens_per_s(capsys) -> None:
     assert rc == 0 and "<- best" in text and "max_batch 4 reached" in text and "latency (one batch)" in text
     assert main(["advise", "--model", "llama:1b", "--max-latency-ms", "5"]) == 1
     assert "--inference --batch max" in capsys.readouterr().err
+    assert main(["advise", "--model", "llama:1b", "--batch", "max"]) == 1
+    assert "add --inference" in capsys.readouterr().err
