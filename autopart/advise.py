@@ -953,6 +953,20 @@ class Serving:
                         "why": "" if a.fits else a.binding, "best": a is self.best})
         return out
 
+    def markdown(self) -> str:
+        """``table()`` as a markdown table (benchmarks/bench_serving.py)."""
+        lines = ["| batch | mesh | strategy | latency ms | tokens/s | tokens/s per GPU | peak GiB | K/V GiB | |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for r in self.table():
+            if not r["fits"]:
+                lines.append(f"| {r['batch']} | | does not fit | | | | | | {r['why'][:60]}... |")
+                continue
+            note = "best" if r["best"] else ("" if r["within_latency"] else "over the bound")
+            lines.append(f"| {r['batch']} | {r['mesh']} | {r['strategy']} | {r['latency_s'] * 1e3:.3f} | "
+                         f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
+                         f"{r['peak_bytes'] / 2**30:.2f} | {(r['kv_cache_bytes'] or 0) / 2**30:.2f} | {note} |")
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         if not self.rows:
             return "nothing planned"

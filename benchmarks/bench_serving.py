@@ -21,20 +21,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _table(s) -> list[str]:
-    lines = ["| batch | mesh | strategy | latency ms | tokens/s | tokens/s per GPU | peak GiB | K/V GiB | |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in s.table():
-        if not r["fits"]:
-            lines.append(f"| {r['batch']} | | does not fit | | | | | | {r['why'][:60]}... |")
-            continue
-        note = "best" if r["best"] else ("" if r["within_latency"] else "over the bound")
-        lines.append(f"| {r['batch']} | {r['mesh']} | {r['strategy']} | {r['latency_s'] * 1e3:.3f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['peak_bytes'] / 2**30:.2f} | "
-                     f"{(r['kv_cache_bytes'] or 0) / 2**30:.2f} | {note} |")
-    return lines
-
-
 def main() -> None:
     import autopart
 
@@ -54,7 +40,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
             what = f"{spec}, context {a.context}" + (f", latency <= {bound * 1e3:g} ms" if bound else "")
             print(f"\n### {what} ({len(s.rows)} batches planned in {wall:.0f} s)\n", flush=True)
-            print("\n".join(_table(s)))
+            print(s.markdown())
             one = s.rows[0]
             if s.best is not None and one.fits:
                 print(f"\nbest: batch {s.best.batch}, {s.best.tokens_per_s:,.0f} tokens/s = "

@@ -548,6 +548,8 @@ def test_serving_search_finds_the_batch_of_most_tokens_per_s(capsys) -> None:
     assert one[16].tokens_per_s > one[8].tokens_per_s > 4 * one[1].tokens_per_s  # weights read once per step
     assert s.best is max(fit, key=lambda a: a.tokens_per_s)
     assert "<- best" in str(s) and s.to_json()["best_batch"] == s.best.batch
+    md = s.markdown().splitlines()
+    assert len(md) == 2 + len(s.rows) and sum(line.endswith("| best |") for line in md) == 1
     # a latency bound between batch 8's and batch 16's: the largest batch within it, found by bisection
     bound = (one[8].step_time_s + one[16].step_time_s) / 2
     t = adv.advise_serving("llama", "1b", cluster=small, max_batch=1024, max_latency_s=bound, **kw)
