@@ -682,12 +682,19 @@ class Advice:
         return "\n".join(lines)
 
     def cache_text(self) -> str:
+        """What decoding holds per sequence: the K/V cache of the context at the attentions, a state-space model's
+        recurrent state (the ``kv_cache`` memory kind holds both)."""
         if not self.kv_cache_tokens:
             return ""
-        none = self.fits and not self.memory.get("by_kind", {}).get("kv_cache")
-        return (f", K/V cache of {self.kv_cache_tokens} tokens per sequence" +
-                (" (none held: the model has no attention; a state-space model's decoding state does not grow "
-                 "with the context)" if none else ""))
+        ops = {r["op"] for r in self.plan.nodes.values()} if self.plan is not None else set()
+        attention = any("scaled_dot_product_attention" in o for o in ops)
+        ssm = any(o.startswith("autopart.ssd_scan") for o in ops)
+        if ssm and not attention:
+            return (f", decoding after {self.kv_cache_tokens} tokens: no K/V cache (no attention), the recurrent "
+                    "state of every sequence held instead, the same whatever the context")
+        return (f", K/V cache of {self.kv_cache_tokens} tokens per sequence"
+                + (" and the recurrent state of the state-space layers" if ssm else "")
+                + (" (none held: the model has no attention)" if self.fits and not attention and not ssm else ""))
 
     def views_text(self) -> str:
         """The logical meshes planned and each one's predicted step (``views``), on one line."""
@@ -819,8 +826,9 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
 
     ``inference``: serving, planned forward-only (``autopart.plan`` of the frozen model: no gradients, no
     optimizer states, the weights alone as model state); the step is the latency of one batch of ``batch``
-    sequences of ``seq`` tokens (batch 1 for latency, a larger batch for throughput), ``kv_cache_tokens`` the K/V
-    cache per sequence each attention holds and reads (decoding: ``seq=1``, the cache the context so far), and
+    sequences of ``seq`` tokens (batch 1 for latency, a larger batch for throughput: ``advise_serving``),
+    ``kv_cache_tokens`` the K/V cache per sequence each attention holds and reads (decoding: ``seq=1``, the cache
+    the context so far; a state-space layer holds its recurrent state per sequence instead, whatever the context), and
     the model FLOPs are the forward's (2 N per token, attention over the cache).
 
     >>> print(autopart.advise("llama", "70b", cluster="h100-80gb", nodes=8, seq=4096))

@@ -72,6 +72,7 @@ from autopart.placement import Partial, Replicate, Shard, Strided, is_shard, par
 from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_key, bucket_limit
 from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
+from autopart.strategy import ssm as ssm_rules
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
 from autopart.trace import Traced
 
@@ -979,9 +980,15 @@ def inference_working_bytes(info: Graphinfo) -> float:
 
 
 def kv_cache_bytes(node: fx.Node, option: OpOption, mesh, tokens: int) -> float:
-    """Bytes of the K and V cache of ``tokens`` positions an attention node holds under ``option``: its key and
-    value inputs (batch, kv heads, sequence, head dim) in the layout it consumes them in, scaled to ``tokens``."""
-    if not tokens or node.target != aten.scaled_dot_product_attention.default:
+    """Bytes of the decoding state a node holds per step under ``option`` when the step decodes over ``tokens``
+    cached positions (0: not decoding, none): an attention's K and V cache, its key and value inputs (batch, kv
+    heads, sequence, head dim) in the layout it consumes them in, scaled to ``tokens``; a state-space scan's or
+    convolution's recurrent state (``ssm_state_bytes``), whatever ``tokens``."""
+    if not tokens:
+        return 0.0
+    if node.target in ssm_rules.SCAN_OPS or node.target in ssm_rules.CONV_OPS:
+        return ssm_state_bytes(node, option, mesh)
+    if node.target != aten.scaled_dot_product_attention.default:
         return 0.0
     ins = tensor_inputs(node)
     total = 0.0
@@ -989,6 +996,22 @@ def kv_cache_bytes(node: fx.Node, option: OpOption, mesh, tokens: int) -> float:
         v = value_of(ins[j])
         total += _local_bytes(v, option.inputs[j], mesh) * tokens / max(1, v.shape[-2])
     return total
+
+
+def ssm_state_bytes(node: fx.Node, option: OpOption, mesh) -> float:
+    """What a decoding Mamba block keeps per sequence between steps, as mamba_ssm's inference cache does, in the
+    layout the node consumes its input in: the scan's state (batch, heads, headdim, d_state), ``x``'s bytes per
+    position times ``d_state`` (``b`` is (batch, seq, d_state)); the causal convolution's last ``d_conv - 1``
+    inputs, ``x``'s bytes per position times that. In the activations' dtype. Per position: the sequence split
+    (context parallelism) taken back out, each rank holding the state of its sequences whole."""
+    ins = tensor_inputs(node)
+    x = value_of(ins[0])
+    spec = option.inputs[0]
+    seq_ways = math.prod(n for p, n in zip(spec, mesh) if is_shard(p) and p.dim % x.dim() == 1)
+    per_position = _local_bytes(x, spec, mesh) * seq_ways / max(1, x.shape[1])
+    if node.target in ssm_rules.SCAN_OPS:
+        return per_position * value_of(ins[3]).shape[-1]
+    return per_position * (value_of(ins[1]).shape[-1] - 1)
 
 
 def transient_bytes(node: fx.Node, option: OpOption, mesh) -> float:

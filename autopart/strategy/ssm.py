@@ -126,12 +126,21 @@ def causal_conv1d_flops(args: tuple, kwargs: dict, out) -> int:
     return 2 * out.numel() * args[1].shape[1]
 
 
+# the registered scan and convolution ops: what a decoding step holds per sequence between steps (``planner
+# .decode_state_bytes``: the scan's state, heads x headdim x d_state; the convolution's last d_conv - 1 inputs)
+SCAN_OPS: set = set()
+CONV_OPS: set = set()
+
+
 def register_ssm_ops(scan, conv) -> None:
     """Rules, FLOPs and backward cost of the model's custom ops, and their context-parallel tags (called where
     ``autopart.models.mamba`` defines them)."""
     from autopart.cost.compute import BACKWARD_RATIO as ratios
     from autopart.extend import register_op
     from autopart.strategy.context import register_sequence_op
+
+    SCAN_OPS.add(scan)
+    CONV_OPS.add(conv)
 
     register_op(scan, sharding=ssd_scan_rule, flops=ssd_scan_flops)
     register_op(conv, sharding=causal_conv1d_rule, flops=causal_conv1d_flops)
