@@ -3396,29 +3396,48 @@ def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> t
     return comp, comm
 
 
+def weight_reread_s(nodes: dict, m: int, device: Device) -> float:
+    """What ``m`` micro-batches add to the traced batch's compute by reading the weights again each: per block (the
+    nodes of one layer; the rest as one), a micro-batch takes at least its ops' parameter reads at the memory
+    bandwidth (``param_read_s``: forward's read, and backward's read and gradient write), capped at the whole
+    batch's time, as ``pipelining.Unit.cost`` prices a pipeline's micro-batches. Zero where each micro-batch's
+    share of the compute stays above it (large micro-batches: GEMMs are compute-bound)."""
+    blocks: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for r in nodes.values():
+        if r["op"] in ("param", "buffer", "constant", "input"):
+            continue
+        b = blocks[r["layer"]]
+        b[0] += r["time_s"] - min(device.op_latency + r.get("comm_latency_s", 0.0), r["time_s"])
+        b[1] += r.get("param_read_s", 0.0)
+    return sum(max(0.0, m * min(floor, t) - t) for t, floor in blocks.values())
+
+
 def accumulated(predicted: dict, m: int, traced: Traced, nodes: dict, collectives: list[dict], reduced: dict,
                 zero: dict, gathered: list, cluster: Cluster, sizes: dict[str, int] | None = None,
                 reduce_dtype: str | None = None) -> dict:
     """``predicted`` (a one-pass record of the traced batch, its memory already one micro-batch's:
     ``one_micro_batch``) for ``m`` gradient-accumulation micro-batches run one after another, as the runtime runs
     them (``ParallelModule.forward_backward``): the batch-proportional time is the same in all, what each
-    micro-batch pays whatever its size (``per_micro_batch_s``) is paid ``m`` times; the data-parallel reduction,
+    micro-batch pays whatever its size (``per_micro_batch_s``) is paid ``m`` times, each reads the weights again
+    (``weight_reread_s``, where that binds); the data-parallel reduction,
     launched from the last micro-batch's backward, is hidden only by that backward, and ZeRO-1/2's after-step
     gather only by the first micro-batch's forward (``gradient_reduction`` / ``param_gather`` with
     ``micro_batches``). On GPU presets (no per-op latency) accumulation costs only that less-hidden communication.
     ``predicted["accumulation"]`` says how the step is made up."""
     comp, comm = per_micro_batch_s(nodes, collectives, cluster.device)
+    reread = weight_reread_s(nodes, m, cluster.device)
     reduction, exposed = gradient_reduction(traced, nodes, reduced, zero, cluster, m, sizes, reduce_dtype)
     _, gather = param_gather(traced, nodes, gathered, cluster, m, sizes)
     exposed_1 = predicted["grad_reduction_s"] - predicted["hidden_comm_s"]
     extra_comm = (m - 1) * comm + (exposed - exposed_1) + (gather - predicted["param_gather_s"])
     out = dict(predicted)
-    out.update({"step_time_s": predicted["step_time_s"] + (m - 1) * comp + extra_comm,
-                "compute_s": predicted["compute_s"] + (m - 1) * comp, "comm_s": predicted["comm_s"] + extra_comm,
+    out.update({"step_time_s": predicted["step_time_s"] + (m - 1) * comp + reread + extra_comm,
+                "compute_s": predicted["compute_s"] + (m - 1) * comp + reread,
+                "comm_s": predicted["comm_s"] + extra_comm,
                 "hidden_comm_s": reduction - exposed, "param_gather_s": gather})
     out["accumulation"] = {
         "micro_batches": m, "one_pass_step_time_s": predicted["step_time_s"],
-        "per_micro_batch_s": comp + comm, "grad_reduction_exposed_s": exposed,
+        "per_micro_batch_s": comp + comm, "weight_reread_s": reread, "grad_reduction_exposed_s": exposed,
         "one_pass_grad_reduction_exposed_s": exposed_1, "param_gather_exposed_s": gather,
         "one_pass_param_gather_exposed_s": predicted["param_gather_s"],
         "activations_bytes": predicted["memory_bytes"]["activations"]}

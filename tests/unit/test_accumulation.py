@@ -114,6 +114,29 @@ def test_end_of_forward_holds_accumulated_gradients_at_every_zero_level(gpu_gpt)
     assert binding >= 3  # the end of forward binds at ZeRO-0..3 here (all but ZeRO-0, whose optimizer step may)
 
 
+def test_small_micro_batches_read_the_weights_again(gpu_gpt):
+    """Each micro-batch reads every weight again (and, in backward, again with the gradient written): a micro-batch
+    of one 64-token sequence a GPU on an H100 is bound by that, not by its FLOPs, so 8 of them cost more than the
+    whole batch in one pass, as a pipeline's micro-batches are priced (``pipelining.Unit.cost``). Large
+    micro-batches are compute-bound and pay nothing for it."""
+    from autopart.planner import weight_reread_s
+
+    model, ids = _gpt(layers=2, d=1024, batch=16, seq=64, meta=True)
+    kw = dict(cluster="h100-80gb", zero=0)
+    one = autopart.evaluate(model, 2, (ids,), {"labels": ids}, **kw)
+    acc = autopart.evaluate(model, 2, (ids,), {"labels": ids}, micro_batches=8, **kw)
+    reread = acc.predicted["accumulation"]["weight_reread_s"]
+    reads = sum(r.get("param_read_s", 0.0) for r in acc.nodes.values())
+    assert reads > 0 and 0 < reread <= 8 * reads
+    assert reread == pytest.approx(weight_reread_s(acc.nodes, 8, autopart.preset("h100-80gb", (2,)).device))
+    assert acc.predicted["compute_s"] == pytest.approx(one.predicted["compute_s"] + reread)  # no per-op latency
+    assert acc.predicted["step_time_s"] > one.predicted["step_time_s"] + 0.5 * reread
+    big_model, big_ids, t = gpu_gpt  # micro-batches of 8 x 1024 tokens
+    big = autopart.evaluate(big_model, 8, (big_ids,), {"labels": big_ids}, cluster="h100-80gb", traced=t,
+                            micro_batches=4)
+    assert big.predicted["accumulation"]["weight_reread_s"] == 0
+
+
 def test_per_op_latency_paid_by_every_micro_batch():
     """On a device with a framework time per op (a calibrated CPU), every micro-batch pays it."""
     model, ids = _gpt(batch=4, seq=16)
