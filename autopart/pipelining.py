@@ -80,10 +80,11 @@ class Unit:
     fwd_s: float = 0.0  # forward compute of the recomputable nodes (what full recompute costs)
     act_bytes: float = 0.0
     ckpt_act_bytes: float = 0.0  # kept under full recompute (the block's input/output)
-    state_bytes: float = 0.0  # parameters + optimizer states (+ gathered copies) + the K/V cache (``kv_bytes``)
-    # serving: the K/V cache of every sequence of the batch at the block's attentions. Resident like the weights,
-    # whatever the micro-batch count and however many are in flight: each micro-batch's sequences keep their cache
-    # on the stage between decoding steps (in ``state_bytes``, not ``act_bytes``)
+    state_bytes: float = 0.0  # parameters + optimizer states (+ gathered copies) + the decoding state (``kv_bytes``)
+    # serving: what decoding keeps of every sequence of the batch at the block's nodes, the attentions' K/V cache
+    # and a state-space layer's recurrent state (``planner.kv_cache_bytes``). Resident like the weights, whatever
+    # the micro-batch count and however many are in flight: each micro-batch's sequences keep it on the stage
+    # between decoding steps (in ``state_bytes``, not ``act_bytes``)
     kv_bytes: float = 0.0
     grad_bytes: float = 0.0
     transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
