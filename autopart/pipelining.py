@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from autopart.cost import Cluster, collective_time
 from autopart.placement import Shard, parse_spec
-from autopart.planner import _local_bytes, grad_reduction_share, reduce_scale
+from autopart.planner import _local_bytes, fixed_op_s, grad_reduction_share, reduce_scale
 from autopart.runtime.grads import (
     OVERLAP_IN_PIPELINE,  # pipelines reduce from the last micro-batch's backward
     bucket_limit,
@@ -204,9 +204,7 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         u.state_bytes += kv
         u.block_kv_bytes += kv * own
         u.block_state_bytes += kv * own
-        # the framework's time per op (Device.op_latency) is paid by every micro-batch, not split between them, and
-        # so is the latency of the collectives inside its lowering (``comm_latency_s``: a vocab-parallel loss's)
-        lat = min(cluster.device.op_latency + rec.get("comm_latency_s", 0.0), rec["time_s"])
+        lat = fixed_op_s(rec, cluster.device)  # paid by every micro-batch, not split between them
         u.time_s += rec["time_s"] - lat
         u.fixed_s += lat
         u.block_fixed_s += lat * own

@@ -2857,8 +2857,11 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     errors: dict[str, InfeasibleError] = {}
     timeouts: dict[str, SolverTimeout] = {}
 
-    working = inference_working_bytes(info) if not any(info.needs_grad.values()) else 0.0
-    if not any(info.needs_grad.values()):
+    # forward-only (serving): nothing is saved for backward, so neither recompute nor activation offload frees
+    # anything; the K/V cache a decoding step holds stays on the device (the runtime keeps it there)
+    training = any(info.needs_grad.values())
+    working = 0.0 if training else inference_working_bytes(info)
+    if not training:
         if any(m != "none" for m in base_modes.values()):
             raise ValueError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
                              "gradient): recompute frees what forward saves for backward, and serving saves "
@@ -2987,9 +2990,6 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         best = min((r[0].objective for r in results.values()), default=math.inf)
         return best > 1.02 * sol0.objective
 
-    # forward-only (serving): nothing is saved for backward, so neither recompute nor activation offload frees
-    # anything; the K/V cache a decoding step holds stays on the device (the runtime keeps it there)
-    training = any(info.needs_grad.values())
     if opts.checkpoint is None and layers and training and tight():
         # memory binds: recompute may buy a cheaper sharding or make the model fit at all
         run("selective", {lay: "selective" for lay in layers}, base_off)
@@ -3011,12 +3011,19 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         from autopart.plan import _fmt_bytes
 
         exc = min(errors.values(), key=lambda e: e.min_memory)
-        kind_of = {name: info.kind[groups[g][0]] for g, name in enumerate(names)}
+        first_of = {name: groups[g][0] for g, name in enumerate(names)}
+        target_of = {n.name: n.target for n in info.nodes}
 
         def what(n: str) -> str:
-            if kind_of.get(n) == "param":
+            if info.kind.get(first_of.get(n)) == "param":
                 return "model states (parameter, gradient, optimizer)" if training else "weights"
-            return "K/V cache" if opts.kv_cache_tokens and "attention" in n else "activations"
+            if opts.kv_cache_tokens:  # decoding: what the node holds between steps (``kv_cache_bytes``)
+                target = target_of.get(first_of.get(n))
+                if target == aten.scaled_dot_product_attention.default:
+                    return "K/V cache"
+                if target in ssm_rules.SCAN_OPS or target in ssm_rules.CONV_OPS:
+                    return "recurrent state"
+            return "activations"
         contrib = ", ".join(f"{what(n)} of {n} {_fmt_bytes(b)}" for n, b in exc.contributors)
         tried = ", ".join(timings["checkpoint_variants"])
         keep = 1 - opts.memory_margin
@@ -3313,8 +3320,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     # (gradients, one reduction bucket, no activation) and the optimizer step (below)
     states = memory["parameters"] + memory["optimizer_states"] + memory["buffers"]
     if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
-        memory["kv_cache"] = sum(kv_cache_bytes(n, chosen[n.name], mesh, opts.kv_cache_tokens)
-                                 for n in info.nodes if info.kind[n.name] == "op")
+        memory["kv_cache"] = sum(r.get("kv_cache_bytes", 0.0) for r in nodes.values())
         memory["activations"] -= memory["kv_cache"]
     if not any(info.needs_grad.values()):
         memory["activations"] += inference_working_bytes(info)
@@ -3396,6 +3402,13 @@ def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> t
     return comp, comm
 
 
+def fixed_op_s(rec: dict, device: Device) -> float:
+    """Of an op's record, the seconds every micro-batch pays whatever its size: the framework's time per op
+    (``Device.op_latency``) and the latency of the collectives inside its lowering (``comm_latency_s``: a
+    vocab-parallel loss's), at most its time."""
+    return min(device.op_latency + rec.get("comm_latency_s", 0.0), rec["time_s"])
+
+
 def weight_reread_s(nodes: dict, m: int, device: Device) -> float:
     """What ``m`` micro-batches add to the traced batch's compute by reading the weights again each: per block (the
     nodes of one layer; the rest as one), a micro-batch takes at least its ops' parameter reads at the memory
@@ -3407,7 +3420,7 @@ def weight_reread_s(nodes: dict, m: int, device: Device) -> float:
         if r["op"] in ("param", "buffer", "constant", "input"):
             continue
         b = blocks[r["layer"]]
-        b[0] += r["time_s"] - min(device.op_latency + r.get("comm_latency_s", 0.0), r["time_s"])
+        b[0] += r["time_s"] - fixed_op_s(r, device)
         b[1] += r.get("param_read_s", 0.0)
     return sum(max(0.0, m * min(floor, t) - t) for t, floor in blocks.values())
 
