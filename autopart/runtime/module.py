@@ -561,12 +561,13 @@ class ParallelModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; returns the norm before clipping (any
-        p-norm, ``inf`` the largest entry). ``torch.nn.utils.clip_grad_norm_`` over this rank's DTensor parameters
-        computes it, except for ZeRO-1/2 parameters with their optimizer, whose gradient is summed only on this
-        rank's slice (under ZeRO-2 the only part kept): their slices' norms are combined over the mesh (every rank
-        holds one slice of each distinct local tensor). A pipelined module sums its stages' parts over the
-        pipeline (``_stage_group``), counting each parameter once (``_counts_in_norm``): torch's function over
-        its parameters would see only the rank's stage."""
+        p-norm, ``inf`` the largest entry). ``torch.nn.utils.get_total_norm`` over this rank's DTensor gradients
+        computes it (given the gradients, not the parameters: ``clip_grad_norm_`` of a list of gradients reads
+        their ``.grad``, None, and clips nothing), except for ZeRO-1/2 parameters with their optimizer, whose
+        gradient is summed only on this rank's slice (under ZeRO-2 the only part kept): their slices' norms are
+        combined over the mesh (every rank holds one slice of each distinct local tensor). A pipelined module sums
+        its stages' parts over the pipeline (``_stage_group``), counting each parameter once
+        (``_counts_in_norm``): torch's function over its parameters would see only the rank's stage."""
         self._finish_param_gathers()
         plain, slices, whole, sliced = [], [], [], []
         for fqn, key in self._key_of.items():
@@ -577,9 +578,6 @@ class ParallelModule(nn.Module):
             (slices if is_slice else plain).append(g)
             if self._counts_in_norm(fqn):
                 (sliced if is_slice else whole).append(g)
-        if not slices and self._stage_group is None:
-            norm = torch.nn.utils.clip_grad_norm_(plain, max_norm, norm_type=norm_type, foreach=True)
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
         norm_type = float(norm_type)
         inf = math.isinf(norm_type)
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM

@@ -44,6 +44,37 @@ def test_local_batch_and_grad_clipping():
             torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)
 
 
+def _module_clip_run(names: tuple, roles: dict, zero: int | None) -> tuple[list[float], dict]:
+    import autopart
+
+    model = make_model("gpt")
+    ids0 = batches()[0]
+    pm = autopart.parallelize(model, autopart.mesh((2,), names), (ids0,), {"labels": ids0}, roles=roles,
+                              zero=zero, pipeline="off")
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    out = []
+    for ids in batches():
+        out.append(pm.forward_backward(ids, labels=ids).item())
+        out.append(float(pm.clip_grad_norm_(0.5)))
+        opt.step()
+        opt.zero_grad()
+    return out, {k: v.clone() for k, v in pm.full_state_dict().items()}
+
+
+@pytest.mark.parametrize("names,roles,zero", [(("dp",), {"dp": "dp"}, 0), (("tp",), {"tp": "tp"}, None)])
+def test_module_grad_clipping_without_slices(names, roles, zero):
+    """``pm.clip_grad_norm_`` on plans whose gradients are all whole DTensors (no ZeRO-1/2 slice, no stage): the
+    global norm returned and the clipping applied, 3 AdamW steps, as one process. (It returned 0 and clipped
+    nothing there: it handed torch's ``clip_grad_norm_``, which takes parameters, the gradients.)"""
+    results = run_ranks(2, _module_clip_run, names, roles, zero)
+    ref, model = reference_clipped("gpt")
+    assert all(n > 0.5 for n in ref[1::2]), ref  # every step clips
+    for out, params in results:
+        assert out == pytest.approx(ref, abs=1e-5), (out, ref)
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(params[k], v.detach(), rtol=0, atol=1e-5)
+
+
 def _checkpoint_run(path: str) -> tuple[dict, dict]:
     import torch.distributed.checkpoint as dcp
 
