@@ -20,6 +20,17 @@ def fake_store():
     return FakeStore()
 
 
+def unflatten_outputs(leaves: list, spec: Any) -> Any:
+    """``leaves`` in the structure ``spec`` (``torch.utils._pytree.tree_unflatten`` of a TreeSpec, such as
+    ``ExportedProgram.call_spec.out_spec``); ``leaves`` unchanged (a tuple, or its one element) where ``spec`` is
+    None or holds another number of leaves."""
+    if spec is not None and getattr(spec, "num_leaves", None) == len(leaves):
+        from torch.utils._pytree import tree_unflatten
+
+        return tree_unflatten(list(leaves), spec)
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
 def op_schema(target: Any):
     """The ``torch.FunctionSchema`` of an ATen op overload (``OpOverload._schema``: its arguments, whether it
     writes into them); None for anything else (a packet, a Python function)."""

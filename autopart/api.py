@@ -200,7 +200,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
         if m.device_mesh is None:
             raise RuntimeError("parallelize needs a process group: run under torchrun (or init_process_group "
                                "first); to plan without one, use autopart.plan(...)")
-    example_sig = signature(example_inputs, example_kwargs or {})
+    example_sig = signature(example_inputs, example_kwargs or {}, model.training)
     local_axes: tuple[int, ...] = ()
     factor = 1
     if local_batch:
@@ -230,7 +230,7 @@ def parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple = (), 
     pm = ParallelModule(gm, plan, model, m, params=t.params, buffers=t.buffers, constants=t.constant_values,
                         tied=t.tied, user_inputs=t.user_inputs, input_names=t.input_paths, aliases=t.aliases,
                         loss_fn=loss_fn, local_batch_axes=local_axes,
-                        example_signature=example_sig,
+                        example_signature=example_sig, out_spec=t.out_spec,
                         make_program=_program_maker(model, m, pins, {**plan_kw, "pipeline": "off"}, factor))
     if int(plan.accumulation.get("micro_batches", 1)) > 1:
         _add_micro_batch_program(pm, model, m, plan, example_inputs, example_kwargs or {}, pins, plan_kw, factor)
@@ -262,7 +262,7 @@ def _add_micro_batch_program(pm, model, m: Mesh, plan: Plan, example_inputs: tup
     if local > 1:
         size = _local_micro_batch(int(acc["micro_batch_size"]), local, int(acc["batch"]), "gradient accumulation")
         margs, mkw = first_micro_batch(example_inputs, example_kwargs, int(acc["batch"]), size)
-    pm._programs[signature(margs, mkw)] = prog
+    pm._programs[signature(margs, mkw, model.training)] = prog
 
 
 def _local_micro_batch(size: int, local: int, batch: int, what: str) -> int:
@@ -295,7 +295,7 @@ def _program_maker(model: nn.Module, mesh: Mesh, pins, plan_kw: dict, repeat: in
 
     model_ref = weakref.ref(model)
 
-    def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str]) -> Program:
+    def make_program(args: tuple, kwargs: dict, param_pins: dict[str, str], training: bool | None = None) -> Program:
         model = model_ref()
         if model is None:
             raise RuntimeError("called with inputs of a new shape or signature, which needs tracing the model again, "
@@ -304,10 +304,17 @@ def _program_maker(model: nn.Module, mesh: Mesh, pins, plan_kw: dict, repeat: in
         if repeat > 1:
             args = tuple(_repeat_batch(a, repeat) for a in args)
             kwargs = {k: _repeat_batch(v, repeat) for k, v in kwargs.items()}
-        t2 = trace(model, args, kwargs)
+        modes = {mod: mod.training for mod in model.modules()}
+        if training is not None:  # traced in the parallel module's mode (``pm.eval()``); each submodule's restored
+            model.train(training)
+        try:
+            t2 = trace(model, args, kwargs)
+        finally:
+            for mod, mode in modes.items():
+                mod.training = mode
         p2 = _shared_plan(model, mesh, t2, pins={**(pins or {}), **param_pins}, **plan_kw)
         return Program(run_passes(t2, p2, needs_grad_map(t2)), p2, t2.params, t2.buffers, t2.constant_values,
-                       t2.tied, t2.user_inputs, t2.input_paths)
+                       t2.tied, t2.user_inputs, t2.input_paths, t2.out_spec)
 
     return make_program
 
@@ -378,6 +385,7 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
 
     stage_of = assign_stages(prog.gm, prog.plan, pipe["stage_of_layer"])
     users: dict[str, set[int]] = {}
+    buffer_users: dict[str, set[int]] = {}  # and each buffer (a stage holds those its chunks read or update)
     for n in prog.gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -385,7 +393,9 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
             name = prog.tied.get(a.name, a.name)
             if a.op == "placeholder" and name in prog.params:
                 users.setdefault(prog.params[name], set()).add(stage_of[n.name])
-    owned = {fqn for fqn, cs in users.items() if any(c % p == pp_rank for c in cs)}
+            elif a.op == "placeholder" and name in prog.buffers:
+                buffer_users.setdefault(prog.buffers[name], set()).add(stage_of[n.name])
+    owned = {fqn for fqn, cs in [*users.items(), *buffer_users.items()] if any(c % p == pp_rank for c in cs)}
     named = dict(model.named_parameters(remove_duplicate=False))
     shapes = {fqn: (tuple(named[fqn].shape), named[fqn].dtype) for fqn in prog.params.values()}
     from autopart.runtime.module import signature
@@ -394,10 +404,16 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
                          constants=prog.constants, tied=prog.tied, user_inputs=prog.user_inputs,
                          input_names=prog.input_names, aliases=t.aliases, loss_fn=loss_fn,
                          local_batch_axes=local_axes,
-                         example_signature=signature(margs, mkw), make_program=make_program, owned=owned,
+                         example_signature=signature(margs, mkw, model.training), make_program=make_program,
+                         owned=owned, out_spec=prog.out_spec,
                          pipeline=pipe, pp_group=pp_group, p2p_group=p2p_group, pp_rank=pp_rank,
                          stage_of_layer=pipe["stage_of_layer"],
                          world_mesh=layout)
     pm.plan = plan  # the whole plan (stages, schedule); each program keeps its micro-batch plan in Program.plan
     pm.setup_sharing({f: sorted(c) for f, c in users.items()}, shapes)
+    named_buffers = dict(model.named_buffers(remove_duplicate=False))
+    persistent = set(model.state_dict(keep_vars=True))
+    # the persistent buffers, each with the first stage holding it, for ``full_state_dict`` (the same on every rank)
+    pm._buffer_owner = {fqn: (min(c % p for c in cs), tuple(named_buffers[fqn].shape), named_buffers[fqn].dtype)
+                        for fqn, cs in sorted(buffer_users.items()) if fqn in persistent}
     return pm

@@ -31,6 +31,9 @@ class Traced:
     export_seconds: float = 0.0
     constant_values: dict[str, Any] = field(default_factory=dict)
     frozen: set[str] = field(default_factory=set)  # parameter FQNs with requires_grad=False (no gradient, no state)
+    # the forward's output structure (``torch.export``'s pytree spec: a dict, a tuple, a Hugging Face ModelOutput),
+    # whose leaves are the graph's outputs in order; the runtime returns its outputs in it
+    out_spec: Any = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -220,7 +223,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
     gm = ep.graph_module
     sig = ep.graph_signature
     params, buffers, constants, user_inputs = {}, {}, {}, []
-    from torch.export.graph_signature import InputKind
+    from torch.export.graph_signature import InputKind, TensorArgument
 
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -231,7 +234,13 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[name] = spec.target
         elif spec.kind == InputKind.USER_INPUT:
-            user_inputs.append(name)
+            if isinstance(spec.arg, TensorArgument):
+                user_inputs.append(name)
+            else:  # a Python number or flag: export baked its value into the graph (the runtime's signature keys it)
+                node = next(iter(gm.graph.find_nodes(op="placeholder", target=name)), None)
+                if node is not None and not node.users:
+                    gm.graph.erase_node(node)
+                    gm.recompile()
     outputs = []
     for spec in sig.output_specs:
         arg = spec.arg
@@ -281,4 +290,5 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
         export_seconds=export_seconds,
         constant_values=constant_values,
         frozen=frozen,
+        out_spec=ep.call_spec.out_spec,
     )

@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autopart._torch_private import dtensor_local, dtensor_spec, dtensor_with_spec
+from autopart._torch_private import dtensor_local, dtensor_spec, dtensor_with_spec, unflatten_outputs
 from autopart.placement import Shard, Strided, parse_spec, permuted, to_dtensor_placements
 from autopart.plan import Plan
 from autopart.runtime import collectives as C
@@ -134,13 +134,32 @@ class Program:
     tied: dict[str, str]  # placeholder of a tied name (no users) -> canonical parameter placeholder
     user_inputs: list[str]
     input_names: list[str]  # "args[0]" / "kwargs['labels']" per user input
+    out_spec: Any = None  # the forward's output structure (``Traced.out_spec``); None: a flat tuple
+
+    def structured(self, outs: tuple | list) -> Any:
+        """The graph's outputs in the forward's structure (a dict stays a dict, a ModelOutput a ModelOutput)."""
+        return unflatten_outputs(list(outs), self.out_spec)
 
 
-def signature(args: tuple, kwargs: dict) -> tuple:
-    """What a traced graph is specialised to: positions, names, shapes and dtypes of the tensor inputs."""
-    key = [(f"args[{i}]", tuple(a.shape), a.dtype) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    key += [(f"kwargs[{k!r}]", tuple(v.shape), v.dtype) for k, v in sorted(kwargs.items())
-            if isinstance(v, torch.Tensor)]
+def _value_key(v: Any) -> Any:
+    """A non-tensor input as a signature key: itself where hashable, else its repr."""
+    try:
+        hash(v)
+        return (type(v).__name__, v)
+    except TypeError:
+        return (type(v).__name__, repr(v))
+
+
+def signature(args: tuple, kwargs: dict, training: bool = True) -> tuple:
+    """What a traced graph is specialised to: positions, names, shapes and dtypes of the tensor inputs, the values
+    of the others (``torch.export`` bakes a Python number or flag into the graph: another value needs another
+    trace) and the module's mode (dropout and batch norm trace differently under ``eval()``)."""
+    key = [(f"args[{i}]", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (f"args[{i}]", _value_key(a))
+           for i, a in enumerate(args)]
+    key += [(f"kwargs[{k!r}]", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
+            else (f"kwargs[{k!r}]", _value_key(v)) for k, v in sorted(kwargs.items())]
+    if not training:
+        key.append(("eval",))
     return tuple(key)
 
 
@@ -256,7 +275,7 @@ class ParallelModule(nn.Module):
                  input_names: list[str], aliases: dict[str, list[str]],
                  loss_fn: Callable | None = None, local_batch_axes: tuple[int, ...] = (), sync_params: bool = True,
                  example_signature: tuple = (), make_program: Callable | None = None,
-                 owned: set[str] | None = None) -> None:
+                 owned: set[str] | None = None, out_spec: Any = None) -> None:
         super().__init__()
         self.plan = plan
         self.mesh = mesh
@@ -302,7 +321,18 @@ class ParallelModule(nn.Module):
             if grad_dtype is not None and dt.is_floating_point():  # autograd casts, then accumulates, in it
                 self._params[key].grad_dtype = grad_dtype
             self._key_of[fqn] = key
-        self._buffers_local = {fqn: named_buffers[fqn].detach().to(device) for fqn in buffers.values()}
+        # buffers (batch norm's running statistics, a rotary table): this module's own copies, which the graphs
+        # update in place, registered under ``_buffer_store`` so that ``state_dict`` (checkpoints) carries the
+        # persistent ones; a pipeline stage holds those its chunks use (``owned``)
+        persistent = set(model.state_dict(keep_vars=True))
+        self._buffer_store = nn.Module()
+        self._buffers_local: dict[str, torch.Tensor] = {}
+        for fqn in dict.fromkeys(buffers.values()):
+            if owned is not None and fqn not in owned:
+                continue
+            local = named_buffers[fqn].detach().to(device, copy=True)
+            self._buffer_store.register_buffer(fqn.replace(".", "__"), local, persistent=fqn in persistent)
+            self._buffers_local[fqn] = local
         self._reduced = {fqn: tuple(axes) for fqn, axes in plan.reduced.items() if fqn in self._key_of}
         first_use: list[str] = []  # parameter keys in the order forward first uses them
         for node in gm.graph.nodes:
@@ -318,7 +348,8 @@ class ParallelModule(nn.Module):
             self._coords, self._sizes, dm, overlap=self.overlap_grads and G.OVERLAP_WITH_BACKWARD,
             bucket_bytes=plan.options.get("bucket_bytes"), reduce_dtype=plan.options.get("reduce_dtype"))
         self._programs = {example_signature: Program(gm, plan, params, buffers, constants, tied, user_inputs,
-                                                     input_names)}
+                                                     input_names, out_spec)}
+        self.train(model.training)  # the mode the plan was traced in (``signature``)
         self._make_program = make_program
         self._param_gather = None  # zero1.ParamGather of the ZeRO-1/2 optimizer, set by it
         self._marked: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}  # id(gm) -> (gm, zero1.mark_param_uses)
@@ -380,7 +411,8 @@ class ParallelModule(nn.Module):
             self._param_gather.finish()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered to its full shape, on every rank, keyed by the model's names (tied too)."""
+        """Every parameter gathered to its full shape, on every rank, keyed by the model's names (tied too), and
+        the persistent buffers (as the model's ``state_dict`` holds them)."""
         self._finish_param_gathers()
         out = {}
         for fqn, key in self._key_of.items():
@@ -388,18 +420,29 @@ class ParallelModule(nn.Module):
             out[fqn] = full
             for alias in self._aliases.get(fqn, []):
                 out[alias] = full
+        out.update(self._persistent_buffers())
         return out
+
+    def _persistent_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's persistent buffers by the model's names (copies)."""
+        store = self._buffer_store
+        return {fqn: t.clone() for fqn, t in self._buffers_local.items()
+                if fqn.replace(".", "__") not in store._non_persistent_buffers_set}
 
     # ---- running -------------------------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict) -> Program:
-        key = signature(args, kwargs)
+        key = signature(args, kwargs, self.training)
         prog = self._programs.get(key)
         if prog is None:
             if self._make_program is None:
-                raise ValueError(f"this module was planned for inputs {next(iter(self._programs))}, got {key}")
-            # a new signature (forward without labels, another batch size): trace and plan it with every
-            # parameter pinned to its current placement, so the same sharded parameters serve both programs
-            prog = self._make_program(args, kwargs, {fqn: self.plan.params[fqn] for fqn in self._key_of})
+                raise ValueError(f"this module was planned for inputs {next(iter(self._programs))}, got {key}: "
+                                 "it runs only the signature and mode (train or eval) it was planned for; "
+                                 "parallelize the model again for another (after model.eval() for eval mode)")
+            # a new signature (forward without labels, another batch size, another value of a non-tensor input,
+            # eval mode): trace and plan it with every parameter pinned to its current placement, so the same
+            # sharded parameters serve both programs
+            prog = self._make_program(args, kwargs, {fqn: self.plan.params[fqn] for fqn in self._key_of},
+                                      training=self.training)
             self._programs[key] = prog
         return prog
 
@@ -482,8 +525,10 @@ class ParallelModule(nn.Module):
         return RC.from_layout(outs, prog.gm.meta.get("autopart.context"))
 
     def forward(self, *args, **kwargs):
+        """The model's forward on the global batch: its outputs in the model's structure (a tensor, a tuple, a
+        dict, a Hugging Face ModelOutput), every tensor whole on every rank."""
         outs = self._run(args, kwargs)
-        return outs[0] if len(outs) == 1 else outs
+        return self._program(args, kwargs).structured(outs)
 
     def _loss_of(self, out: Any) -> torch.Tensor:
         if self.loss_fn is not None:

@@ -135,6 +135,7 @@ class PipelinedModule(ParallelModule):
     """A ``ParallelModule`` whose program runs as pipeline stages (see the module docstring)."""
 
     overlap_grads = False  # not from one backward: the schedule's last accumulation launches (``setup_sharing``)
+    _buffer_owner: dict = {}  # persistent buffer -> (first stage holding it, shape, dtype), set by parallelize
 
     def __init__(self, *args, pipeline: dict, pp_group, p2p_group, pp_rank: int, stage_of_layer: dict[str, int],
                  world_mesh, **kwargs) -> None:
@@ -289,7 +290,7 @@ class PipelinedModule(ParallelModule):
             t = outs[i].contiguous() if self.pp_rank == last else torch.empty(shape, dtype=dtype, device=self._device)
             dist.broadcast(t, src=dist.get_global_rank(self.pp_group, last), group=self.pp_group)
             result.append(t)
-        return result[0] if len(result) == 1 else tuple(result)
+        return prog.structured(result)
 
     # ---- gradients and state ---------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -327,6 +328,11 @@ class PipelinedModule(ParallelModule):
             out[fqn] = full
             for alias in self._aliases.get(fqn, []):
                 out[alias] = full
+        for fqn, (owner, shape, dtype) in self._buffer_owner.items():  # persistent buffers, from their first stage
+            t = self._buffers_local[fqn].clone() if owner == self.pp_rank else \
+                torch.empty(shape, dtype=dtype, device=self._device)
+            dist.broadcast(t, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
+            out[fqn] = t
         return out
 
     def setup_sharing(self, users: dict[str, list[int]], shapes: dict[str, tuple]) -> None:

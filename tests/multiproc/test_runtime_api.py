@@ -506,3 +506,95 @@ def test_local_shard_gradients_match_to_local():
             torch.testing.assert_close(got["full"], ref["full"], rtol=0, atol=0)
             torch.testing.assert_close(got["double"], ref["double"], rtol=0, atol=0)
             assert got["g_has_graph"] and ref["g_has_graph"]
+
+
+class _NormFlagged(torch.nn.Module):
+    """Batch norm (buffers updated in place), a non-tensor input, a dict output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.b = torch.nn.Linear(32, 8)
+
+    def forward(self, x, y, temperature: float = 1.0):
+        logits = self.b(torch.relu(self.bn(self.a(x)))) / temperature
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, y)}
+
+
+def _norm_flagged_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=g) * 3 + torch.arange(8)[:, None]
+    return x, torch.randint(0, 8, (8,), generator=g)
+
+
+def _norm_flagged_steps(run, opt, x, y) -> list[float]:
+    losses = []
+    for temperature in (1.0, 1.0, 2.5):
+        losses.append(float(run(x, y, temperature)))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _norm_flagged_run(path: str):
+    import autopart
+
+    torch.manual_seed(0)
+    model = _NormFlagged()
+    x, y = _norm_flagged_data()
+    mesh = autopart.mesh((2,), ("dp",))
+    pm = autopart.parallelize(model, mesh, (x,), {"y": y}, roles={"dp": "dp"})
+    opt = pm.optimizer(torch.optim.AdamW, **OPT)
+    losses = _norm_flagged_steps(lambda x, y, t: pm.forward_backward(x, y=y, temperature=t), opt, x, y)
+    out = pm(x, y=y)
+    structure = (type(out).__name__, sorted(out))
+    full = pm.full_state_dict()
+    pm.save_checkpoint(path, opt)
+    torch.manual_seed(1)
+    pm2 = autopart.parallelize(_NormFlagged(), mesh, (x,), {"y": y}, roles={"dp": "dp"})
+    pm2.load_checkpoint(path, pm2.optimizer(torch.optim.AdamW, **OPT))
+    loaded = pm2.full_state_dict()
+    pm.eval()
+    evaluated = pm(x, y=y)["loss"].item()
+    pm.train()
+    trained = pm(x, y=y)["loss"].item()
+    return losses, structure, full, loaded, evaluated, trained, sorted(pm.state_dict())
+
+
+def test_buffers_modes_non_tensor_inputs_and_output_structure(tmp_path):
+    """A batch-norm model on dp2 called with a changed non-tensor input (a temperature: export bakes its value in,
+    so the runtime traces it again), returning a dict: losses as one process; the output keeps its dict
+    structure; the running statistics are in ``state_dict`` (so in checkpoints: a fresh module loads them) and
+    ``full_state_dict``, equal to one process's; ``pm.eval()`` runs the model in eval mode (running statistics,
+    as one process's eval), ``pm.train()`` back in train mode. (The temperature's new value was ignored, the dict
+    came back as a tuple, the buffers were in no state dict and ``eval()`` changed nothing.)"""
+    results = run_ranks(2, _norm_flagged_run, str(tmp_path / "ckpt"))
+    torch.manual_seed(0)
+    model = _NormFlagged()
+    x, y = _norm_flagged_data()
+    opt = torch.optim.AdamW(model.parameters(), **OPT)
+
+    def step(x, y, t):
+        loss = model(x, y, temperature=t)["loss"]
+        loss.backward()
+        return loss.item()
+
+    ref = _norm_flagged_steps(step, opt, x, y)
+    with torch.no_grad():
+        model(x, y)  # pm(x, y=y) in train mode updates the running statistics once more, as here
+    ref_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.eval()
+    ref_eval = model(x, y)["loss"].item()
+    model.train()
+    ref_train = model(x, y)["loss"].item()
+    assert ref[2] != pytest.approx(ref[1], abs=1e-3)
+    for losses, structure, full, loaded, evaluated, trained, keys in results:
+        assert losses == pytest.approx(ref, abs=1e-5), (losses, ref)
+        assert structure == ("dict", ["logits", "loss"]), structure
+        assert "_buffer_store.bn__running_mean" in keys, keys
+        for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+            torch.testing.assert_close(full[k], ref_state[k], rtol=0, atol=1e-5)
+            torch.testing.assert_close(loaded[k], ref_state[k], rtol=0, atol=1e-5)
+        assert evaluated == pytest.approx(ref_eval, abs=1e-5), (evaluated, ref_eval)
+        assert trained == pytest.approx(ref_train, abs=1e-5), (trained, ref_train)
