@@ -321,20 +321,53 @@ class Plan:
         return "\n".join(lines)
 
     def diff(self, other: Plan) -> str:
-        """Parameters and nodes whose placement differs between two plans of the same graph."""
+        """What differs between two plans of the same graph: the mesh, the pipeline (stages, schedule,
+        micro-batches), gradient accumulation, offload, each parameter's placement and ZeRO level, each layer's
+        checkpointing, each node's placement; then the predicted step and peak memory."""
         lines = []
         if self.fingerprint != other.fingerprint:
             lines.append(f"graphs differ ({self.fingerprint} vs {other.fingerprint})")
+        if tuple(self.mesh_shape) != tuple(other.mesh_shape):
+            lines.append(f"mesh {tuple(self.mesh_shape)} -> {tuple(other.mesh_shape)}")
+        for what, key in (("pipeline", lambda p: _pipeline_text(p.pipeline)),
+                          ("micro-batches", lambda p: int(p.accumulation.get("micro_batches", 1))),
+                          ("offload", lambda p: ", ".join(sorted(p.offload)) or "none")):
+            a, b = key(self), key(other)
+            if a != b:
+                lines.append(f"{what}: {a} -> {b}")
         for fqn in sorted(set(self.params) | set(other.params)):
             a, b = self.params.get(fqn), other.params.get(fqn)
+            za, zb = self.zero.get(fqn, 0), other.zero.get(fqn, 0)
+            if a != b or za != zb:
+                lines.append(f"param {fqn}: " + (f"{a} -> {b}" if a != b else f"{a}")
+                             + (f", ZeRO {za} -> {zb}" if za != zb else ""))
+        for layer in sorted(set(self.checkpoint) | set(other.checkpoint)):
+            a, b = self.checkpoint.get(layer, "none"), other.checkpoint.get(layer, "none")
             if a != b:
-                lines.append(f"param {fqn}: {a} -> {b}")
+                lines.append(f"checkpoint {layer}: {a} -> {b}")
         for n in self.nodes:
             if n in other.nodes and self.nodes[n]["output"] != other.nodes[n]["output"]:
                 lines.append(f"node {n}: {self.nodes[n]['output']} -> {other.nodes[n]['output']}")
+        pa, pb = (_peak_bytes(p.predicted.get("memory_bytes", {})) for p in (self, other))
+        if pa is not None and pb is not None and pa != pb:
+            lines.append(f"predicted peak memory per device {_fmt_bytes(pa)} -> {_fmt_bytes(pb)}")
         a, b = self.predicted["step_time_s"], other.predicted["step_time_s"]
         lines.append(f"predicted step {_fmt_time(a)} -> {_fmt_time(b)}")
         return "\n".join(lines)
+
+
+def _peak_bytes(memory: dict) -> float | None:
+    """A record's peak bytes per device: the largest of its moments (``PEAK_MOMENTS``), else its total."""
+    have = [memory[k] for k in PEAK_MOMENTS if k in memory]
+    return max(have) if have else memory.get("total")
+
+
+def _pipeline_text(pp: dict) -> str:
+    if not pp:
+        return "none"
+    return (f"{pp.get('degree')} stages, {pp.get('schedule')}"
+            + (f" v{pp['virtual']}" if int(pp.get("virtual", 1)) > 1 else "") + f", {pp.get('micro_batches')} "
+            "micro-batches")
 
 
 def _no_pipeline(pp: dict) -> str:

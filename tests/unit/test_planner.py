@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import autopart
 from autopart.models import GPT, GPTConfig
-from autopart.plan import Plan
+from autopart.plan import Plan, _fmt_time
 
 
 def _gpt(**kw):
@@ -28,6 +28,25 @@ IDS = torch.randint(0, 64, (4, 16))
 def plan_2d() -> Plan:
     return autopart.plan(_gpt(), autopart.mesh((2, 2), ("dp", "tp")), (IDS,), {"labels": IDS},
                          roles={"dp": "dp", "tp": "tp"})
+
+
+def test_diff_names_zero_checkpointing_and_placements(plan_2d):
+    """``Plan.diff`` names every decision that differs: placements, ZeRO levels, checkpointed layers, the peak
+    memory and the step (it named placements only: a ZeRO-1 + checkpointed plan differed by its step alone)."""
+    mesh = autopart.mesh((2, 2), ("dp", "tp"))
+    other = autopart.plan(_gpt(), mesh, (IDS,), {"labels": IDS}, roles={"dp": "dp", "tp": "tp"}, zero=1,
+                          checkpoint={"blocks.1": "full"}, recipes=False)
+    d = plan_2d.diff(other).splitlines()
+    assert "checkpoint blocks.1: none -> full" in d, d
+    assert not any(line.startswith("checkpoint blocks.0") for line in d), d
+    q = plan_2d.params["blocks.0.attn.q.weight"]
+    if other.params["blocks.0.attn.q.weight"] == q:
+        assert f"param blocks.0.attn.q.weight: {q}, ZeRO 0 -> 1" in d, d
+    assert other.zero.get("blocks.0.attn.q.weight") == 1 and not plan_2d.zero
+    assert any(line.startswith("predicted peak memory per device") for line in d), d
+    assert d[-1].startswith("predicted step")
+    step = _fmt_time(plan_2d.predicted["step_time_s"])
+    assert plan_2d.diff(plan_2d).splitlines() == [f"predicted step {step} -> {step}"]
 
 
 def test_megatron_structure_from_roles(plan_2d):
