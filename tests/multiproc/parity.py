@@ -233,6 +233,11 @@ def reference(name: str, layers: int = 2):
     return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, logits
 
 
+def logits_of(out) -> torch.Tensor:
+    """The logits of a forward's output: itself, a ModelOutput's ``logits``, or a tuple's first element."""
+    return out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") else out[0]
+
+
 def reference_clipped(name: str, layers: int = 2, max_norm: float = 0.5,
                       norm_type: float = 2.0) -> tuple[list[float], torch.nn.Module]:
     """One process, gradients clipped to ``max_norm``: per step the loss then the global gradient norm (of
@@ -306,7 +311,7 @@ def distributed(name: str, shape: tuple, names: tuple, roles: dict, local_batch:
     losses, full = train(pm, torch.optim.AdamW(pm.parameters(), **OPT))
     # forward only, a signature the plan was not traced for: planned on first use
     out = pm(batches()[0], **forward_only_kwargs(name, batches()[0]))
-    logits = out if isinstance(out, torch.Tensor) else out.logits if hasattr(out, "logits") else out[0]
+    logits = logits_of(out)
     return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.multiproc.harness import run_ranks
-from tests.multiproc.parity import OPT, batches, make_model, reference_clipped
+from tests.multiproc.parity import OPT, batches, logits_of, make_model, reference_clipped
 
 pytestmark = pytest.mark.multiproc
 
@@ -258,7 +258,7 @@ def _resume_run(path: str, shape: tuple, names: tuple, roles: dict, zero, offloa
         opt2.step()
         opt2.zero_grad()
     full = {k: v.clone() for k, v in fresh.full_state_dict().items()}
-    return losses, full, str(fresh.plan), fresh.plan.to_json(), fresh(steps[0]).detach()
+    return losses, full, str(fresh.plan), fresh.plan.to_json(), logits_of(fresh(steps[0])).detach()
 
 
 @pytest.mark.parametrize("config", ["dp2-zero1", "dp2-zero2-offload", "dp2xtp2", "pp2xdp2-zero2"])
@@ -333,7 +333,7 @@ def _master_weights_run(shape: tuple, names: tuple, roles: dict, zero: int | Non
     opt2 = fresh.optimizer(torch.optim.AdamW, master_dtype=torch.float64, **OPT)
     _checkpoint_round_trip(pm, opt, fresh, opt2, path)
     same = all(torch.equal(a, b) for a, b in zip(opt.shadows, opt2.shadows))
-    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach(), same
+    return losses, full, str(pm.plan), pm.plan.to_json(), logits_of(pm(batches()[0])).detach(), same
 
 
 @pytest.mark.parametrize("config", ["dp2", "dp2-zero1", "dp2-zero2-offload", "tp2"])
@@ -413,7 +413,7 @@ def _load_run(path: str, plan: str, model: str = "gpt", layers: int = 4):
         opt.step()
         opt.zero_grad()
     full = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    return losses, full, str(pm.plan), pm.plan.to_json(), pm(batches()[0]).detach()
+    return losses, full, str(pm.plan), pm.plan.to_json(), logits_of(pm(batches()[0])).detach()
 
 
 @pytest.mark.parametrize("saved,loaded", [("dp2-zero1", "pp2xdp2-zero2"), ("pp2xdp2-zero2", "dp2-zero2-offload"),
