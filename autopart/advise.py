@@ -716,6 +716,20 @@ def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
                      "cluster file (format: autopart.cost.cluster.load_preset)")
 
 
+def devices_per_node(cluster: str | Cluster, gpus_per_node: int | None = None) -> int:
+    """GPUs per node: ``gpus_per_node`` where given, else the cluster's own (a preset's or a cluster file's
+    ``devices_per_node``; a ``Cluster`` named after a preset, that preset's), else 8 (a cluster that puts every rank
+    on one host, ``cpu``, or a ``Cluster`` built directly)."""
+    if gpus_per_node is not None:
+        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={gpus_per_node!r}: give a whole number >= 1, or None for the "
+                             "cluster's devices per node")
+        return gpus_per_node
+    c = resolve_cluster(cluster)
+    spec = PRESETS.get(c.name if isinstance(c, Cluster) else c)
+    return (spec.devices_per_node if spec is not None else None) or 8
+
+
 def _mesh_cluster(cluster: str | Cluster, nodes: int, gpus_per_node: int) -> Cluster:
     """The cluster as a (nodes, gpus_per_node) mesh: the node axis on the inter-node link, the GPU axis inside a
     node. A preset whose nodes hold another number of GPUs is registered again as ``<name>/<g>-per-node``."""
@@ -799,7 +813,8 @@ def _grad_itemsize(itemsize: int, grad_dtype: str | torch.dtype | None) -> int:
 
 
 def advise(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
-           cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int = 8, batch: int | None = None,
+           cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int | None = None,
+           batch: int | None = None,
            seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
            traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
@@ -809,12 +824,13 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
     ``heads``, ``kv_heads``, ``vocab``, ``ffn``, ``experts``, ``top_k``; or ``factory`` ("module:function" or a
-    callable returning an ``nn.Module`` or ``(module, inputs, kwargs)``). ``batch`` is the global batch in
-    sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param`` optimizer bytes (12:
-    Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO); ``reduce_dtype``: the
-    gradient reduction's, ``grad_dtype`` the gradients' ("float32": 18 bytes per parameter, as Megatron-LM's fp32
-    ``main_grad``; ``autopart.plan``). ``max_plan_s`` caps the
-    planning time (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
+    callable returning an ``nn.Module`` or ``(module, inputs, kwargs)``). ``gpus_per_node``: None (default) takes
+    the cluster's own devices per node (a cluster file's ``devices_per_node``; 8 for the GPU presets). ``batch`` is
+    the global batch in sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param``
+    optimizer bytes (12: Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO);
+    ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients' ("float32": 18 bytes per
+    parameter, as Megatron-LM's fp32 ``main_grad``; ``autopart.plan``). ``max_plan_s`` caps the planning time
+    (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
     returns ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
     (``mesh_views``: tensor parallelism of any divisor of the node, data parallelism over all GPUs as one axis) and
     keep the fastest, each listed in ``Advice.views``; False: the ``(nodes, gpus_per_node)`` mesh alone. Views apply to
@@ -838,6 +854,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     from autopart.trace import trace
 
     PlanOptions(relative_gap=relative_gap)  # bad input raises here, not per mesh view as a plan that does not fit
+    gpus_per_node = devices_per_node(cluster, gpus_per_node)
     cl = _mesh_cluster(cluster, nodes, gpus_per_node)
     gpus = cl.world_size
     batch = batch or gpus
@@ -1164,7 +1181,8 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
 
 
 def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ...] = SWEEP_GPUS,
-          cluster: str | Cluster = "h100-80gb", gpus_per_node: int = 8, seq: int = 4096, batch_per_gpu: int = 1,
+          cluster: str | Cluster = "h100-80gb", gpus_per_node: int | None = None, seq: int = 4096,
+          batch_per_gpu: int = 1,
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
           views: bool = True, log: Callable[[str], None] | None = None,
           reduce_dtype: str | torch.dtype | None = None,
@@ -1175,14 +1193,32 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     Where the plan's family differs from practice, the recipe is scored with ``autopart.evaluate`` and the
     deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``).
     ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients', for the plans and practice's recipes
-    alike (``autopart.plan``); ``relative_gap``: the ILPs' (``advise``)."""
+    alike (``autopart.plan``); ``relative_gap``: the ILPs' (``advise``). ``gpus_per_node``: None takes the
+    cluster's devices per node (``advise``)."""
     from autopart.trace import trace
+
+    gpus_per_node = devices_per_node(cluster, gpus_per_node)
+    gpu_counts, sizes = tuple(gpu_counts), tuple(sizes)
+    if not sizes or not gpu_counts:
+        raise ValueError(f"sweep needs at least one model size and one GPU count, got sizes={sizes!r}, "
+                         f"gpu_counts={gpu_counts!r}")
+    # every cell's GPU count checked before any is planned (a bad one would stop the sweep after hours of planning)
+    bad = [g for g in gpu_counts if isinstance(g, bool) or not isinstance(g, int) or g < 1
+           or (g > gpus_per_node and g % gpus_per_node)]
+    if bad:
+        raise ValueError(f"GPU counts {bad} cannot be planned on {gpus_per_node}-GPU nodes: give whole numbers >= 1 "
+                         f"that are at most one node ({gpus_per_node}) or a multiple of it (--gpus-per-node "
+                         "changes the node size)")
+    for name, v in (("seq", seq), ("batch_per_gpu", batch_per_gpu)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r}: give a whole number >= 1")
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s={time_limit_s!r}: the solver's limit per ILP must be a positive number of "
+                         "seconds")
 
     rows = []
     for spec in sizes:
         for gpus in gpu_counts:
-            if gpus % gpus_per_node and gpus > gpus_per_node:
-                raise ValueError(f"{gpus} GPUs is not a whole number of {gpus_per_node}-GPU nodes")
             nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
             cl = _mesh_cluster(cluster, nodes, per_node)
             batch = batch_per_gpu * gpus

@@ -190,6 +190,19 @@ def _sizes_arg(text: str) -> tuple:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _gpus_arg(text: str) -> tuple[int, ...]:
+    out = []
+    for x in _sizes_arg(text):
+        try:
+            out.append(int(x))
+        except ValueError:
+            raise ValueError(f"--gpus {text!r}: {x!r} is not a whole number; give comma-separated GPU counts, "
+                             "e.g. --gpus 8,64,512") from None
+    if not out:
+        raise ValueError(f"--gpus {text!r}: give comma-separated GPU counts, e.g. --gpus 8,64,512")
+    return tuple(out)
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     import importlib
     import json
@@ -208,7 +221,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                          "without --sweep")
     if args.sweep:
         sizes = _sizes_arg(args.sizes) if args.sizes else adv_mod.SWEEP_SIZES
-        gpus = tuple(int(x) for x in _sizes_arg(args.gpus)) if args.gpus else adv_mod.SWEEP_GPUS
+        gpus = _gpus_arg(args.gpus) if args.gpus else adv_mod.SWEEP_GPUS
         rows = adv_mod.sweep(sizes, gpus, cluster=cluster, gpus_per_node=args.gpus_per_node, seq=args.seq or 4096,
                              batch_per_gpu=args.batch_per_gpu, time_limit_s=args.time_limit,
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
@@ -324,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--cluster", default="h100-80gb", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb) or the "
                                                            "path of a .json/.toml cluster file")
     a.add_argument("--nodes", type=int, default=1)
-    a.add_argument("--gpus-per-node", type=int, default=8)
+    a.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: the cluster's devices_per_node; 8 for the GPU presets)")
     a.add_argument("--batch", type=_batch_arg, default=None,
                    help="global batch in sequences (default: one per GPU); with --inference, 'max': the batch of "
                         "most tokens/s that fits (and keeps --max-latency-ms), searched 1, 2, 4, ... up to "

@@ -1,0 +1,76 @@
+"""``autopart advise``'s inputs and report labels: bad input gets a clear error (what, why, how to fix), never a
+silently wrong answer; the report's rows say what the plan does. Tiny models only (a plan takes about a second)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopart.cli import main
+from autopart.cost.cluster import PRESETS
+
+adv = importlib.import_module("autopart.advise")  # the module (``autopart.advise`` is the function)
+
+SMALL = dict(layers=2, seq=128, views=False)
+
+
+def llama_with_inputs():
+    """A factory returning its own example inputs: batch 4 x 64 tokens."""
+    from autopart.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128))
+    ids = torch.randint(0, 300, (4, 64))
+    return model, (ids,), {"labels": ids}
+
+
+class MLP(nn.Module):
+    """No numbered blocks: nothing has a ``layer`` name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(512, 2048)
+        self.l2 = nn.Linear(2048, 512)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x))).float().pow(2).mean()
+
+
+def mlp_with_inputs():
+    return MLP(), (torch.randn(64, 128, 512),), {}
+
+
+# ---- 1. a cluster file's devices_per_node ----------------------------------------------------------------------
+def test_cluster_file_devices_per_node_is_the_default(tmp_path, capsys) -> None:
+    path = tmp_path / "four.toml"
+    path.write_text('name = "test-four"\nbase = "h100-80gb"\ndevices_per_node = 4\n')
+    try:
+        a = adv.advise("gpt", "125m", cluster=str(path), nodes=2, **SMALL)
+        assert a.fits and a.gpus == 8 and a.mesh == (2, 4)  # 2 nodes of the file's 4, not of 8
+        assert a.cluster == "test-four"
+        assert adv.devices_per_node(str(path)) == 4
+        assert adv.devices_per_node("h100-80gb") == 8 and adv.devices_per_node("cpu") == 8  # presets keep 8
+        assert adv.devices_per_node(str(path), 2) == 2  # given: it overrides the file
+        rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "128", "--cluster", str(path),
+                   "--nodes", "2", "--physical-mesh", "--json"])
+        assert rc == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["gpus"] == 8 and d["mesh"] == [2, 4]
+    finally:
+        PRESETS.pop("test-four", None)
+
+
+def test_sweep_checks_every_gpu_count_before_planning(monkeypatch) -> None:
+    planned = []
+    monkeypatch.setattr(adv, "advise", lambda *a, **k: planned.append(k) or pytest.fail("planned"))
+    with pytest.raises(ValueError, match=r"GPU counts \[12\].*8-GPU nodes"):
+        adv.sweep(("gpt:125m",), (4, 12))
+    with pytest.raises(ValueError, match=r"GPU counts \[0\]"):
+        adv.sweep(("gpt:125m",), (0,))
+    assert planned == []
+    assert main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "4,12"]) == 1
+    assert main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "4,x"]) == 1
+    assert planned == []
