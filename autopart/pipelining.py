@@ -87,7 +87,8 @@ class Unit:
     # between decoding steps (in ``state_bytes``, not ``act_bytes``)
     kv_bytes: float = 0.0
     grad_bytes: float = 0.0
-    transient_bytes: float = 0.0  # allocated as backward starts, once (the loss's temporaries), not per in flight
+    # allocated once (the loss's temporaries as backward starts; forward-only, its largest op's working set)
+    transient_bytes: float = 0.0
     reduce_s: float = 0.0  # data-parallel gradient reduction, once per step
     late_s: float = 0.0  # the same, of parameters other blocks use too: after the schedule and the stages' sum
     gather_s: float = 0.0  # ZeRO-1/2 parameter all-gather after the optimizer step (bucketed), once per step
@@ -198,6 +199,7 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         u = units[unit_of[n.name]]
         own = rec["layer"] == u.name
         tr = rec.get("transient_bytes", 0.0)
+        work = rec.get("working_bytes", 0.0)  # forward-only: the op's inputs and outputs while it runs
         kv = rec.get("kv_cache_bytes", 0.0)
         kept = rec["memory_bytes"] - tr - kv
         u.kv_bytes += kv
@@ -209,12 +211,13 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         u.fixed_s += lat
         u.block_fixed_s += lat * own
         u.act_bytes += kept
-        u.transient_bytes += tr
+        u.transient_bytes = max(u.transient_bytes + tr, work)
+        u.state_bytes += rec.get("output_bytes", 0.0)  # forward-only: the outputs of every micro-batch, held
         u.block_time_s += (rec["time_s"] - lat) * own
         u.floor_s += rec.get("param_read_s", 0.0)
         u.block_floor_s += rec.get("param_read_s", 0.0) * own
         u.block_act_bytes += kept * own
-        u.block_transient_bytes += tr * own
+        u.block_transient_bytes = max(u.block_transient_bytes + tr * own, work * own)
         if rec["region"] in ("layer", "attention"):
             u.fwd_s += rec["fwd_s"]
             u.block_fwd_s += rec["fwd_s"] * own
@@ -673,7 +676,7 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
                   for k, u in enumerate(us))
         states, grads = sum(u.state_bytes for u in us), sum(u.grad_bytes for u in us)
         kv = sum(u.kv_bytes for u in us)  # in ``states`` (resident), reported apart
-        tr = sum(u.transient_bytes for u in us) / m
+        tr = max((u.transient_bytes for u in us), default=0.0) / m  # held one layer at a time
         # GPipe peaks as backward starts, every micro-batch's activations held and gradients not yet allocated
         # (solver/pipeline.py); the other schedules hold their in-flight count with gradients allocated
         total = float(stage_peak(states + grads, grads, act, tr, n_fl, o.schedule == "gpipe"))

@@ -966,17 +966,42 @@ def saved_bytes(node: fx.Node, option: OpOption, info: Graphinfo, mesh, saving_u
     return total
 
 
-def inference_working_bytes(info: Graphinfo) -> float:
-    """Forward-only peak of activations, bounded: nothing is saved for backward, so what is live is about one
-    op's inputs and output; the largest such set, unsharded (an upper bound whatever the sharding)."""
-    best = 0.0
-    for n in info.nodes:
-        if info.kind[n.name] != "op":
+def working_bytes(node: fx.Node, info: Graphinfo, option: OpOption | None, mesh_shape) -> float:
+    """What a forward-only op holds while it runs, per device: its activation inputs and its outputs, in the
+    layout of ``option`` (unsharded where None). Parameters, buffers and constants are states, counted apart."""
+    total = 0.0
+    for j, a in enumerate(tensor_inputs(node)):
+        v = value_of(a)
+        if info.kind.get(a.name) in ("param", "buffer", "constant") or not isinstance(v, torch.Tensor):
             continue
-        vals = [value_of(a) for a in tensor_inputs(n)] + [value_of(n)]
-        flat = [v for x in vals for v in (x if isinstance(x, (tuple, list)) else [x]) if isinstance(v, torch.Tensor)]
-        best = max(best, float(sum(v.numel() * v.element_size() for v in flat)))
-    return best
+        total += _local_bytes(v, option.inputs[j], mesh_shape) if option is not None and j < len(option.inputs) \
+            else float(tensor_bytes(v.shape, v.dtype))
+    outs = value_of(node)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    specs = _outs(option) if option is not None else ()
+    for i, v in enumerate(outs):
+        if isinstance(v, torch.Tensor):
+            total += _local_bytes(v, specs[i], mesh_shape) if i < len(specs) else float(tensor_bytes(v.shape, v.dtype))
+    return total
+
+
+def working_vectors(prob: Problem, mesh_shape) -> list[np.ndarray]:
+    """Per group, per option: ``working_bytes`` of its op (0 for parameters and inputs). Forward-only plans hold
+    no saved activations: their activation peak is the largest op's working set under the chosen options
+    (``working_of``), not the sum the ILP's rows take."""
+    info = prob.info
+    by_name = {n.name: n for n in info.nodes}
+    out = []
+    for g, members in enumerate(prob.groups):
+        n = by_name[members[0]]
+        out.append(np.array([working_bytes(n, info, o, mesh_shape) for o in info.options[n.name]])
+                   if info.kind[n.name] == "op" else np.zeros(len(prob.node_cost[g])))
+    return out
+
+
+def working_of(vectors: list[np.ndarray], choice) -> float:
+    """The forward-only working set of ``choice``: the largest op's (``working_vectors``)."""
+    return max((float(v[c]) for v, c in zip(vectors, choice)), default=0.0)
 
 
 def kv_cache_bytes(node: fx.Node, option: OpOption, mesh, tokens: int) -> float:
@@ -2860,7 +2885,11 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     # forward-only (serving): nothing is saved for backward, so neither recompute nor activation offload frees
     # anything; the K/V cache a decoding step holds stays on the device (the runtime keeps it there)
     training = any(info.needs_grad.values())
-    working = 0.0 if training else inference_working_bytes(info)
+    # forward-only: the largest op's working set under the chosen options (nothing is saved), per option
+    wvec = None if training else working_vectors(prob, cluster.mesh_shape)
+
+    def working(choice) -> float:
+        return working_of(wvec, choice) if wvec is not None and choice is not None else 0.0
     if not training:
         if any(m != "none" for m in base_modes.values()):
             raise ValueError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
@@ -2908,7 +2937,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             temps = optimizer_temporaries(prob, opts, offload, cluster)
             base = np.array([recompute_of(sol0.choice) if sol0 is not None else max(0.0, recompute), bucket0,
                              0.0 if sol0 is None else optimizer_row_base(prob, sol0.choice, temps, cluster)])
-            base[0] += working  # forward-only: the live inputs and output of the largest op (nothing is saved)
+            base[0] += working(sol0.choice if sol0 is not None else None)  # forward-only: the largest op's set
             hint = None
             if results:  # the best plan so far fits this variant too (recompute and offload only free memory)
                 hint = list(min(results.values(), key=lambda r: r[0].objective)[0].choice)
@@ -2928,7 +2957,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
             for _ in range(3 if bounded else 1):
                 sol = solve(problem(base), sopts)
-                need = np.array([recompute_of(sol.choice), buckets_of(sol.choice)[1],
+                need = np.array([recompute_of(sol.choice) + working(sol.choice), buckets_of(sol.choice)[1],
                                  optimizer_row_base(prob, sol.choice, temps, cluster)])
                 if (need <= base * (1 + 1e-9)).all():
                     break
@@ -2969,7 +2998,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     # through the base's iteration (``need``), one with fewer replicated gradients keeps this bound
     bucket0 = buckets_of(sol0.choice)[0]
     rows0 = (sum(r[c] for r, c in zip(memory_model(modes0, off0, mem0)[0], sol0.choice)) + ebytes0 +
-             np.array([recompute_bytes(modes0, ckpt0, sol0.choice) + working, buckets_of(sol0.choice)[1],
+             np.array([recompute_bytes(modes0, ckpt0, sol0.choice) + working(sol0.choice), buckets_of(sol0.choice)[1],
                        optimizer_row_base(prob, sol0.choice, optimizer_temporaries(prob, opts, off0, cluster),
                                           cluster)]))
     row0 = max(rows0)
@@ -3322,8 +3351,22 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
         memory["kv_cache"] = sum(r.get("kv_cache_bytes", 0.0) for r in nodes.values())
         memory["activations"] -= memory["kv_cache"]
-    if not any(info.needs_grad.values()):
-        memory["activations"] += inference_working_bytes(info)
+    if not any(info.needs_grad.values()):  # forward-only: the largest op's working set (nothing is saved)
+        wvec = working_vectors(prob, cluster.mesh_shape)
+        memory["activations"] += working_of(wvec, sol.choice)
+        for g, members in enumerate(prob.groups):  # per node, for pipeline stages (``pipelining.block_units``)
+            for name in members:
+                if name in nodes and wvec[g][sol.choice[g]]:
+                    nodes[name]["working_bytes"] = float(wvec[g][sol.choice[g]])
+        # the model's outputs (logits) stay until the call returns: a pipeline's last stage holds every
+        # micro-batch's (``pipelining.block_units``)
+        by_name = {n.name: n for n in info.nodes}
+        for name in traced.outputs:
+            n, g = by_name.get(name), prob.group_of.get(name)
+            v = value_of(n) if n is not None else None
+            if g is not None and name in nodes and isinstance(v, torch.Tensor):
+                spec = _outs(info.options[name][sol.choice[g]])[0]
+                nodes[name]["output_bytes"] = _local_bytes(v, spec, cluster.mesh_shape)
     # shards kept for backward in place of the gathered activations the node terms count (the ILP's edge memory)
     memory["activations"] += timings.get("regathered_bytes", 0.0)
     memory["peak_forward"] = states + memory["gathered_parameters"] + memory["activations"] + \

@@ -31,7 +31,8 @@ Memory of a stage: :math:`S + n_k A'` with :math:`S = \sum_l s_l` the states (gr
   held and the gradients :math:`G` (``grad_bytes``) are not yet allocated; after the first micro-batch's backward
   the gradients exist and :math:`m - 1` micro-batches remain: :math:`S + \max(m A' + R - G, (m-1) A')`. (1F1B and
   interleaved reach their in-flight count again after the first backward, gradients allocated: :math:`S + n_k A'
-  + R`.) :math:`R` (``transient_bytes``, the loss's temporaries as its backward starts) is held once.
+  + R`.) :math:`R` (``transient_bytes``: the loss's temporaries as its backward starts; a forward-only layer's
+  working set, its largest op's inputs and outputs) is held once: the largest of the stage's layers.
 * 1F1B: :math:`n_k = \min(p - k, m)` (stage 0 holds :math:`p`; N21 §2.2.1).
 * Interleaved: Megatron's warm-up count plus one, :math:`W_r = \min(m v,\ 2(p-r-1) + (v-1)g + 1)`
   chunk-micro-batches (:math:`g = p` micro-batches a round, as Megatron runs it, or :math:`g = m` when
@@ -90,7 +91,9 @@ class LayerCost:
     state_bytes: float  # parameters, optimizer states and gradients
     recompute_act_bytes: float | None = None
     grad_bytes: float = 0.0  # the gradients' part of state_bytes (GPipe's peak comes before most of them exist)
-    transient_bytes: float = 0.0  # allocated once as backward starts (the loss's temporaries), not per in flight
+    # allocated once (the loss's temporaries as backward starts; forward-only, the layer's working set), not per in
+    # flight; a stage holds its layers' largest
+    transient_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         vals = (self.fwd_s, self.bwd_s, self.act_bytes, self.state_bytes, self.grad_bytes, self.transient_bytes)
@@ -371,11 +374,15 @@ class _Arrays:
         n = len(layers)
         pre = {k: np.concatenate([[0.0], np.cumsum(a)]) for k, a in
                (("time", self.time), ("act", self.act), ("state", self.state), ("save", self.save),
-                ("ckpt_fwd", self.ckpt_fwd), ("grad", self.grad), ("transient", self.transient))}
+                ("ckpt_fwd", self.ckpt_fwd), ("grad", self.grad))}
         seg = {k: v[None, :] - v[:, None] for k, v in pre.items()}
         self.valid = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]
-        self.T, self.A, self.S, self.SAVE, self.CF, self.G, self.TR = (
-            seg[k] for k in ("time", "act", "state", "save", "ckpt_fwd", "grad", "transient"))
+        self.T, self.A, self.S, self.SAVE, self.CF, self.G = (
+            seg[k] for k in ("time", "act", "state", "save", "ckpt_fwd", "grad"))
+        # a segment's transient: its layers' largest (held one at a time), not their sum
+        self.TR = np.zeros((n + 1, n + 1))
+        for i in range(n):
+            self.TR[i, i + 1:] = np.maximum.accumulate(self.transient[i:])
 
     def allowed_act(self, f: int, lim: float, gpipe: bool) -> np.ndarray:
         """Per segment, the most activation bytes per micro-batch that fit ``lim`` with ``f`` in flight."""

@@ -100,3 +100,26 @@ def test_every_micro_batch_of_a_pipeline_reads_its_stage_weights():
             floor = sum(r.get("param_read_s", 0.0) for r in p.nodes.values() if r["layer"] in st["layers"])
             assert floor > 0 and st["time_s"] >= floor * (1 - 1e-9)  # each micro-batch reads its stage's weights
     assert stage_time[4] > 1.5 * stage_time[1] / 4  # a quarter of the batch is not a quarter of the time
+
+
+def test_forward_only_working_set_is_sharded_and_holds_no_weights():
+    """Forward-only plans save nothing for backward: their activations are the largest op's inputs and outputs
+    while it runs, in the layout the plan gives them (it was the unsharded set with the op's weights, the same on
+    1 and on 4 devices: the embedding table counted twice at batch 1). A batch split over 4 devices holds a
+    quarter of one device's working set; a pipeline's stages hold their largest op's (they held none), and the
+    last stage every micro-batch's outputs."""
+    ids = torch.randint(0, 256, (8, 64))
+    one = autopart.plan(_llama(), autopart.mesh((1,), ("dp",)), (ids,), roles={"dp": "dp"}, recipes=False)
+    four = autopart.plan(_llama(), autopart.mesh((4,), ("dp",)), (ids,), roles={"dp": "dp"}, recipes=False)
+    a1, a4 = (p.predicted["memory_bytes"]["activations"] for p in (one, four))
+    logits = 8 * 64 * CFG["vocab_size"] * 4  # the lm head's output, fp32: its largest op's output
+    assert logits <= a1 < logits + 8 * 64 * CFG["d_model"] * 4 * 4  # its inputs and output, no weight
+    assert a4 == pytest.approx(a1 / 4, rel=1e-6)
+    pipe = autopart.plan(_llama(), autopart.mesh((2,), ("pp",)), (ids,), roles={"pp": "pp"}, recipes=False,
+                         pipeline={"stages": 2, "micro_batches": 4, "schedule": "gpipe"})
+    first, last = pipe.pipeline["stages"]
+    assert first["memory_bytes"]["activations"] > 0 and last["memory_bytes"]["activations"] > 0
+    assert last["memory_bytes"]["activations"] == pytest.approx(a1 / 4, rel=1e-6)  # one micro-batch's lm head
+    weights = sum(p.numel() * 4 for p in _llama().parameters())
+    assert last["memory_bytes"]["states"] >= logits  # the 4 micro-batches' logits, held until the call returns
+    assert first["memory_bytes"]["states"] + last["memory_bytes"]["states"] >= weights + logits
