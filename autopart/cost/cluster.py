@@ -139,6 +139,15 @@ class Device:
     memory_bytes: int
     host_bandwidth: float  # bytes/s device<->host
     mfu: float = 1.0
+    # dense FLOP/s of float32 matmuls and attention where they run slower than ``peak_flops`` (a GPU's bf16 tensor
+    # cores): PyTorch runs fp32 matmuls without TF32 by default (``torch.backends.cuda.matmul.allow_tf32`` False),
+    # on the CUDA cores (the GPU presets: the datasheets' FP32 figure); a user who enables TF32 gives the TF32
+    # figure here. ``autopart.cost.compute.dtype_peak_flops`` picks the rate of each op's dtype, ``mfu`` applying to
+    # it as to ``peak_flops``. 0: ``peak_flops`` (cpu, whose ``peak_flops`` is fp32's; calibrated devices)
+    fp32_flops: float = 0.0
+    # dense FLOP/s of float32 convolutions: cuDNN runs them in TF32 by default (``torch.backends.cudnn.allow_tf32``
+    # True) on the tensor cores (the GPU presets: the datasheets' dense TF32 figure). 0: ``fp32_flops``
+    tf32_flops: float = 0.0
     # bytes/s of host memory one rank's optimizer step moves when the optimizer is offloaded (the node's DRAM
     # bandwidth shared by its ranks: the step reads and writes the states and the host copy, a memory-bound pass;
     # ``planner.optimizer_offload_seconds``). 0: the host step is not priced (cpu: the host is the device)
@@ -197,9 +206,9 @@ class Device:
         for field in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        for field in ("gemm_latency", "gemm_min_flops", "attention_flops", "math_bandwidth", "op_latency",
-                      "param_latency", "zero3_latency", "host_step_bandwidth", "optimizer_bandwidth",
-                      "optimizer_param_latency"):
+        for field in ("fp32_flops", "tf32_flops", "gemm_latency", "gemm_min_flops", "attention_flops",
+                      "math_bandwidth", "op_latency", "param_latency", "zero3_latency", "host_step_bandwidth",
+                      "optimizer_bandwidth", "optimizer_param_latency"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"Device {self.name!r}: {field} must be >= 0 (0: not measured), got "
                                  f"{getattr(self, field)}")
@@ -366,7 +375,7 @@ def _nccl_ll(bandwidth: float, across: bool = False) -> dict:
 _A100 = Preset(
     device=Device(
         "a100-80gb", peak_flops=312e12, mem_bandwidth=2.039e12, memory_bytes=81920 * MiB, host_bandwidth=25e9, mfu=0.7,
-        host_step_bandwidth=0.75 * 409.6e9 / 8, comm_overlap=True,
+        fp32_flops=19.5e12, tf32_flops=156e12, host_step_bandwidth=0.75 * 409.6e9 / 8, comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 300e9, **_nccl_ll(87.7e9)),
     inter_node=Link(alpha=10e-6, beta=1 / 25e9, tree=True, **_nccl_ll(0.5 * 25e9, across=True)),
@@ -385,8 +394,8 @@ def fused_attention_rate(forward_flops: float, backward_flops: float) -> float:
 _H100 = Preset(
     device=Device(
         "h100-80gb", peak_flops=989e12, mem_bandwidth=3.35e12, memory_bytes=81559 * MiB, host_bandwidth=50e9, mfu=0.65,
-        attention_flops=fused_attention_rate(518e12, 499e12), host_step_bandwidth=0.75 * 614.4e9 / 8,
-        comm_overlap=True,
+        fp32_flops=67e12, tf32_flops=494.7e12, attention_flops=fused_attention_rate(518e12, 499e12),
+        host_step_bandwidth=0.75 * 614.4e9 / 8, comm_overlap=True,
     ),
     intra_node=Link(alpha=5e-6, beta=1 / 450e9, **_nccl_ll(141e9)),
     inter_node=Link(alpha=10e-6, beta=1 / 50e9, tree=True, **_nccl_ll(20.4e9, across=True)),
@@ -410,10 +419,10 @@ _BUILTIN = frozenset(PRESETS)
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
-_DEVICE_KEYS = {"name", "peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "mfu", "gemm_latency",
-                "gemm_min_flops", "attention_flops", "host_step_bandwidth", "optimizer_bandwidth",
-                "optimizer_param_latency", "math_bandwidth", "op_latency", "param_latency", "zero3_latency",
-                "host_ranks", "alone_speedup", "comm_overlap"}
+_DEVICE_KEYS = {"name", "peak_flops", "fp32_flops", "tf32_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth",
+                "mfu", "gemm_latency", "gemm_min_flops", "attention_flops", "host_step_bandwidth",
+                "optimizer_bandwidth", "optimizer_param_latency", "math_bandwidth", "op_latency", "param_latency",
+                "zero3_latency", "host_ranks", "alone_speedup", "comm_overlap"}
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree", "ll_latency", "ll_hop", "ll_bandwidth"}
 
 
@@ -448,7 +457,9 @@ def load_preset(path: str) -> str:
         gemm_min_flops = 0             # below gemm_min_flops FLOPs a kernel runs at that size's rate),
         host_step_bandwidth = "48GB"   # host_step_bandwidth (host memory bytes/s per rank, offloaded steps)
         optimizer_bandwidth = "3TB"    # optimizer_bandwidth (bytes/s of the device's optimizer step; 0:
-                                       # mem_bandwidth)
+        fp32_flops = 67e12             # mem_bandwidth), fp32_flops (dense FLOP/s of fp32 matmuls: the CUDA
+        tf32_flops = 494.7e12          # cores' unless TF32 is enabled; 0: peak_flops) and tf32_flops (of fp32
+                                       # convolutions, TF32 in cuDNN by default; 0: fp32_flops)
         [intra_node]                   # the link inside a node: alpha (s per message) and
         alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
         bandwidth = 450e9              # library also has a tree all-reduce (NCCL); ll_latency, ll_hop
@@ -512,8 +523,8 @@ def load_preset(path: str) -> str:
     missing = _DEVICE_KEYS - set(dev)
     if missing:
         raise ValueError(f"cluster file {path!r}: [device] needs {sorted(missing)}")
-    for k in ("peak_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth", "attention_flops", "math_bandwidth",
-              "host_step_bandwidth", "optimizer_bandwidth"):
+    for k in ("peak_flops", "fp32_flops", "tf32_flops", "attention_flops", "mem_bandwidth", "memory_bytes",
+              "host_bandwidth", "math_bandwidth", "host_step_bandwidth", "optimizer_bandwidth"):
         dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
     dev["memory_bytes"] = int(dev["memory_bytes"])
     if not isinstance(dev["comm_overlap"], bool):
@@ -583,7 +594,9 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
       Megatron reaches ~50-56% MFU end to end (K22). Fused attention keeps the matmul rate (``attention_flops``
       0): FlashAttention-2, what Transformer Engine runs on Ampere, reaches "50-73% of the theoretical maximum" there
       (FlashAttention-2 paper, Dao 2023, arXiv:2307.08691), which brackets 0.7, and its per-configuration bars were
-      not found in text form.
+      not found in text form. fp32: 19.5 TFLOP/s on the CUDA cores (``fp32_flops``: PyTorch's matmuls do not use
+      TF32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set), 156 TFLOP/s dense TF32 on the tensor cores
+      (312 is with sparsity; ``tf32_flops``: cuDNN's convolutions, TF32 by default), both from the A100 datasheet.
     - h100-80gb: DGX/HGX H100 80GB SXM5. H100 datasheet: 989 TFLOP/s dense bf16 (1,979 is with sparsity),
       3.35 TB/s HBM3, 80 GB (nvidia-smi 81559 MiB), PCIe Gen5 x16 (~50 GB/s achieved). NVLink 4: 900 GB/s
       bidirectional = 450 GB/s per direction, α 5 µs. InfiniBand: 8 NDR 400 Gb/s NICs per node = 50 GB/s per GPU,
@@ -599,9 +612,14 @@ def preset(name: str, mesh_shape: tuple[int, ...]) -> Cluster:
       backward 310 TFLOP/s at 4096) give 312; FlashAttention-3 (579 and 542) 552. The papers count FLOPs as
       ``autopart.cost.compute`` does: 4·s²·d per head forward, halved under a causal mask, 2.5x that backward.
       At 16K tokens cuDNN reaches 539 and 516 TFLOP/s (522 combined): the 4096 figure is kept for every length, a
-      few percent slow beyond it.
+      few percent slow beyond it. fp32: 67 TFLOP/s on the CUDA cores (``fp32_flops``: PyTorch's matmuls do not
+      use TF32 unless ``torch.backends.cuda.matmul.allow_tf32`` is set; a cluster file that assumes TF32 sets
+      ``fp32_flops = 494.7e12``), 494.7 TFLOP/s dense TF32 (989 is with sparsity; ``tf32_flops``: cuDNN's
+      convolutions, TF32 by default), H100 SXM datasheet. fp32 GEMMs and attention keep ``mfu``, and fused
+      attention in fp32 runs at ``attention_flops`` scaled by 67/989 (``autopart.cost.compute.dtype_peak_flops``).
     - h200-141gb: HGX H200: the H100 compute and network with 141 GB HBM3e (nvidia-smi 143771 MiB) at 4.8 TB/s
-      (H200 datasheet); fused attention at the H100's rate (compute-bound: the faster memory does not change it).
+      (H200 datasheet); fused attention and fp32 at the H100's rates (compute-bound: the faster memory does not
+      change them; the H200 datasheet gives the same 67 TFLOP/s FP32 and 989 TF32 with sparsity).
 
     GPU presets price an offloaded optimizer step on the host (``Device.host_step_bandwidth``) at 3/4 of the node's
     peak DRAM bandwidth shared by its 8 ranks (a memory-bound pass reaches about that; assumed, not measured here):

@@ -306,12 +306,45 @@ _TRANSCENDENTAL = frozenset(
 )
 
 
-def attention_time(flops: float, device: Device) -> float:
+_CONVOLUTIONS = frozenset([aten.convolution, aten._convolution, aten.conv1d, aten.conv2d, aten.conv3d])
+
+
+def compute_dtype(args: Any, out: Any = None) -> torch.dtype | None:
+    """The dtype a call computes in, which picks its matmul rate (``dtype_peak_flops``): that of its first
+    floating-point tensor argument (lists and tuples searched in order), else of its output's first; None where
+    neither has one. The arguments first: a fused attention kernel also returns fp32 log-sum-exps beside its bf16
+    output. Callers pass the fx node's argument values and ``meta["val"]``."""
+    def first(x: Any) -> torch.dtype | None:
+        if isinstance(x, torch.Tensor):
+            return x.dtype if x.dtype.is_floating_point else None
+        if isinstance(x, (list, tuple)):
+            return next((d for d in map(first, x) if d is not None), None)
+        return None
+
+    return first(args) or first(out)
+
+
+def dtype_peak_flops(device: Device, dtype: torch.dtype | None, target: Any = None) -> float:
+    """Dense peak FLOP/s of a matmul (or, ``target`` a convolution, a convolution) computing in ``dtype``: the
+    device's ``peak_flops`` (its training dtype's: bf16 and fp16 on the GPU presets), but for float32 its
+    ``fp32_flops`` (PyTorch's matmuls run fp32 without TF32 by default) and for a float32 convolution its
+    ``tf32_flops`` (cuDNN's TF32 default), each where the device gives one. ``dtype`` None: ``peak_flops``."""
+    if dtype is not torch.float32 or not device.fp32_flops:
+        return device.peak_flops
+    if device.tf32_flops and _packet(target) in _CONVOLUTIONS:
+        return device.tf32_flops
+    return device.fp32_flops
+
+
+def attention_time(flops: float, device: Device, dtype: torch.dtype | None = None) -> float:
     """Seconds of ``flops`` of fused attention arithmetic alone (no bytes, no per-op latency), at the rate
-    ``roofline_time`` prices an attention op at: the device's ``attention_flops``, else its matmul rate. For
-    what context parallelism adds around the attention op (a ring step's compute that hides a transfer, the causal
-    imbalance's wait), so that those terms and the op itself use one rate."""
-    return flops / (device.attention_flops or device.achievable_flops)
+    ``roofline_time`` prices an attention op at: the device's ``attention_flops``, else its matmul rate, either
+    scaled to ``dtype``'s peak (``dtype_peak_flops``; None: the training dtype's). For what context parallelism
+    adds around the attention op (a ring step's compute that hides a transfer, the causal imbalance's wait), so that
+    those terms and the op itself use one rate."""
+    rate = device.attention_flops or device.achievable_flops
+    peak = dtype_peak_flops(device, dtype)
+    return flops / (rate if peak == device.peak_flops else rate * peak / device.peak_flops)
 
 
 def math_variant(target: Any, kwargs: dict | None) -> str | None:
@@ -332,8 +365,13 @@ def gemm_kernels(target: Any, with_backward: bool) -> int:
 
 
 def roofline_time(flops: float, nbytes: float, device: Device, target: Any = None,
-                  kwargs: dict | None = None, with_backward: bool = False) -> float:
+                  kwargs: dict | None = None, with_backward: bool = False, dtype: torch.dtype | None = None) -> float:
     """Roofline: max(flops / (peak_flops · mfu), nbytes / mem_bandwidth) seconds.
+
+    A matmul, convolution or fused attention op computing in ``dtype`` (``compute_dtype`` of the call; None: the
+    device's training dtype) runs at that dtype's peak (``dtype_peak_flops``: an fp32 GEMM on a GPU preset at the
+    CUDA cores' fp32 rate, ~15x below bf16's) times ``mfu``, attention at ``attention_flops`` scaled by the same
+    ratio; bf16 and fp16 at ``peak_flops``.
 
     With the op ``target`` given, a matmul adds the device's ``gemm_latency`` per GEMM kernel (``gemm_kernels``;
     ``with_backward``: ``flops`` and ``nbytes`` include the call's backward), the time a kernel takes beyond its
@@ -350,8 +388,13 @@ def roofline_time(flops: float, nbytes: float, device: Device, target: Any = Non
     op call adds the device's ``op_latency`` (framework time per graph op; 0 unless calibrated)."""
     packet = _packet(target) if target is not None else None
     rate = device.peak_flops * device.mfu
-    if device.attention_flops and (packet in _SDPA_FORWARD or packet in _SDPA_BACKWARD):
+    attention = packet in _SDPA_FORWARD or packet in _SDPA_BACKWARD
+    if device.attention_flops and attention:
         rate = device.attention_flops
+    if dtype is not None and (attention or packet in _MATMUL_FAMILY):
+        peak = dtype_peak_flops(device, dtype, target)
+        if peak != device.peak_flops:
+            rate *= peak / device.peak_flops
     bandwidth = device.math_bandwidth if device.math_bandwidth and packet in _TRANSCENDENTAL else \
         device.mem_bandwidth
     if device.math_variants and packet in _TRANSCENDENTAL:
