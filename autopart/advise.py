@@ -123,14 +123,20 @@ def _family_module(family: str):
 
 
 def _split_model(model: str, size: str | None) -> tuple[str, str | None]:
-    """``"llama:70b"`` / ``"llama-70b"`` / (``"llama"``, ``"70b"``) -> (family, size)."""
+    """``"llama:70b"`` / ``"llama-70b"`` / (``"llama"``, ``"70b"``) -> (family, size). A size in ``model`` and
+    another in ``size`` contradict each other: an error, not one of them silently."""
+    family, named = model, None
     if ":" in model:
-        family, _, s = model.partition(":")
-        return family, s or size
-    m = re.fullmatch(r"([a-z]+)-(.+)", model)
-    if m and m.group(1) in FAMILIES:
-        return m.group(1), m.group(2)
-    return model, size
+        family, _, named = model.partition(":")
+    else:
+        m = re.fullmatch(r"([a-z]+)-(.+)", model)
+        if m and m.group(1) in FAMILIES:
+            family, named = m.group(1), m.group(2)
+    if named and size and named.lower() != size.lower():
+        raise ValueError(f"model {model!r} names size {named!r} but size {size!r} (--size) was also given: which "
+                         f"one is meant? Give the size once: --model {family}:{size}, or --model {family} "
+                         f"--size {size}")
+    return family, named or size
 
 
 def model_config(model: str = "llama", size: str | None = None, seq: int | None = None, **overrides: int | None):
@@ -815,7 +821,7 @@ def _grad_itemsize(itemsize: int, grad_dtype: str | torch.dtype | None) -> int:
 def advise(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
            cluster: str | Cluster = "h100-80gb", nodes: int = 1, gpus_per_node: int | None = None,
            batch: int | None = None,
-           seq: int = 2048, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
+           seq: int | None = None, dtype: torch.dtype = torch.bfloat16, optimizer_bytes_per_param: float = 12.0,
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
            traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
            grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP,
@@ -857,9 +863,17 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     gpus_per_node = devices_per_node(cluster, gpus_per_node)
     cl = _mesh_cluster(cluster, nodes, gpus_per_node)
     gpus = cl.world_size
-    batch = batch or gpus
-    if batch < 1 or seq < 1:
-        raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    for what, v, unit, default in (("batch", batch, "sequences in the global batch", "one sequence per GPU"),
+                                   ("seq", seq, "tokens per sequence", "2048 tokens")):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{what}={v!r}: give a whole number >= 1 ({unit}), or leave it out for the default "
+                             f"({default})")
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s={time_limit_s!r}: the solver's limit per ILP must be a positive number of "
+                         "seconds")
+    asked = {k: v for k, v in (("batch", batch), ("seq", seq)) if v is not None}  # given, not defaults
+    batch = gpus if batch is None else batch
+    seq = 2048 if seq is None else seq
     if kv_cache_tokens < 0 or (kv_cache_tokens and not inference):
         raise ValueError(f"kv_cache_tokens={kv_cache_tokens}: a K/V cache is held when decoding; pass "
                          "inference=True (--inference) with kv_cache_tokens >= 0, or leave it 0 for training")
@@ -867,6 +881,17 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
         built = build(model, size, factory=factory, batch=batch, seq=seq, dtype=dtype, inference=inference,
                       **overrides)
     name, module, inputs, kwargs, _ = built
+    got = {"batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() > 0 else None,
+           "seq": int(inputs[0].shape[1]) if inputs and inputs[0].dim() > 1 else None}
+    differ = {k: v for k, v in asked.items() if got[k] is not None and got[k] != v}
+    if differ:
+        raise ValueError(
+            f"{name} brings its own example inputs of batch {got['batch']}"
+            + (f" x {got['seq']} tokens" if got["seq"] is not None else "") + ", but "
+            + " and ".join(f"{k} {v}" for k, v in differ.items()) + " was asked for: the model is planned at its "
+            "inputs' shape, so the asked-for shape would be ignored. Leave out batch/seq (--batch/--seq) to plan "
+            "the factory's inputs, or have the factory return the module alone (advise then makes token inputs of "
+            "batch x seq)")
     if inference and any(p.requires_grad for p in module.parameters()):
         raise ValueError("inference=True needs a frozen model (module.requires_grad_(False)): build() freezes "
                          "the models it builds; freeze the one passed in `built`")

@@ -203,6 +203,60 @@ def _gpus_arg(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_advise_flags(args: argparse.Namespace, adv_mod) -> None:
+    """Flags that would be ignored, contradict each other or are out of range: an error naming them, not a plan of
+    something else."""
+    for name in ("nodes", "gpus_per_node", "seq", "max_batch", "batch_per_gpu"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"{_flag(name)} {v}: give a whole number >= 1 (or leave it out for the default)")
+    if isinstance(args.batch, int) and args.batch < 1:
+        raise ValueError(f"--batch {args.batch}: give a whole number >= 1 of sequences in the global batch (default: "
+                         "one per GPU), or 'max' with --inference")
+    if args.context < 0:
+        raise ValueError(f"--context {args.context}: the K/V cache per sequence is a number of tokens >= 0")
+    if not args.time_limit > 0:
+        raise ValueError(f"--time-limit {args.time_limit:g}: the solver's limit per ILP must be a positive number of "
+                         "seconds")
+    if args.max_plan_s < 0:
+        raise ValueError(f"--max-plan-s {args.max_plan_s:g}: a cap on one plan's seconds, > 0 (0: no cap)")
+    if args.factory is not None and args.model is not None:
+        raise ValueError(f"--factory {args.factory} replaces --model, but --model {args.model} was given too: "
+                         "give one of them")
+    if args.factory is not None and args.size is not None:
+        raise ValueError(f"--size {args.size} names a size of a --model family; --factory {args.factory} builds "
+                         "its own model: leave --size out")
+    if args.model is not None:
+        adv_mod._split_model(args.model, args.size)  # a size in --model and another in --size: which one?
+    overrides = [_flag(k) for k in adv_mod.OVERRIDES if getattr(args, k) is not None]
+    if args.sweep:
+        if args.inference or args.context:
+            raise ValueError("--sweep is the training design guide; --inference and --context plan one model, "
+                             "without --sweep")
+        single = [f for f, v in (("--model", args.model), ("--size", args.size), ("--factory", args.factory),
+                                 ("--batch", args.batch), ("--nodes", args.nodes), ("--dtype", args.dtype),
+                                 ("--max-batch", args.max_batch), ("--max-latency-ms", args.max_latency_ms))
+                  if v is not None] + overrides
+        if single:
+            raise ValueError(f"{', '.join(single)}: --sweep plans the models of --sizes on the GPU counts of --gpus "
+                             "(the global batch --batch-per-gpu sequences per GPU, bf16 weights) and would ignore "
+                             "them; leave them out, or drop --sweep to plan one model")
+        return
+    sweep_only = [f for f, v in (("--sizes", args.sizes), ("--gpus", args.gpus),
+                                 ("--batch-per-gpu", args.batch_per_gpu)) if v is not None]
+    if sweep_only:
+        raise ValueError(f"{', '.join(sweep_only)}: only the design-guide sweep reads "
+                         f"{'them' if len(sweep_only) > 1 else 'it'}; add --sweep, or give one model's run with "
+                         "--model/--nodes/--gpus-per-node/--batch")
+    if args.max_batch is not None and args.batch != "max":
+        raise ValueError(f"--max-batch {args.max_batch} caps the serving search: pass it with --inference --batch "
+                         "max (a fixed --batch plans that batch)")
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     import importlib
     import json
@@ -213,17 +267,17 @@ def cmd_advise(args: argparse.Namespace) -> int:
     adv_mod = importlib.import_module("autopart.advise")  # the module; autopart.advise is the function
 
     console = Console()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    _check_advise_flags(args, adv_mod)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or "bf16"]
     cluster = adv_mod.resolve_cluster(args.cluster)
     gap = adv_mod.ADVISE_GAP if args.gap is None else args.gap
-    if args.sweep and (args.inference or args.context):
-        raise ValueError("--sweep is the training design guide; --inference and --context plan one model, "
-                         "without --sweep")
     if args.sweep:
         sizes = _sizes_arg(args.sizes) if args.sizes else adv_mod.SWEEP_SIZES
         gpus = _gpus_arg(args.gpus) if args.gpus else adv_mod.SWEEP_GPUS
-        rows = adv_mod.sweep(sizes, gpus, cluster=cluster, gpus_per_node=args.gpus_per_node, seq=args.seq or 4096,
-                             batch_per_gpu=args.batch_per_gpu, time_limit_s=args.time_limit,
+        rows = adv_mod.sweep(sizes, gpus, cluster=cluster, gpus_per_node=args.gpus_per_node,
+                             seq=4096 if args.seq is None else args.seq,
+                             batch_per_gpu=1 if args.batch_per_gpu is None else args.batch_per_gpu,
+                             time_limit_s=args.time_limit,
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
                              views=not args.physical_mesh,
                              log=None if args.json else lambda line: console.print(line, highlight=False),
@@ -259,10 +313,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
             raise ValueError("--batch max searches serving's batch of most tokens/s: add --inference (training "
                              "plans take a number of sequences)")
         srv = adv_mod.advise_serving(
-            args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node, seq=args.seq or 2048, dtype=dtype,
+            args.model or ("llama" if not args.factory else None), args.size, factory=args.factory,
+            cluster=cluster, nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node, seq=args.seq, dtype=dtype,
             time_limit_s=args.time_limit, max_plan_s=args.max_plan_s, views=not args.physical_mesh,
-            relative_gap=gap, kv_cache_tokens=args.context, max_batch=args.max_batch,
+            relative_gap=gap, kv_cache_tokens=args.context,
+            max_batch=1024 if args.max_batch is None else args.max_batch,
             max_latency_s=args.max_latency_ms / 1e3 if args.max_latency_ms is not None else None,
             log=None if args.json else lambda line: console.print(line, highlight=False), **overrides)
         if args.json:
@@ -277,8 +332,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
             if not args.json:
                 console.print(f"plan of batch {srv.best.batch} saved to {args.out}")
         return 0 if srv.best is not None else 2
-    a = adv_mod.advise(args.model if not args.factory else None, args.size, factory=args.factory, cluster=cluster,
-                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, batch=args.batch, seq=args.seq or 2048,
+    a = adv_mod.advise(args.model or ("llama" if not args.factory else None), args.size, factory=args.factory,
+                       cluster=cluster, nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node, batch=args.batch,
+                       seq=args.seq,
                        dtype=dtype, optimizer_bytes_per_param=args.optimizer_bytes, time_limit_s=args.time_limit,
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
                        reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
@@ -326,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
                        description="Plan on the meta device, without a process group, and report step time, "
                                    "tokens/s, TFLOP/s per GPU, MFU, memory per GPU by kind and communication by "
                                    "kind. Exit status 2 when nothing fits.")
-    a.add_argument("--model", default="llama", help="family (gpt, llama, moe, mamba), or family:size, e.g. llama:70b")
+    a.add_argument("--model", default=None, help="family (gpt, llama, moe, mamba), or family:size, e.g. llama:70b "
+                                                "(default llama)")
     a.add_argument("--size", default=None, help="named size, e.g. 7b, 13b, 70b (llama); 1.3b, 175b, 1t (gpt)")
     a.add_argument("--factory", default=None, help="'module:function' returning an nn.Module (or (module, "
                                                    "example_inputs, example_kwargs)); replaces --model")
@@ -336,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         a.add_argument(f"--{flag}", type=int, default=None, help=f"override the {what}")
     a.add_argument("--cluster", default="h100-80gb", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb) or the "
                                                            "path of a .json/.toml cluster file")
-    a.add_argument("--nodes", type=int, default=1)
+    a.add_argument("--nodes", type=int, default=None, help="nodes (default 1)")
     a.add_argument("--gpus-per-node", type=int, default=None,
                    help="GPUs per node (default: the cluster's devices_per_node; 8 for the GPU presets)")
     a.add_argument("--batch", type=_batch_arg, default=None,
@@ -345,9 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                         "--max-batch")
     a.add_argument("--max-latency-ms", type=float, default=None,
                    help="--batch max: the longest a step may take (decoding: the time between tokens)")
-    a.add_argument("--max-batch", type=int, default=1024, help="--batch max: the largest batch tried")
+    a.add_argument("--max-batch", type=int, default=None, help="--batch max: the largest batch tried (default "
+                                                                   "1024)")
     a.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; 4096 for --sweep)")
-    a.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    a.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="the weights' (default bf16)")
     a.add_argument("--optimizer-bytes", type=float, default=12.0, help="optimizer bytes per parameter (12: Adam "
                                                                         "with an fp32 master copy)")
     a.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
@@ -378,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--sizes", default=None, help="--sweep: comma-separated family:size list (default "
                                                  "llama:1b,llama:8b,llama:70b,llama:405b,gpt:1t,mamba:1.4b,mamba:2.8b)")
     a.add_argument("--gpus", default=None, help="--sweep: comma-separated GPU counts (default 8,64,512,4096)")
-    a.add_argument("--batch-per-gpu", type=int, default=1, help="--sweep: sequences per GPU in the global batch")
+    a.add_argument("--batch-per-gpu", type=int, default=None, help="--sweep: sequences per GPU in the global batch "
+                                                                       "(default 1)")
     a.set_defaults(fn=cmd_advise)
     c = sub.add_parser("calibrate", help="measure this machine on spawned gloo ranks (collectives per mesh axis, "
                                          "matmul, attention, memory bandwidth); cached for cluster='calibrated'")

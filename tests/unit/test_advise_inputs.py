@@ -74,3 +74,49 @@ def test_sweep_checks_every_gpu_count_before_planning(monkeypatch) -> None:
     assert main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "4,12"]) == 1
     assert main(["advise", "--sweep", "--sizes", "gpt:125m", "--gpus", "4,x"]) == 1
     assert planned == []
+
+
+# ---- 2. silently accepted input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, words", [
+    (["--batch", "0"], ["--batch 0", ">= 1"]),
+    (["--seq", "0"], ["--seq 0", ">= 1"]),
+    (["--model", "llama:8b", "--size", "70b"], ["'8b'", "'70b'", "once"]),
+    (["--model", "llama-8b", "--size", "70b"], ["'8b'", "'70b'"]),
+    (["--gpus", "64"], ["--gpus", "--sweep"]),
+    (["--sizes", "llama:8b"], ["--sizes", "--sweep"]),
+    (["--batch-per-gpu", "4"], ["--batch-per-gpu", "--sweep"]),
+    (["--batch", "1", "--max-batch", "4"], ["--max-batch", "--batch max"]),
+    (["--sweep", "--batch", "8"], ["--batch", "ignore"]),
+    (["--sweep", "--layers", "2"], ["--layers", "ignore"]),
+    (["--model", "gpt", "--factory", "x:y"], ["--factory", "--model"]),
+    (["--time-limit", "0"], ["--time-limit", "positive"]),
+])
+def test_cli_rejects_ignored_or_contradictory_flags(argv, words, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(adv, "advise", lambda *a, **k: pytest.fail("planned despite bad input"))
+    monkeypatch.setattr(adv, "sweep", lambda *a, **k: pytest.fail("planned despite bad input"))
+    argv = (["--model", "gpt:125m"] if "--model" not in argv and "--sweep" not in argv else []) + argv
+    assert main(["advise", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("autopart advise: ")
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_api_rejects_non_positive_and_contradictions() -> None:
+    for kw in (dict(batch=0), dict(seq=0), dict(batch=-2), dict(time_limit_s=0)):
+        with pytest.raises(ValueError, match=r"(>= 1|positive)"):
+            adv.advise("gpt", "125m", layers=2, gpus_per_node=2, views=False, **kw)
+    with pytest.raises(ValueError, match="'8b'.*'70b'"):
+        adv.advise("llama:8b", "70b", layers=2, seq=128, gpus_per_node=2, views=False)
+    assert adv._split_model("llama:8b", "8B") == ("llama", "8b")  # the same size twice is no contradiction
+
+
+def test_factory_inputs_versus_explicit_batch_and_seq() -> None:
+    kw = dict(factory=llama_with_inputs, gpus_per_node=2, views=False)
+    a = adv.advise(**kw)  # no batch/seq asked for: the factory's inputs
+    assert a.fits and (a.batch, a.seq) == (4, 64)
+    assert adv.advise(batch=4, seq=64, **kw).fits  # asked for what the factory brings: fine
+    with pytest.raises(ValueError, match=r"own example inputs of batch 4 x 64 tokens, but batch 16 .*Leave out"):
+        adv.advise(batch=16, **kw)
+    with pytest.raises(ValueError, match=r"but seq 2048 was asked for"):
+        adv.advise(seq=2048, **kw)
