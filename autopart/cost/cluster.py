@@ -416,8 +416,13 @@ PRESETS: dict[str, Preset] = {"cpu": _CPU, "a100-80gb": _A100, "h100-80gb": _H10
 _BUILTIN = frozenset(PRESETS)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
+# unit prefixes of the cluster file's sizes, rates and FLOP/s: case-sensitive ("m" would be milli), binary ones
+# for bytes only ("GiB"; "Gib" reads as a typo of either)
+_PREFIXES = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+_BYTE_UNITS = ("B", "byte", "bytes")
+_BIT_UNITS = ("b", "bit", "bits")
+_FLOP_UNITS = ("", "FLOP", "FLOPS", "FLOPs", "flop", "flops")
 _PRESET_KEYS = {"name", "base", "devices_per_node", "reserve_bytes", "device", "intra_node", "inter_node"}
 _DEVICE_KEYS = {"name", "peak_flops", "fp32_flops", "tf32_flops", "mem_bandwidth", "memory_bytes", "host_bandwidth",
                 "mfu", "gemm_latency", "gemm_min_flops", "attention_flops", "host_step_bandwidth",
@@ -426,16 +431,36 @@ _DEVICE_KEYS = {"name", "peak_flops", "fp32_flops", "tf32_flops", "mem_bandwidth
 _LINK_KEYS = {"alpha", "beta", "bandwidth", "tree", "ll_latency", "ll_hop", "ll_bandwidth"}
 
 
-def _size(value: Any, where: str) -> float:
-    """A byte count or rate: a number, or a string such as ``"80GiB"`` / ``"450GB"`` (``autopart.parse_bytes``)."""
+def _size(value: Any, where: str, kind: str = "bytes") -> float:
+    """A number, or a string of a number and its unit, read as ``kind``: ``"bytes"`` (a size: ``"80GiB"``,
+    ``"80GB"``), ``"rate"`` (bytes/s: ``"450GB/s"``, ``"450GB"``, ``"50GBps"``, or bits/s, divided by 8:
+    ``"400Gb/s"``, ``"400Gbps"``, ``"400Gbit"``) or ``"flops"`` (FLOP/s: ``"989T"``, ``"989TFLOP/s"``). Units are
+    case-sensitive: ``B`` is a byte, ``b`` a bit, decimal prefixes k/K, M, G, T, P, binary Ki, Mi, Gi, Ti for bytes;
+    any other unit (``"400gb"``, ``"80G"``, bits for a size) raises, naming ``where`` (the key) and the value."""
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*?)(?:/s)?\s*", value)
-        unit = m.group(2).lower() if m else ""
-        if not m or unit not in _UNITS:
-            raise ValueError(f"{where}: cannot read {value!r}; write a number or a size such as '80GiB', '450GB'")
-        return float(m.group(1)) * _UNITS[unit]
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(\S*?)\s*", value)
+        unit = m.group(2) if m else ""
+        per_s = unit.endswith(("/s", "bps", "Bps"))
+        base = unit[:-2] if per_s else unit
+        prefix = next((p for p in (*_BINARY, *_PREFIXES) if p and base.startswith(p)), "")
+        rest = base[len(prefix):]
+        scale = {**_PREFIXES, **_BINARY}[prefix]
+        if kind == "flops":
+            ok = prefix in _PREFIXES and rest in _FLOP_UNITS and (rest or not per_s)
+        elif rest in _BIT_UNITS:
+            ok, scale = kind == "rate" and prefix in _PREFIXES, scale / 8
+        else:
+            ok = (rest in _BYTE_UNITS or not unit) and (kind == "rate" or not per_s)
+        if not m or not ok:
+            examples = {"bytes": "'80GiB', '80GB' (bytes)", "flops": "'989T', '989TFLOP/s'",
+                        "rate": "'450GB/s', '450GB', '50GBps' (bytes/s) or '400Gb/s', '400Gbps', '400Gbit' "
+                                "(bits/s)"}[kind]
+            raise ValueError(f"{where}: cannot read {value!r}: write a number or one with a unit such as {examples}; "
+                             f"units are case-sensitive (B bytes, b bits), so an ambiguous unit such as 'gb' or 'G' "
+                             f"is refused")
+        return float(m.group(1)) * scale
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{where}: expected a number or a size such as '80GiB', got {value!r}")
+        raise ValueError(f"{where}: expected a number or a string such as '80GiB', got {value!r}")
     return float(value)
 
 
@@ -443,7 +468,10 @@ def load_preset(path: str) -> str:
     """Read a machine description from a JSON or TOML file, register it as a preset, and return its name.
 
     The file describes one node type the way the built-in presets do (all keys but ``name`` optional when
-    ``base`` names a preset to start from; sizes are numbers or strings such as ``"80GiB"``, rates in bytes/s)::
+    ``base`` names a preset to start from). Sizes are numbers of bytes or strings such as ``"80GiB"``, ``"80GB"``;
+    rates numbers of bytes/s or strings such as ``"450GB/s"`` (``"450GB"``) or, in bits, ``"400Gb/s"``,
+    ``"400Gbps"``, ``"400Gbit"`` (an eighth as many bytes); FLOP/s numbers or strings such as ``"989T"``. Units are
+    case-sensitive, ``B`` a byte and ``b`` a bit; one that is neither (``"400gb"``, ``"80G"``) is an error::
 
         name = "my-h100"               # what plans call the cluster
         base = "h100-80gb"             # optional: start from this preset, override what follows
@@ -457,8 +485,8 @@ def load_preset(path: str) -> str:
         gemm_min_flops = 0             # below gemm_min_flops FLOPs a kernel runs at that size's rate),
         host_step_bandwidth = "48GB"   # host_step_bandwidth (host memory bytes/s per rank, offloaded steps)
         optimizer_bandwidth = "3TB"    # optimizer_bandwidth (bytes/s of the device's optimizer step; 0:
-        fp32_flops = 67e12             # mem_bandwidth), fp32_flops (dense FLOP/s of fp32 matmuls: the CUDA
-        tf32_flops = 494.7e12          # cores' unless TF32 is enabled; 0: peak_flops) and tf32_flops (of fp32
+        fp32_flops = "67T"             # mem_bandwidth), fp32_flops (dense FLOP/s of fp32 matmuls: the CUDA
+        tf32_flops = "494.7T"          # cores' unless TF32 is enabled; 0: peak_flops) and tf32_flops (of fp32
                                        # convolutions, TF32 in cuDNN by default; 0: fp32_flops)
         [intra_node]                   # the link inside a node: alpha (s per message) and
         alpha = 5e-6                   # bandwidth (bytes/s) or beta (s per byte); tree = true if the
@@ -468,7 +496,7 @@ def load_preset(path: str) -> str:
         ll_bandwidth = "141GB"         # default one and the faster kept (autopart.cost.comm)
         [inter_node]                   # the link between nodes
         alpha = 10e-6
-        bandwidth = 50e9
+        bandwidth = "400Gb/s"          # one NDR NIC per GPU: 50 GB/s
 
     JSON takes the same keys as nested objects. After loading, ``preset(name, mesh_shape)``,
     ``autopart.plan(..., cluster=name)`` and ``Cluster.with_mesh`` work as for a built-in preset; passing the
@@ -525,7 +553,8 @@ def load_preset(path: str) -> str:
         raise ValueError(f"cluster file {path!r}: [device] needs {sorted(missing)}")
     for k in ("peak_flops", "fp32_flops", "tf32_flops", "attention_flops", "mem_bandwidth", "memory_bytes",
               "host_bandwidth", "math_bandwidth", "host_step_bandwidth", "optimizer_bandwidth"):
-        dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}")
+        kind = "flops" if k.endswith("_flops") else "bytes" if k == "memory_bytes" else "rate"
+        dev[k] = _size(dev[k], f"cluster file {path!r} [device] {k}", kind)
     dev["memory_bytes"] = int(dev["memory_bytes"])
     if not isinstance(dev["comm_overlap"], bool):
         raise ValueError(f"cluster file {path!r}: [device] comm_overlap must be true or false, got "
@@ -544,7 +573,7 @@ def load_preset(path: str) -> str:
         old = getattr(start, section) if start is not None else None
         alpha = given.get("alpha", old.alpha if old else None)
         if "bandwidth" in given:
-            beta = 1.0 / _size(given["bandwidth"], f"cluster file {path!r} [{section}] bandwidth")
+            beta = 1.0 / _size(given["bandwidth"], f"cluster file {path!r} [{section}] bandwidth", "rate")
         else:
             beta = given.get("beta", old.beta if old else None)
         if alpha is None or beta is None:
@@ -555,7 +584,7 @@ def load_preset(path: str) -> str:
         ll = {}
         for k in ("ll_latency", "ll_hop", "ll_bandwidth"):
             v = given.get(k, getattr(old, k) if old else 0.0)
-            ll[k] = _size(v, f"cluster file {path!r} [{section}] {k}") if k == "ll_bandwidth" else v
+            ll[k] = _size(v, f"cluster file {path!r} [{section}] {k}", "rate") if k == "ll_bandwidth" else v
             if not isinstance(ll[k], (int, float)) or isinstance(ll[k], bool) or ll[k] < 0:
                 raise ValueError(f"cluster file {path!r}: [{section}] {k} must be a number >= 0, got {v!r}")
         return Link(alpha=float(alpha), beta=float(beta), tree=tree, **{k: float(v) for k, v in ll.items()})

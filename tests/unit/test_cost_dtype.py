@@ -1,4 +1,5 @@
-"""The cost model reads each op's dtype (fp32 matmuls at the CUDA cores' rate on GPUs)."""
+"""The cost model reads each op's dtype (fp32 matmuls at the CUDA cores' rate on GPUs) and the cluster file's units
+(bits are not bytes)."""
 
 import pytest
 import torch
@@ -63,9 +64,9 @@ def test_fp32_attention_and_convolution():
 
 
 def test_cluster_file_fp32_rate(tmp_path):
-    """A cluster file sets fp32_flops (e.g. assuming TF32)."""
+    """A cluster file sets fp32_flops (e.g. assuming TF32) as a number or with a FLOP/s unit."""
     path = tmp_path / "tf32.toml"
-    path.write_text('name = "test-tf32"\nbase = "h100-80gb"\n[device]\nfp32_flops = 494.7e12\n')
+    path.write_text('name = "test-tf32"\nbase = "h100-80gb"\n[device]\nfp32_flops = "494.7TFLOP/s"\n')
     try:
         d = preset(load_preset(str(path)), (8,)).device
         assert d.fp32_flops == pytest.approx(494.7e12) and d.tf32_flops == 494.7e12
@@ -75,3 +76,34 @@ def test_cluster_file_fp32_rate(tmp_path):
             load_preset(str(path))
     finally:
         PRESETS.pop("test-tf32", None)
+
+
+@pytest.mark.parametrize("value,bandwidth", [
+    ("400Gb", 50e9), ("400Gbit", 50e9), ("400Gbps", 50e9), ("400Gb/s", 50e9), ("400 Gbit/s", 50e9),
+    ("1.6Tb/s", 200e9), ("800Mbps", 100e6),
+    ("400GB", 400e9), ("400GB/s", 400e9), ("50GBps", 50e9), ("1GiB/s", 2**30), (50e9, 50e9), ("5e10", 50e9),
+])
+def test_cluster_file_bandwidth_units(tmp_path, value, bandwidth):
+    """Bits (b, bit, bps) are an eighth of bytes (B, GiB): an NDR NIC's "400Gb/s" is 50 GB/s, not 400."""
+    path = tmp_path / "units.json"
+    path.write_text('{"name": "test-units", "base": "h100-80gb", "inter_node": {"bandwidth": %s}}'
+                    % (f'"{value}"' if isinstance(value, str) else value))
+    try:
+        assert preset(load_preset(str(path)), (2, 8)).link(0).bandwidth == pytest.approx(bandwidth)
+    finally:
+        PRESETS.pop("test-units", None)
+
+
+@pytest.mark.parametrize("section,key,value", [
+    ("inter_node", "bandwidth", "400gb"), ("inter_node", "bandwidth", "400G"), ("inter_node", "bandwidth", "400Gib"),
+    ("intra_node", "ll_bandwidth", "fast"), ("device", "mem_bandwidth", "3.35tb/s"),
+    ("device", "memory_bytes", "640Gb"), ("device", "memory_bytes", "80GiB/s"), ("device", "peak_flops", "989TB"),
+])
+def test_cluster_file_ambiguous_unit_is_an_error(tmp_path, section, key, value):
+    """A unit that is neither clearly bytes nor clearly bits (nor bits where a size in bytes is asked) is refused,
+    the message naming the key and the value."""
+    path = tmp_path / "bad.toml"
+    path.write_text(f'name = "test-bad-unit"\nbase = "h100-80gb"\n[{section}]\n{key} = "{value}"\n')
+    with pytest.raises(ValueError, match=rf"\[{section}\] {key}: cannot read '{value}'"):
+        load_preset(str(path))
+    assert "test-bad-unit" not in PRESETS
