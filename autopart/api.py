@@ -64,6 +64,9 @@ def _options(roles, pins, memory_budget, time_limit_s, seed, local_batch, backen
              zero=None, offload=None, pipeline=None, optimizer_bytes_per_param=8.0, kv_cache_tokens=0,
              reduce_dtype=None, grad_dtype=None) -> PlanOptions:
     limit = parse_bytes(memory_budget)
+    if limit is not None and not limit > 0:
+        raise ValueError(f"memory_budget={memory_budget!r}: give a positive size per device (bytes or '12GiB'), or "
+                         "leave it None for the device's capacity")
     if limit is not None and limit != float("inf"):
         limit *= 1 - MEMORY_MODEL_MARGIN
     return PlanOptions(roles=dict(roles or {}), pins=dict(pins or {}), memory_limit=limit,
@@ -141,6 +144,15 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
 
     >>> autopart.evaluate(model, 64, (ids,), {"labels": ids}, cluster="h100-80gb", recipe="megatron-fsdp")
     """
+    for name, v in (("gpus", gpus), ("tp", tp), ("pp", pp), ("gpus_per_node", gpus_per_node)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"evaluate: {name}={v!r}; give a whole number >= 1")
+    if micro_batches is not None and (not isinstance(micro_batches, int) or micro_batches < 1):
+        raise ValueError(f"evaluate: micro_batches={micro_batches!r}; give a whole number >= 1 (or None)")
+    from autopart.solver.pipeline import SCHEDULES
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"evaluate: schedule={schedule!r}; the schedules are {', '.join(SCHEDULES)}")
     if recipe is not None:
         from autopart.recipes import recipe_options
 

@@ -372,6 +372,8 @@ def _pipeline_text(pp: dict) -> str:
 
 def _no_pipeline(pp: dict) -> str:
     t = pp.get("no_pipeline_step_time_s")
+    if pp.get("no_pipeline_not_planned"):
+        return f"; without pipeline: not planned ({pp['no_pipeline_not_planned']})"
     if not t:
         return "; no plan without pipeline fits"
     if pp.get("no_pipeline_is_lower_bound"):  # not solved: the ILP's bound (planner.OBJECTIVE_OVER_RECORD)

@@ -1223,15 +1223,56 @@ def _zero_filter(opts: list[OpOption], dp_axes: list[int], zero: int) -> list[Op
     return keep or [o for o in opts if not o.tag and not any(is_shard(o.output[i]) for i in dp_axes)]
 
 
+def check_inputs(opts: PlanOptions) -> None:
+    """Arguments no plan can satisfy, named before any solve (``PlanInputError``): a ZeRO level, memory budget,
+    checkpoint or offload mode, stage count or pipeline schedule that does not exist."""
+    if opts.zero not in (None, 0, 1, 2, 3):
+        raise PlanInputError(f"zero={opts.zero!r}: ZeRO levels are 0 (none), 1 (optimizer states), 2 (and "
+                             "gradients), 3 (and parameters); or leave it None for the planner to choose")
+    if opts.memory_limit is not None and not opts.memory_limit > 0:
+        raise PlanInputError(f"memory budget {opts.memory_limit!r} bytes per device: give a positive size (bytes or "
+                             "'12GiB'), or leave it None for the device's capacity")
+    modes = [opts.checkpoint] if isinstance(opts.checkpoint, str) else \
+        list(opts.checkpoint.values()) if isinstance(opts.checkpoint, dict) else []
+    for mode in modes:
+        if mode not in ("full", "selective", "none"):
+            raise PlanInputError(f"checkpoint={opts.checkpoint!r}: modes are 'full', 'selective' or 'none' (one for "
+                                 "every layer, or a dict layer -> mode)")
+    _forced_offload(opts)
+    from autopart.solver.pipeline import SCHEDULES
+
+    pp = opts.pipeline if isinstance(opts.pipeline, dict) else {}  # its keys: PlanOptions checks them
+    for k in ("stages", "virtual"):
+        if k in pp and not (isinstance(pp[k], int) and not isinstance(pp[k], bool) and pp[k] >= 1):
+            raise PlanInputError(f"pipeline[{k!r}]={pp[k]!r}: give a whole number >= 1")
+    if "schedule" in pp and pp["schedule"] not in SCHEDULES:
+        raise PlanInputError(f"pipeline['schedule']={pp['schedule']!r}: schedules are {', '.join(SCHEDULES)}")
+
+
+class PlanInputError(ValueError):
+    """A planning argument that cannot be right whatever the solver does (a pin that does not parse or names
+    nothing, a checkpoint or offload mode that does not exist): raised as is, not as "no plan fits"."""
+
+
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
     # "S(2) [cp_ring]": that tagged variant only, as options print (OpOption.__str__); "R []": the untagged one
     # only (``Plan.param_pins``: not the ZeRO-1/2 slices of the same placement); "R": any variant of it
-    pin, bracket, tag = pin.partition("[")
-    spec, tag = parse_spec(pin.strip()), tag.rstrip("] ").strip()
+    text, bracket, tag = pin.partition("[")
+    try:
+        spec, tag = parse_spec(text.strip()), tag.rstrip("] ").strip()
+    except ValueError as e:
+        raise PlanInputError(f"pins[{name!r}] = {pin!r}: {e}. A placement has one entry per mesh axis: R "
+                             "(replicated), S(dim) (sharded along dim), P (partial sum), e.g. 'RS(0)' on a 2-D "
+                             "mesh") from None
+    axes = next((len(o.output) for o in opts if o.output and not isinstance(o.output[0], tuple)), len(spec))
+    if len(spec) != axes:
+        raise PlanInputError(f"pins[{name!r}] = {pin!r} has {len(spec)} entries; the mesh has {axes} axes: give "
+                             f"one placement per axis (R, S(dim) or P), e.g. {'R' * (axes - 1) + 'S(0)'!r}")
+    pin = text.strip() + (f" [{tag}]" if bracket else "")
     keep = [o for o in opts if (o.output if not (o.output and isinstance(o.output[0], tuple)) else o.output[0]) == spec
             and (not bracket or o.tag == tag)]
     if not keep:
-        raise ValueError(f"pin {name}={pin!r} is not a legal placement here; legal output specs: "
+        raise PlanInputError(f"pin {name}={pin!r} is not a legal placement here; legal output specs: "
                          f"{sorted({spec_str(o.output) for o in opts if not isinstance(o.output[0], tuple)})}")
     return keep
 
@@ -1791,11 +1832,11 @@ def _forced_offload(opts: PlanOptions) -> frozenset | None:
             "both": {"optimizer", "activations"}}
     if isinstance(opts.offload, str):
         if opts.offload not in want:
-            raise ValueError(f"offload={opts.offload!r}: use 'none', 'optimizer', 'activations' or 'both'")
+            raise PlanInputError(f"offload={opts.offload!r}: use 'none', 'optimizer', 'activations' or 'both'")
         return frozenset(want[opts.offload])
     bad = set(opts.offload) - {"optimizer", "activations"}
     if bad:
-        raise ValueError(f"offload {sorted(bad)}: what can be offloaded is 'optimizer' and 'activations'")
+        raise PlanInputError(f"offload {sorted(bad)}: what can be offloaded is 'optimizer' and 'activations'")
     return frozenset(opts.offload)
 
 
@@ -2075,7 +2116,11 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     for key, pin in opts.pins.items():
         name = fqn_to_node.get(key, key)
         if name not in info.options:
-            raise ValueError(f"pin for {key!r}: no parameter or graph node has that name")
+            import difflib
+
+            close = difflib.get_close_matches(key, [*fqn_to_node, *info.options], n=3)
+            raise PlanInputError(f"pin for {key!r}: no parameter or graph node has that name"
+                                 + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
         info.options[name] = _pin_filter(key, info.options[name], pin)
     for n in info.nodes:
         info.options[n.name] = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info,
@@ -2525,6 +2570,7 @@ def make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opt
 
     from autopart.solver.ilp import record_solves, share_solutions
 
+    check_inputs(opts)
     global _SESSION
     # the collector's passes over the oldest generation walk what lives on through planning (the traced graph,
     # the model): ~0.4 s of a 70B plan. Those objects are left out of them while planning (``gc.freeze``; not when
@@ -2577,6 +2623,8 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
     try:
         plan = _make_plan(traced, cluster, axis_names, dataclasses.replace(
             opts, warm_start=(warm.get("warm_plan") or warm.get("plan")) if warm is not None else None))
+    except PlanInputError:
+        raise
     except ValueError as e:
         err = e
     t2 = time.perf_counter()
@@ -2689,6 +2737,8 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
                     no_pp, memory_limit=math.inf, objective_cutoff=cutoff))
         except Pruned as e:
             base_bound = e.args[0]
+        except PlanInputError:
+            raise
         except ValueError as e:
             base_err = e
         else:
@@ -2707,6 +2757,8 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         try:  # where it needs recompute or offload to fit, also with gradient accumulation (one more solve)
             base = _accumulated_plan(traced, cluster, axis_names, no_pp,
                                      search=opts.checkpoint is None and opts.offload is None and "stages" not in forced)
+        except PlanInputError:
+            raise
         except ValueError as e:
             base_err = e
         except SolverTimeout as e:
@@ -2722,13 +2774,18 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         out = pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1, bound=base is None)
         if cand_note:
             out.solver["unsolved"] = cand_note
+        if pp_axes or "stages" in forced:  # the plan without stages was not planned: not that it does not fit
+            out.pipeline["no_pipeline_not_planned"] = ("a mesh axis has role 'pp'" if pp_axes
+                                                       else f"pipeline stages={forced['stages']} forced")
         return out
     if base is not None:
         base.solver["pipeline_search_s"] = wall
         base.solver["pipeline_candidates"] = sorted(tried, key=lambda r: r["step_time_s"])[:8]
         return base
     detail = "\n".join(f"  {e}" for e in errors[-12:])
-    raise ValueError(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {base_err}\n"
+    without = base_err if base_err is not None else "not planned (" + (
+        "a mesh axis has role 'pp'" if pp_axes else f"pipeline stages={forced.get('stages')} forced") + ")"
+    raise ValueError(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
                      f"with pipeline stages:\n{detail}")
 
 
@@ -2747,7 +2804,7 @@ def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, .
         try:
             plan = _shared_sharding_plan(traced, cluster, axis_names, opts)
         except ValueError as e:
-            if not search:
+            if not search or isinstance(e, PlanInputError):
                 raise
             plan, err = None, e
         if not search or (plan is not None and not plan.checkpoint and not plan.offload):
@@ -3646,7 +3703,7 @@ def _forced_checkpoint(opts: PlanOptions, info: Graphinfo) -> dict[str, str]:
     want = {lay: opts.checkpoint for lay in layers} if isinstance(opts.checkpoint, str) else dict(opts.checkpoint)
     for lay, mode in want.items():
         if mode not in ("full", "selective", "none"):
-            raise ValueError(f"checkpoint mode {mode!r} for layer {lay!r}: use 'full', 'selective' or 'none'")
+            raise PlanInputError(f"checkpoint mode {mode!r} for layer {lay!r}: use 'full', 'selective' or 'none'")
         if lay not in layers:
             raise ValueError(f"checkpoint asked for layer {lay!r}; the model's layers are {layers[:8]}...")
     return {lay: m for lay, m in want.items() if m != "none"}

@@ -12,6 +12,7 @@ import torch.nn as nn
 import autopart
 from autopart.models import GPT, GPTConfig
 from autopart.plan import Plan, _fmt_time
+from autopart.trace import trace
 
 
 def _gpt(**kw):
@@ -525,3 +526,41 @@ def test_a_pipelined_recipe_is_scored_by_its_ranking_and_solved_whole_where_it_m
             if "scored_on" in r:
                 assert r["step_time_s"] >= step * 1.05, r
             assert r["step_time_s"] >= step * (1 - 1e-9), r
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"pins": {"blocks.0.attn.q.weight": "SX(9)"}}, r"pins\['blocks.0.attn.q.weight'\] = 'SX\(9\)': cannot parse"),
+    ({"pins": {"blocks.0.attn.q.weight": "S(0)"}}, r"has 1 entries; the mesh has 2 axes"),
+    ({"pins": {"blocks.0.attn.q.weigth": "RS(0)"}}, r"did you mean 'blocks.0.attn.q.weight'"),
+    ({"pins": {"blocks.0.attn.q.weight": "RS(5)"}}, r"not a legal placement here; legal output specs"),
+    ({"checkpoint": "everything"}, r"modes are 'full', 'selective' or 'none'"),
+    ({"offload": "gpu"}, r"offload='gpu': use 'none', 'optimizer'"),
+    ({"zero": 5}, r"ZeRO levels are 0"),
+    ({"memory_budget": -5}, r"memory_budget=-5: give a positive size"),
+    ({"pipeline": {"stages": 2, "schedule": "zigzag"}}, r"schedules are gpipe, 1f1b, interleaved"),
+    ({"pipeline": {"stages": 0}}, r"pipeline\['stages'\]=0: give a whole number >= 1"),
+])
+def test_bad_arguments_are_named_not_reported_as_no_fit(kw, match):
+    """An argument no plan can satisfy is named as such (what is wrong, what to give), before or at the first
+    solve; it was reported as "no plan fits ... without pipeline: <the error>", repeated per pipeline candidate."""
+    t = trace(_gpt(), (IDS,), {"labels": IDS})
+    with pytest.raises(ValueError, match=match) as e:
+        autopart.plan(None, autopart.mesh((2, 2), ("dp", "tp")), traced=t, recipes=False, **kw)
+    assert "no plan fits" not in str(e.value)
+
+
+def test_forced_stages_say_the_plan_without_them_was_not_planned():
+    t = trace(_gpt(), (IDS,), {"labels": IDS})
+    with pytest.raises(ValueError, match=r"without pipeline: not planned \(pipeline stages=3 forced\)"):
+        autopart.plan(None, autopart.mesh((2, 2), ("dp", "tp")), traced=t, recipes=False, pipeline={"stages": 3})
+    p = autopart.plan(None, autopart.mesh((4,), ("x",)), traced=t, recipes=False, pipeline={"stages": 2})
+    assert "without pipeline: not planned (pipeline stages=2 forced)" in str(p)
+
+
+@pytest.mark.parametrize("kw,match", [({"tp": 0}, r"tp=0; give a whole number >= 1"),
+                                      ({"pp": 0}, r"pp=0; give a whole number >= 1"),
+                                      ({"pp": 2, "schedule": "foo"}, r"schedule='foo'; the schedules are")])
+def test_evaluate_names_bad_degrees_and_schedules(kw, match):
+    """``evaluate`` with a degree of 0 raised ZeroDivisionError; an unknown schedule, "no plan fits"."""
+    with pytest.raises(ValueError, match=match):
+        autopart.evaluate(None, 4, traced=trace(_gpt(), (IDS,), {"labels": IDS}), **kw)
