@@ -775,15 +775,44 @@ def state_floor(params: int, gpus: int, state_bytes: float, offload_bytes: float
     return params * (state_bytes - offload_bytes) / gpus
 
 
-def _binding(err: Exception, params: int, gpus: int, cl: Cluster, state_bytes: float) -> str:
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _held_terms(message: str) -> tuple[float, dict[str, float]]:
+    """From the planner's no-fit message: (the smallest per-device peak any plan reaches, bytes of each kind of
+    state decoding holds among the largest terms there: {"K/V cache": b, "recurrent state": b}); (nan, {}) when the
+    message does not say."""
+    m = re.search(r"smallest per-device peak any plan reaches is ([\d.]+) (TiB|GiB|MiB|KiB|B)\b", message)
+    peak = float(m.group(1)) * _UNITS[m.group(2)] if m else math.nan
+    held: dict[str, float] = defaultdict(float)
+    for kind, num, unit in re.findall(r"(K/V cache|recurrent state) of \S+ ([\d.]+) (TiB|GiB|MiB|KiB|B)\b",
+                                      message):
+        held[kind] += float(num) * _UNITS[unit]
+    return peak, dict(held)
+
+
+def _binding(err: Exception, params: int, gpus: int, cl: Cluster, state_bytes: float,
+             inference: bool = False) -> str:
     budget = cl.memory_budget
     full = params * state_bytes / gpus
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    states = "weights" if inference else "model states"
     if full > budget:
-        return (f"model states {params * state_bytes / 2**30:,.0f} GiB ({state_bytes:g} B/parameter) are "
+        return (f"{states} {params * state_bytes / 2**30:,.0f} GiB ({state_bytes:g} B/parameter) are "
                 f"{full / 2**30:.1f} GiB per GPU even sharded over all {gpus} GPUs, over the "
                 f"{budget / 2**30:.1f} GiB budget ({first})")
-    return (f"activations and working memory: model states fully sharded take {full / 2**30:.1f} GiB per GPU of "
+    peak, held = _held_terms(text)
+    if held:
+        kind, size = max(held.items(), key=lambda kv: kv[1])
+        # it binds when the plan would fit without it (or it is most of the peak)
+        if math.isnan(peak) or size >= peak - budget or size >= peak / 2:
+            what = ("the K/V cache of every sequence's context at every attention" if kind == "K/V cache"
+                    else "the recurrent state of every sequence at every state-space layer")
+            return (f"{kind}: {what} takes {size / 2**30:.1f} GiB per GPU at the smallest peak any plan reaches "
+                    f"({peak / 2**30:.1f} GiB, over the {budget / 2**30:.1f} GiB budget; the {states} fully sharded "
+                    f"take {full / 2**30:.1f}); serve a smaller batch or context, or use more GPUs ({first})")
+    return (f"activations and working memory: {states} fully sharded take {full / 2**30:.1f} GiB per GPU of "
             f"{budget / 2**30:.1f}, the rest does not fit the batch ({first})")
 
 
@@ -907,6 +936,9 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     floor = state_floor(n_params, gpus, state_bytes, 0.0 if inference else optimizer_bytes_per_param)
     if floor > cl.memory_budget:  # no trace needed: nothing can fit
         return Advice(fits=False, binding=(
+            f"weights: {floor / 2**30:.1f} GiB per GPU even sharded over all {gpus} GPUs (inference holds the "
+            f"weights alone: no gradients, no optimizer), over the {cl.memory_budget / 2**30:.1f} GiB budget; use "
+            "more GPUs" if inference else
             f"model states: {floor / 2**30:.1f} GiB per GPU even with every state sharded over all {gpus} GPUs "
             f"and the optimizer offloaded, over the {cl.memory_budget / 2**30:.1f} GiB budget; use more GPUs"),
             **base)
@@ -955,7 +987,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
         if isinstance(err, SolverTimeout):
             return Advice(fits=False, binding=f"not planned: {err}", plan_s=time.perf_counter() - t0, views=tried,
                           **base)
-        return Advice(fits=False, binding=_binding(err, n_params, gpus, cl, state_bytes),
+        return Advice(fits=False, binding=_binding(err, n_params, gpus, cl, state_bytes, inference),
                       plan_s=time.perf_counter() - t0, views=tried, **base)
     base["mesh"] = tuple((best.pipeline or {}).get("world_mesh_shape", best.mesh_shape))
     return dataclasses.replace(read_plan(best, traced, base, time.perf_counter() - t0), views=tried)

@@ -120,3 +120,23 @@ def test_factory_inputs_versus_explicit_batch_and_seq() -> None:
         adv.advise(batch=16, **kw)
     with pytest.raises(ValueError, match=r"but seq 2048 was asked for"):
         adv.advise(seq=2048, **kw)
+
+
+# ---- 3. error messages -----------------------------------------------------------------------------------------
+def test_inference_too_big_is_worded_for_inference() -> None:
+    a = adv.advise("llama", "70b", gpus_per_node=1, batch=1, seq=1, inference=True, kv_cache_tokens=16)
+    assert not a.fits and a.binding.startswith("weights: ") and "inference" in a.binding
+    assert "optimizer offloaded" not in a.binding and "model states" not in a.binding
+    t = adv.advise("llama", "70b", gpus_per_node=1, batch=1, seq=16)  # training keeps its wording
+    assert not t.fits and "optimizer offloaded" in t.binding
+
+
+def test_serving_stopped_by_the_kv_cache_names_it() -> None:
+    # 2 layers x 8 K/V heads x 64 channels x K and V x 2 bytes = 4 KiB per token: 64 GiB of cache per sequence at
+    # 2**24 tokens. Batch 1 fits an H100, batch 2 does not, because of the cache
+    srv = adv.advise_serving("llama", "1b", layers=2, gpus_per_node=1, seq=1, kv_cache_tokens=2**24, views=False)
+    assert srv.best is not None and srv.best.batch == 1
+    assert srv.stopped.startswith("batch 2 does not fit: K/V cache: "), srv.stopped
+    assert "activations and working memory" not in srv.stopped
+    peak, held = adv._held_terms(srv.rows[-1].binding)
+    assert held["K/V cache"] == pytest.approx(2 * 64 * 2**30, rel=0.01) and peak > held["K/V cache"]
