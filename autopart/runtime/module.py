@@ -550,8 +550,8 @@ class ParallelModule(nn.Module):
         """Forward and backward of the global batch; gradients land in ``.grad`` of this rank's shards (added to
         gradients already there, so several calls accumulate), reduced over the data-parallel axes in buckets
         launched during backward (``runtime/grads.py``); a ZeRO-1/2 parameter's reduced gradient goes to its
-        optimizer's slice (``.grad`` keeps this rank's unreduced one: ``clip_grad_norm_`` reads the slices). Returns the loss (detached), equal to the single-process
-        loss of the same global batch.
+        optimizer's slice (``.grad`` keeps this rank's unreduced one: ``clip_grad_norm_`` reads the slices).
+        Returns the loss (detached), equal to the single-process loss of the same global batch.
 
         With gradient accumulation (``plan.accumulation``: m micro-batches) the batch-split inputs (those whose dim 0
         is the batch) are cut into m micro-batches, run forward and backward one after another through the
