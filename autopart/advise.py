@@ -391,26 +391,40 @@ def edge_comm(plan, traced, cluster: Cluster) -> tuple[dict, list[float]]:
 
 
 def gradient_comm(plan, traced, cluster: Cluster) -> tuple[float, float]:
-    """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1's reduce-scatter), all of it, overlapped
+    """(seconds, bus bytes) of the gradient reduction (all-reduce; ZeRO-1/2's reduce-scatter), all of it, overlapped
     or not (``plan.predicted["hidden_comm_s"]`` says how much backward hides): the planner's buckets
-    (``planner.gradient_reduction``); the bytes per set of reduced axes."""
+    (``planner.gradient_reduction``); the bytes per set of reduced axes. ``gradient_comm_by_kind`` splits it."""
+    by_kind = gradient_comm_by_kind(plan, traced, cluster)
+    return sum(t for t, _ in by_kind.values()), sum(b for _, b in by_kind.values())
+
+
+def gradient_comm_by_kind(plan, traced, cluster: Cluster) -> dict[str, tuple[float, float]]:
+    """``gradient_comm`` by the collective that runs it: {"all_reduce": (seconds, bus bytes), "reduce_scatter":
+    (...)}; ZeRO-1/2 parameters' gradients are reduce-scattered, the others all-reduced. The planner buckets the two
+    apart (``planner.gradient_reduction``: per set of reduced axes and ZeRO-1/2 or not), so the seconds add up to
+    the whole reduction's."""
     from autopart.planner import gradient_reduction, param_nodes, reduce_scale
 
     mesh = cluster.mesh_shape
     node_of = param_nodes(traced)
-    buckets: dict[tuple, float] = defaultdict(float)
-    for fqn, axes in plan.reduced.items():
-        val = node_of[fqn].meta["val"]
-        buckets[(tuple(axes), plan.zero.get(fqn) in (1, 2))] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh) \
-            * reduce_scale(val.dtype, plan.options.get("reduce_dtype"))  # summed in PlanOptions.reduce_dtype
-    nbytes = 0.0
-    for (axes, zero1), size in buckets.items():
-        for i in sorted(axes):
-            nbytes += _bus_bytes("reduce_scatter" if zero1 else "all_reduce", size, mesh[i])
-            size = size / mesh[i] if zero1 else size
-    secs, _ = gradient_reduction(traced, plan.nodes, plan.reduced, plan.zero, cluster, 1,
-                                 plan.options.get("bucket_bytes", {}), plan.options.get("reduce_dtype"))
-    return secs, nbytes
+    out = {}
+    for kind, sliced in (("all_reduce", False), ("reduce_scatter", True)):
+        reduced = {fqn: axes for fqn, axes in plan.reduced.items() if (plan.zero.get(fqn) in (1, 2)) == sliced}
+        buckets: dict[tuple, float] = defaultdict(float)
+        for fqn in reduced:
+            val = node_of[fqn].meta["val"]
+            buckets[tuple(reduced[fqn])] += _local_bytes(val, parse_spec(plan.params[fqn]), mesh) \
+                * reduce_scale(val.dtype, plan.options.get("reduce_dtype"))  # summed in PlanOptions.reduce_dtype
+        nbytes = 0.0
+        for axes, size in buckets.items():
+            for i in sorted(axes):
+                nbytes += _bus_bytes(kind, size, mesh[i])
+                size = size / mesh[i] if sliced else size
+        secs = gradient_reduction(traced, plan.nodes, reduced, plan.zero, cluster, 1,
+                                  plan.options.get("bucket_bytes", {}), plan.options.get("reduce_dtype"))[0] \
+            if reduced else 0.0
+        out[kind] = (secs, nbytes)
+    return out
 
 
 def zero_gather_bytes(plan, traced, cluster: Cluster) -> float:
@@ -434,14 +448,28 @@ def zero_gather_bytes(plan, traced, cluster: Cluster) -> float:
 
 
 def communication(plan, traced) -> dict[str, dict[str, float]]:
-    """Per GPU and step, by collective kind: {"time_s", "bytes"} (module doc), plus "gradient_all_reduce" (part of
-    all_reduce, reported apart) and ``INSIDE_OPS`` (time only). Without a pipeline the times of ``KINDS`` and
-    ``INSIDE_OPS`` sum to ``plan.predicted["comm_s"]``."""
+    """Per GPU and step, by collective kind: {"time_s", "bytes"} (module doc), plus "gradient_all_reduce" and
+    "gradient_reduce_scatter" (the gradient reduction's part of all_reduce, and ZeRO-1/2's of reduce_scatter,
+    reported apart with ``total_s``, all of its time, hidden behind backward or not) and ``INSIDE_OPS`` (time
+    only). ``time_s`` is exposed time: what the step waits for (collectives hidden behind compute, a gradient bucket
+    behind the backward still to come or a collective matmul's overlap, are not in it). Without a pipeline the times
+    of ``KINDS`` and ``INSIDE_OPS`` sum to ``plan.predicted["comm_s"]``."""
     stage = Cluster.from_json(plan.cluster)
     parts, _ = edge_comm(plan, traced, stage)
     (at, ab), (pt, pb), al = parts["activations"], parts["parameters"], parts["activation_latency"]
-    gt, gb = gradient_comm(plan, traced, stage)
+    grads = gradient_comm_by_kind(plan, traced, stage)
+    gt = sum(t for t, _ in grads.values())
     pp = plan.pipeline
+
+    def add_gradients(exposed: float, share: float) -> None:
+        """The gradient reduction under the collective that runs it: ``exposed`` seconds (what the step waits for)
+        split as the kinds' own times, their bytes and all their time (``total_s``) times ``share``."""
+        for kind, (secs, nbytes) in grads.items():
+            part = exposed * secs / gt if gt > 0 else 0.0
+            out[kind]["time_s"] += part
+            out[kind]["bytes"] += nbytes * share
+            out[f"gradient_{kind}"] = {"time_s": part, "bytes": nbytes * share, "total_s": secs * share}
+
     out = {k: {"time_s": 0.0, "bytes": 0.0} for k in KINDS}
     inside = sum(r.get("time_s", 0.0) - r.get("compute_s", 0.0) for r in plan.nodes.values())
     inside_lat = sum(r.get("comm_latency_s", 0.0) for r in plan.nodes.values())  # each micro-batch pays it
@@ -453,7 +481,6 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
         for k in KINDS:
             out[k]["time_s"] = at[k] + (m - 1) * al[k] + m * pt[k]
             out[k]["bytes"] = ab[k] + m * pb[k]
-        gt -= plan.predicted.get("hidden_comm_s", 0.0)  # the step pays what backward does not hide
         # ZeRO-1/2's after-step all-gather: the node times (inside ops) hold the ILP's price of it; the step pays
         # what the next forward does not hide of the bucketed gather (``param_gather_s``)
         pred = plan.predicted
@@ -462,17 +489,13 @@ def communication(plan, traced) -> dict[str, dict[str, float]]:
         out["all_gather"]["time_s"] += pred.get("param_gather_s", 0.0) if "param_gather_priced_s" in pred else \
             pred.get("param_gather_latency_s", 0.0)
         out["all_gather"]["bytes"] += zero_gather_bytes(plan, traced, stage)
-        out["all_reduce"]["time_s"] += gt
-        out["all_reduce"]["bytes"] += gb
-        out["gradient_all_reduce"] = {"time_s": gt, "bytes": gb}
+        add_gradients(gt - plan.predicted.get("hidden_comm_s", 0.0), 1.0)  # what backward does not hide
         return out
     p, m = int(pp["degree"]), int(pp["micro_batches"])
     for k in KINDS:  # the stage plan holds the whole model at the whole batch: a stage's share is 1/p of it
         out[k]["time_s"] = (at[k] + (m - 1) * al[k] + m * pt[k]) / p
         out[k]["bytes"] = (ab[k] + m * pb[k]) / p
-    out["all_reduce"]["time_s"] += pp["gradient_reduction_s"]
-    out["all_reduce"]["bytes"] += gb / p
-    out["gradient_all_reduce"] = {"time_s": pp["gradient_reduction_s"], "bytes": gb / p}
+    add_gradients(pp["gradient_reduction_s"], 1 / p)  # the exposed tail; bytes and total_s a stage's average
     out["all_gather"]["time_s"] += pp.get("param_gather_s", 0.0)  # ZeRO-1/2's after the step: what forward waits
     out["all_gather"]["bytes"] += zero_gather_bytes(plan, traced, stage) / p
     v = int(pp.get("virtual") or 1) if pp["schedule"] == "interleaved" else 1
@@ -546,29 +569,46 @@ def strategy(plan, traced=None) -> dict[str, Any]:
     if not node_of:
         node_of = {fqn: "p_" + fqn.replace(".", "_") for fqn in plan.params}
     roles: list[set[str]] = [set() for _ in mesh]
+    # the repeated blocks' parameters and nodes say what the plan does (embeddings and heads are often planned
+    # apart); a model without numbered blocks (an MLP from a factory) is read from all of them
+    blocks = any(_block_param(fqn) for fqn in plan.params)
+    layered = any(r.get("layer") for r in plan.nodes.values())
     for fqn, spec in plan.params.items():
-        if not _block_param(fqn):
+        if blocks and not _block_param(fqn):
             continue
         for i, p in enumerate(parse_spec(spec)):
             if is_shard(p) and mesh[i] > 1:
                 roles[i].add("zero" if (node_of.get(fqn), i) in gathered else "tp")
-    attn = [r for r in plan.nodes.values() if "scaled_dot_product" in r["op"] and r["layer"]]
-    acts = attn or [r for r in plan.nodes.values() if r["layer"] and ("linear" in r["op"] or "mm" in r["op"])]
-    for rec in acts:
+    graph = {n.name: n for n in traced.graph.nodes} if traced is not None else {}
+
+    def rank(name: str) -> int | None:  # the first input's number of dimensions, where the trace is at hand
+        n = graph.get(name)
+        a = n.args[0] if n is not None and n.args else None
+        val = getattr(a, "meta", {}).get("val") if a is not None else None
+        return val.dim() if isinstance(val, torch.Tensor) else None
+
+    attn = [(k, r) for k, r in plan.nodes.items() if "scaled_dot_product" in r["op"] and (r["layer"] or not layered)]
+    acts = attn or [(k, r) for k, r in plan.nodes.items() if (r["layer"] or not layered)
+                    and ("linear" in r["op"] or "mm" in r["op"]) and r["inputs"]]
+    for key, rec in acts:
+        nd = None if attn else rank(key)
         for i, p in enumerate(parse_spec(rec["inputs"][0])):
             if not isinstance(p, Shard) or mesh[i] == 1:
                 continue
             if p.dim == 0:
                 roles[i].add("dp")
-            elif (attn and p.dim == 2) or (not attn and p.dim == 1):
+            elif attn:  # q [batch, heads, sequence, channels]
+                if p.dim in (1, 2):
+                    roles[i].add("tp" if p.dim == 1 else "cp")
+            elif nd is not None:  # a matmul's input [batch, (sequence, ...,) features]
+                roles[i].add("tp" if p.dim == nd - 1 else "cp")
+            elif p.dim == 1:
                 roles[i].add("cp")
-            elif attn and p.dim == 1:
-                roles[i].add("tp")
     deg = {r: math.prod(n for n, rs in zip(mesh, roles) if r in rs) for r in ("dp", "tp", "cp")}
     links = [(x["alpha"], x["beta"]) for x in plan.cluster["links"]]
     fastest = min(b for _, b in links)
     pp = plan.pipeline or {}
-    zero = max((v for k, v in plan.zero.items() if _block_param(k)), default=0)
+    zero = max((v for k, v in plan.zero.items() if _block_param(k) or not blocks), default=0)
     out = {"dp": deg["dp"], "tp": deg["tp"], "cp": deg["cp"], "pp": int(pp.get("degree", 1)), "zero": zero,
            "axes": {f"{name}={n}": "+".join(sorted(rs)) or "idle" for name, n, rs in
                     zip(plan.axis_names, mesh, roles)},
@@ -589,6 +629,7 @@ def strategy(plan, traced=None) -> dict[str, Any]:
     if out["mixed_axes"]:
         name += " mixed per layer"
     out["name"] = name
+    out["degrees"] = degrees_text(out, plan.axis_names, mesh, roles)
     layout = [f"{k}: {v}" for k, v in out["axes"].items() if not k.endswith("=1")]
     if pp:
         sched = pp["schedule"] + (f"v{pp.get('virtual')}" if pp["schedule"] == "interleaved" else "")
@@ -603,6 +644,22 @@ def strategy(plan, traced=None) -> dict[str, Any]:
         layout.append("offload " + "+".join(plan.offload))
     out["layout"] = ", ".join(layout) or "replicated"
     return out
+
+
+def degrees_text(s: dict, names, mesh, roles: list[set[str]]) -> str:
+    """"dp / tp / pp / cp" as the report prints them: a degree that comes from an axis doing more than one thing
+    (dp for some ops, tp for others) is marked "(mixed)" and the axis named, since such degrees multiply to more
+    than the GPUs."""
+    cells = []
+    for r in ("dp", "tp", "pp", "cp"):
+        mixed = r != "pp" and any(r in rs and len(rs & {"dp", "tp", "cp"}) > 1 for rs in roles)
+        cells.append(f"{s[r]} (mixed)" if mixed else str(s[r]))
+    text = " / ".join(cells)
+    for name, n, rs in zip(names, mesh, roles):
+        both = sorted(rs & {"dp", "tp", "cp"})
+        if len(both) > 1:
+            text += f"; {name}={n} does {', '.join(both[:-1])} and {both[-1]}, each on some ops, counted in each"
+    return text
 
 
 def terms(plan, traced, comm: dict | None = None) -> dict[str, float]:
@@ -680,7 +737,7 @@ class Advice:
                  "memory/GPU: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.memory["by_kind"].items())
                  + f"; peak {self.memory['peak'] / 2**30:.2f} of {self.memory_budget / 2**30:.2f} GiB",
                  "communication/GPU/step: " + ", ".join(
-                     f"{k} {v['bytes'] / 2**30:.2f} GiB {v['time_s'] * 1e3:.1f} ms"
+                     f"{k} {v['bytes'] / 2**30:.2f} GiB {v['time_s'] * 1e3:.1f} ms exposed"
                      for k, v in self.communication.items() if k in KINDS and v["bytes"] > 0),
                  f"planned in {self.plan_s:.1f} s after a {self.trace_s:.1f} s trace"]
         if len(self.views) > 1:

@@ -151,7 +151,7 @@ def _rich_advice(adv, console) -> None:
     t = Table(title="plan", show_header=False)
     t.add_row("strategy", s["name"])
     t.add_row("layout", s["layout"])
-    t.add_row("dp / tp / pp / cp", f"{s['dp']} / {s['tp']} / {s['pp']} / {s['cp']}")
+    t.add_row("dp / tp / pp / cp", s.get("degrees") or f"{s['dp']} / {s['tp']} / {s['pp']} / {s['cp']}")
     t.add_row("ZeRO", str(s["zero"]))
     t.add_row("checkpointing", f"{s['checkpointed_layers']} layers {'/'.join(s['checkpoint'])}".strip())
     t.add_row("micro-batches", f"{s['micro_batches']} {s['schedule']}".strip())
@@ -172,13 +172,29 @@ def _rich_advice(adv, console) -> None:
         m.add_row(k, f"{v / 2**30:.2f}")
     m.add_row("[bold]peak[/bold]", f"{adv.memory['peak'] / 2**30:.2f} of {adv.memory_budget / 2**30:.2f}")
     console.print(m)
-    c = Table(title="communication per GPU per step")
+    comm = adv.communication
+    grads = [comm[k] for k in ("gradient_all_reduce", "gradient_reduce_scatter") if k in comm]
+    total = sum(g.get("total_s", g["time_s"]) for g in grads)
+    exposed = sum(g["time_s"] for g in grads)
+    note = "exposed ms: the time the step waits for each kind; what runs behind compute is not in it"
+    if total > exposed * 1.01 + 1e-9:
+        note += (f" (the gradient reduction runs {total * 1e3:.2f} ms in all, {(total - exposed) * 1e3:.2f} ms of "
+                 "it behind backward)")
+    c = Table(title="communication per GPU per step", caption=note)
     c.add_column("kind")
     c.add_column("GiB sent", justify="right")
-    c.add_column("time (ms)", justify="right")
-    labels = {"gradient_all_reduce": "  of which gradient all-reduce", INSIDE_OPS: "inside ops (kind not recorded)"}
-    for k in (*KINDS, "gradient_all_reduce", INSIDE_OPS):
-        v = adv.communication[k]
+    c.add_column("exposed ms", justify="right")
+    labels = {"gradient_all_reduce": "  of which gradient all-reduce",
+              "gradient_reduce_scatter": "  of which gradient reduce-scatter (ZeRO)",
+              INSIDE_OPS: "inside ops (kind not recorded)"}
+    rows = []
+    for k in KINDS:
+        rows.append(k)
+        g = f"gradient_{k}"
+        if g in comm and (k == "all_reduce" or comm[g]["bytes"]):
+            rows.append(g)
+    for k in (*rows, INSIDE_OPS):
+        v = comm[k]
         c.add_row(labels.get(k, k), "-" if v["bytes"] is None else f"{v['bytes'] / 2**30:.3f}",
                   f"{v['time_s'] * 1e3:.2f}")
     console.print(c)

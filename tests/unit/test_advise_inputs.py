@@ -43,6 +43,16 @@ def mlp_with_inputs():
     return MLP(), (torch.randn(64, 128, 512),), {}
 
 
+def llama_mixed():
+    """Batch 4 on 8 GPUs: the plan splits heads on some ops and the sequence on others over one axis."""
+    from autopart.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=32000, n_layer=2, n_head=16, n_kv_head=4, d_model=2048, d_ff=5632,
+                              max_seq_len=4096))
+    ids = torch.randint(0, 32000, (4, 1024))
+    return model, (ids,), {"labels": ids}
+
+
 # ---- 1. a cluster file's devices_per_node ----------------------------------------------------------------------
 def test_cluster_file_devices_per_node_is_the_default(tmp_path, capsys) -> None:
     path = tmp_path / "four.toml"
@@ -140,3 +150,68 @@ def test_serving_stopped_by_the_kv_cache_names_it() -> None:
     assert "activations and working memory" not in srv.stopped
     peak, held = adv._held_terms(srv.rows[-1].binding)
     assert held["K/V cache"] == pytest.approx(2 * 64 * 2**30, rel=0.01) and peak > held["K/V cache"]
+
+
+# ---- 4. report labels ------------------------------------------------------------------------------------------
+def test_strategy_of_a_model_without_numbered_blocks() -> None:
+    a = adv.advise(factory=mlp_with_inputs, gpus_per_node=8, views=False)
+    assert a.fits and a.plan.params and not any(r["layer"] for r in a.plan.nodes.values())
+    specs = {r["inputs"][0] for r in a.plan.nodes.values() if "linear" in r["op"]}
+    assert specs == {"RS(0)"}  # the plan splits the batch 8 ways
+    s = a.strategy
+    assert (s["dp"], s["tp"], s["pp"], s["cp"]) == (8, 1, 1, 1) and s["axes"]["gpu=8"] == "dp"
+    assert s["name"] in ("DP", f"ZeRO-{s['zero']}") and s["name"] != "single GPU"
+    assert s["zero"] == max(a.plan.zero.values(), default=0)
+
+
+def test_mixed_axis_degrees_are_marked(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")
+    rc = main(["advise", "--factory", "tests.unit.test_advise_inputs:llama_mixed", "--physical-mesh"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "dp / tp / pp / cp" in line)
+    assert "8 (mixed)" in row and "gpu=8 does cp and tp, each on some ops" in row, row
+    # unit: one axis doing dp and tp, another only dp
+    s = {"dp": 16, "tp": 8, "pp": 1, "cp": 1}
+    text = adv.degrees_text(s, ("node", "gpu"), (2, 8), [{"dp"}, {"dp", "tp"}])
+    assert text == "16 (mixed) / 8 (mixed) / 1 / 1; gpu=8 does dp and tp, each on some ops, counted in each"
+    assert adv.degrees_text(s, ("node", "gpu"), (2, 8), [{"dp"}, {"tp"}]) == "16 / 8 / 1 / 1"
+
+
+def test_zero2_gradient_reduce_scatter_and_exposed_time(capsys, monkeypatch) -> None:
+    import autopart
+    from autopart.trace import trace
+
+    built = adv.build("gpt", "125m", batch=8, seq=64, layers=2, hidden=128, heads=4)
+    _, model, inputs, kwargs, _ = built
+    traced = trace(model, inputs, kwargs)
+    plan = autopart.evaluate(model, 8, inputs, kwargs, cluster="h100-80gb", traced=traced, zero=2)
+    assert set(plan.zero.values()) == {2}
+    comm = adv.communication(plan, traced)
+    rs, grs, gar = comm["reduce_scatter"], comm["gradient_reduce_scatter"], comm["gradient_all_reduce"]
+    assert rs["bytes"] > 0 and rs["time_s"] > 0 and grs["bytes"] == pytest.approx(rs["bytes"])
+    assert gar["bytes"] == 0 and gar["time_s"] == 0  # no gradient is all-reduced under ZeRO-2
+    for g in (grs, gar):
+        assert g["total_s"] >= g["time_s"] - 1e-15
+    inside = comm[adv.INSIDE_OPS]["time_s"]
+    assert sum(comm[k]["time_s"] for k in adv.KINDS) + inside == pytest.approx(plan.predicted["comm_s"], rel=1e-9)
+    # without ZeRO the same gradients are all-reduced: twice the bus bytes of the reduce-scatter
+    plain = adv.communication(autopart.evaluate(model, 8, inputs, kwargs, cluster="h100-80gb", traced=traced,
+                                                zero=0), traced)
+    assert plain["gradient_reduce_scatter"]["bytes"] == 0
+    assert plain["gradient_all_reduce"]["bytes"] == pytest.approx(2 * grs["bytes"], rel=0.01)
+    # the table: the column says the time is the exposed part, the reduce-scatter row is under reduce_scatter
+    monkeypatch.setenv("COLUMNS", "300")
+    from rich.console import Console
+
+    from autopart.cli import _rich_advice
+
+    a = adv.read_plan(plan, traced, dict(model="m", params=1, cluster="h100-80gb", gpus=8, mesh=(8,), batch=8,
+                                         seq=64, model_flops_per_step=1e12, memory_budget=8e10,
+                                         peak_tflops_per_gpu=989.0))
+    _rich_advice(a, Console())
+    out = capsys.readouterr().out
+    assert "exposed ms" in out and "time (ms)" not in out
+    lines = out.splitlines()
+    i = next(k for k, line in enumerate(lines) if "│ reduce_scatter" in line)
+    assert "of which gradient reduce-scatter" in lines[i + 1]
