@@ -265,6 +265,29 @@ def model_flops(model: nn.Module, traced, tokens: int, inference: bool = False,
     """(model FLOPs per step, parameters, parameters that multiply activations): 6 N T + attention (module doc).
     ``inference``: the forward alone, 2 N T + attention's forward, each query attending to ``kv_cache_tokens``
     cached positions where given (decoding), else to the traced keys."""
+    return _flops(model, traced, tokens, inference, kv_cache_tokens, causal_half=False)
+
+
+def kernel_flops(model: nn.Module, traced, tokens: int, inference: bool = False, kv_cache_tokens: int = 0) -> float:
+    """``model_flops`` with attention counted as causal kernels run it: a call with ``is_causal`` computes half of
+    the S x S square (flash attention skips the masked blocks; ``autopart.cost.compute`` prices it so). Not the
+    published convention (``model_flops``: Megatron's and torchtitan's count the whole square, which overestimates
+    causal attention), but what the GPUs can do at most ``Device.mfu`` of peak. Recomputation is not counted.
+    Decoding against a K/V cache (``kv_cache_tokens``) attends to every cached position: not halved."""
+    return _flops(model, traced, tokens, inference, kv_cache_tokens, causal_half=not kv_cache_tokens)[0]
+
+
+def _causal(node) -> bool:
+    from autopart.cost.compute import _arg
+
+    try:
+        return bool(_arg(node.target, node.args, node.kwargs, "is_causal", False))
+    except (IndexError, TypeError):
+        return False
+
+
+def _flops(model: nn.Module, traced, tokens: int, inference: bool, kv_cache_tokens: int,
+           causal_half: bool) -> tuple[float, int, int]:
     seen: set[int] = set()
     linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookup_only = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_ids
@@ -286,10 +309,11 @@ def model_flops(model: nn.Module, traced, tokens: int, inference: bool = False,
         if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target):
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             *batch, s_q, d = q.shape
+            half = 0.5 if causal_half and _causal(n) else 1.0
             if inference:
-                attention += 4 * math.prod(batch) * s_q * (kv_cache_tokens or k.shape[-2]) * d
+                attention += half * 4 * math.prod(batch) * s_q * (kv_cache_tokens or k.shape[-2]) * d
             else:
-                attention += 3 * 4 * math.prod(batch) * s_q * k.shape[-2] * d
+                attention += half * 3 * 4 * math.prod(batch) * s_q * k.shape[-2] * d
     return (2 if inference else 6) * matmul * tokens + attention, int(total), int(matmul)
 
 
@@ -683,6 +707,19 @@ def terms(plan, traced, comm: dict | None = None) -> dict[str, float]:
 
 
 # ---- the advice ------------------------------------------------------------------------------------------------
+def rate(flops_per_s: float) -> str:
+    """A FLOP rate with enough digits: TFLOP/s from 1 TFLOP/s up, GFLOP/s below (a CPU's 50 GFLOP/s peak read
+    "0 TFLOP/s"), MFLOP/s below 1 GFLOP/s."""
+    if not math.isfinite(flops_per_s):
+        return "-"
+    for scale, unit in ((1e12, "TFLOP/s"), (1e9, "GFLOP/s"), (1e6, "MFLOP/s")):
+        if abs(flops_per_s) >= scale or unit == "MFLOP/s":
+            v = flops_per_s / scale
+            return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.3g} {unit}" if abs(v) >= 1 else f"{v:.2g} {unit}"
+    return ""
+
+
+
 @dataclass(frozen=True)
 class Advice:
     """One what-if plan read as practitioners' numbers (``to_json()`` for the fields)."""
@@ -703,6 +740,12 @@ class Advice:
     tflops_per_gpu: float = math.nan
     peak_tflops_per_gpu: float = math.nan
     mfu: float = math.nan
+    # the FLOPs causal kernels run (``kernel_flops``: attention halved under a causal mask, as the cost model prices
+    # it), per second per GPU and as a fraction of peak: beside MFU, whose published convention counts the whole
+    # S x S square and so reads high at long sequences (it can pass the device's ``mfu``, this cannot)
+    kernel_flops_per_step: float = math.nan
+    kernel_tflops_per_gpu: float = math.nan
+    kernel_mfu: float = math.nan
     memory: dict = field(default_factory=dict)
     memory_budget: float = math.nan
     communication: dict = field(default_factory=dict)
@@ -721,7 +764,16 @@ class Advice:
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         d["mesh"] = list(self.mesh)
+        d["flops_note"] = self.flops_note()
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+    def flops_note(self) -> str:
+        """One line when MFU (the published convention) and ``kernel_mfu`` differ by more than 10%, else ""."""
+        if not (self.fits and self.kernel_mfu > 0) or self.mfu <= 1.1 * self.kernel_mfu:
+            return ""
+        return (f"MFU counts causal attention's whole S x S square (Megatron's convention, to compare with published "
+                f"TFLOP/s); the kernels run half of it: {self.kernel_mfu:.1%} of peak "
+                f"({rate(self.kernel_tflops_per_gpu * 1e12)} per GPU) is what the GPUs do")
 
     def __str__(self) -> str:
         head = (f"{self.model} ({self.params / 1e9:.2f}B parameters) on {self.gpus} x {self.cluster} "
@@ -732,8 +784,8 @@ class Advice:
         s = self.strategy
         lines = [head, f"strategy {s['name']}: {s['layout']}",
                  f"{'latency' if self.inference else 'step'} {self.step_time_s:.4g} s, {self.tokens_per_s:,.0f} "
-                 f"tokens/s, {self.tflops_per_gpu:.1f} "
-                 f"TFLOP/s per GPU, MFU {self.mfu:.1%}",
+                 f"tokens/s, {rate(self.tflops_per_gpu * 1e12)} per GPU, MFU {self.mfu:.1%} of "
+                 f"{rate(self.peak_tflops_per_gpu * 1e12)} ({self.kernel_mfu:.1%} of the FLOPs the kernels run)",
                  "memory/GPU: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in self.memory["by_kind"].items())
                  + f"; peak {self.memory['peak'] / 2**30:.2f} of {self.memory_budget / 2**30:.2f} GiB",
                  "communication/GPU/step: " + ", ".join(
@@ -742,6 +794,8 @@ class Advice:
                  f"planned in {self.plan_s:.1f} s after a {self.trace_s:.1f} s trace"]
         if len(self.views) > 1:
             lines.append(f"meshes planned: {self.views_text()}")
+        if self.flops_note():
+            lines.append(self.flops_note())
         return "\n".join(lines)
 
     def cache_text(self) -> str:
@@ -1004,6 +1058,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     base["trace_s"] = time.perf_counter() - t0 if traced.export_seconds == 0 else traced.export_seconds
     tokens = base["batch"] * base["seq"]
     base["model_flops_per_step"], _, _ = model_flops(module, traced, tokens, inference, kv_cache_tokens)
+    base["kernel_flops_per_step"] = kernel_flops(module, traced, tokens, inference, kv_cache_tokens)
     t0 = time.perf_counter()
     shapes = (mesh_views(*cl.mesh_shape) if views and len(cl.mesh_shape) == 2 and cl.name in PRESETS
               else [(tuple(cl.mesh_shape), ("node", "gpu")[:len(cl.mesh_shape)])])
@@ -1055,7 +1110,9 @@ def read_plan(plan, traced, base: dict, plan_s: float = 0.0) -> Advice:
     step = plan.predicted["step_time_s"]
     comm = communication(plan, traced)
     tflops = base["model_flops_per_step"] / step / base["gpus"] / 1e12
+    kernel = base.get("kernel_flops_per_step", math.nan) / step / base["gpus"] / 1e12
     return Advice(fits=True, strategy=strategy(plan, traced), step_time_s=step,
+                  kernel_tflops_per_gpu=kernel, kernel_mfu=kernel / base["peak_tflops_per_gpu"],
                   tokens_per_s=base["batch"] * base["seq"] / step, tflops_per_gpu=tflops,
                   mfu=tflops / base["peak_tflops_per_gpu"], memory=memory(plan), communication=comm,
                   terms=terms(plan, traced, comm), plan_s=plan_s, plan=plan, **base)
@@ -1381,6 +1438,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 if not row["agrees"]:
                     rec_adv = evaluate_recipe(rec, built, traced, cl, {k: getattr(adv, k) for k in (
                         "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
+                        "kernel_flops_per_step",
                         "memory_budget", "peak_tflops_per_gpu", "trace_s")}, time_limit_s,
                         optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype)
                     row["comparison"] = compare(adv, rec_adv)
@@ -1432,7 +1490,7 @@ def sweep_markdown(rows: list[dict]) -> str:
         cmp_ = r.get("comparison", {})
         if a.fits:
             cells = [a.strategy["name"], a.strategy["layout"], f"{a.step_time_s:.3g}", f"{a.mfu:.1%}",
-                     f"{a.tflops_per_gpu:.0f}"]
+                     f"{a.tflops_per_gpu:.0f}" if a.tflops_per_gpu >= 10 else f"{a.tflops_per_gpu:.3g}"]
         else:
             cells = ["does not fit", a.binding.split(" (")[0], "-", "-", "-"]
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.1f}B | {r['gpus']} | " + " | ".join(cells) +

@@ -157,8 +157,12 @@ def _rich_advice(adv, console) -> None:
     t.add_row("micro-batches", f"{s['micro_batches']} {s['schedule']}".strip())
     t.add_row("latency (one batch)" if adv.inference else "step time", f"{adv.step_time_s:.4g} s")
     t.add_row("tokens/s", f"{adv.tokens_per_s:,.0f}")
-    t.add_row("TFLOP/s per GPU", f"{adv.tflops_per_gpu:.1f} (model FLOPs {adv.model_flops_per_step:.3g} per step)")
-    t.add_row("MFU", f"{adv.mfu:.1%} of {adv.peak_tflops_per_gpu:.0f} TFLOP/s peak")
+    from autopart.advise import rate
+
+    t.add_row("FLOP/s per GPU", f"{rate(adv.tflops_per_gpu * 1e12)} (model FLOPs {adv.model_flops_per_step:.3g} per "
+              "step)")
+    t.add_row("MFU", f"{adv.mfu:.1%} of {rate(adv.peak_tflops_per_gpu * 1e12)} peak; {adv.kernel_mfu:.1%} of the "
+              f"FLOPs the kernels run ({rate(adv.kernel_tflops_per_gpu * 1e12)}: causal attention halved)")
     gap = (adv.plan.solver.get("ilp") or {}).get("max_gap") if adv.plan is not None else None
     t.add_row("planning", f"{adv.plan_s:.1f} s after a {adv.trace_s:.1f} s trace"
               + (f" (largest ILP gap {gap:.2%})" if gap is not None else ""))
@@ -200,6 +204,8 @@ def _rich_advice(adv, console) -> None:
     console.print(c)
     terms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in adv.terms.items() if abs(v) > 1e-7)
     console.print(f"step = {terms}")
+    if adv.flops_note():
+        console.print(f"note: {adv.flops_note()}", highlight=False)
 
 
 def _sizes_arg(text: str) -> tuple:

@@ -215,3 +215,52 @@ def test_zero2_gradient_reduce_scatter_and_exposed_time(capsys, monkeypatch) -> 
     lines = out.splitlines()
     i = next(k for k, line in enumerate(lines) if "│ reduce_scatter" in line)
     assert "of which gradient reduce-scatter" in lines[i + 1]
+
+
+# ---- 5. MFU in the published convention, beside the FLOPs causal kernels run -------------------------------------
+@pytest.mark.parametrize("inference", [False, True])
+def test_kernel_mfu_beside_conventional_mfu_at_a_long_sequence(inference) -> None:
+    from autopart.cost.cluster import preset
+
+    # a small vocabulary and 2 layers at 16k tokens: attention is most of the FLOPs
+    a = adv.advise("llama", "1b", layers=2, vocab=1024, gpus_per_node=1, batch=1, seq=16384, views=False,
+                   inference=inference)
+    assert a.fits
+    ceiling = preset("h100-80gb", (1,)).device.mfu
+    assert a.mfu > 1.1 * a.kernel_mfu  # the whole S x S square against the causal half
+    assert 0 < a.kernel_mfu <= ceiling
+    assert a.kernel_flops_per_step < a.model_flops_per_step
+    assert a.kernel_tflops_per_gpu == pytest.approx(a.kernel_flops_per_step / a.step_time_s / a.gpus / 1e12)
+    assert a.kernel_mfu == pytest.approx(a.kernel_tflops_per_gpu / a.peak_tflops_per_gpu)
+    d = a.to_json()
+    assert d["kernel_mfu"] == pytest.approx(a.kernel_mfu) and "causal" in d["flops_note"]
+    assert "of the FLOPs the kernels run" in str(a) and a.flops_note() in str(a)
+    # the published convention is unchanged: 6 N T + the whole square (inference 2 N T + its forward)
+    from autopart.trace import trace
+
+    _, module, inputs, kwargs, _ = adv.build("llama", "1b", layers=2, vocab=1024, batch=1, seq=16384,
+                                            inference=inference)
+    traced = trace(module, inputs, kwargs)
+    conv, _, n = adv.model_flops(module, traced, 16384, inference)
+    attention = conv - (2 if inference else 6) * n * 16384
+    assert a.model_flops_per_step == pytest.approx(conv)
+    assert a.kernel_flops_per_step == pytest.approx(conv - attention / 2)
+
+
+def test_short_sequences_carry_no_flops_note() -> None:
+    a = adv.advise("gpt", "125m", gpus_per_node=2, **SMALL)
+    assert a.fits and a.kernel_mfu <= a.mfu <= 1.1 * a.kernel_mfu and a.flops_note() == ""
+
+
+# ---- 6. small FLOP rates -----------------------------------------------------------------------------------------
+def test_cpu_rates_are_printed_with_their_digits(capsys, monkeypatch) -> None:
+    assert adv.rate(50e9) == "50 GFLOP/s" and adv.rate(3.21e9) == "3.21 GFLOP/s" and adv.rate(989e12) == "989 TFLOP/s"
+    assert adv.rate(1.5e12) == "1.5 TFLOP/s" and adv.rate(0.25e9) == "250 MFLOP/s"
+    monkeypatch.setenv("COLUMNS", "300")
+    rc = main(["advise", "--model", "gpt:125m", "--layers", "2", "--seq", "128", "--cluster", "cpu",
+               "--gpus-per-node", "2", "--physical-mesh"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "of 50 GFLOP/s peak" in out and "0 TFLOP/s" not in out
+    row = next(line for line in out.splitlines() if "FLOP/s per GPU" in line)
+    assert "GFLOP/s" in row and " 0.0 " not in row
