@@ -66,6 +66,7 @@ from autopart.cost import (
     roofline_time,
 )
 from autopart.cost.comm import exposed_before
+from autopart.cost.compute import compute_dtype
 from autopart.placement import Partial, Replicate, Shard, Strided, is_shard, parse_spec, spec_str
 
 # the runtime's reduction and gather bucket, and how many reduction buckets it holds at once: priced as run
@@ -1403,11 +1404,12 @@ def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], floa
             val = value_of(n)
             flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
             nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val, n.target)
-            fwd = roofline_time(flops / world, nbytes / world, device, n.target, n.kwargs)
+            dt = compute_dtype(_fx_vals(n.args), val)  # fp32 matmuls run at the device's fp32 rate
+            fwd = roofline_time(flops / world, nbytes / world, device, n.target, n.kwargs, dtype=dt)
             clock += fwd
             if info.needs_grad[n.name]:
                 both = roofline_time((flops + backward_flops(n.target, flops, n.args)) / world, 3 * nbytes / world,
-                                     device, n.target, n.kwargs, with_backward=True)
+                                     device, n.target, n.kwargs, with_backward=True, dtype=dt)
                 bwd[n.name] = max(0.0, both - fwd)
     if len(_FORWARD_FLOOR) >= 8:
         _FORWARD_FLOOR.pop(next(iter(_FORWARD_FLOOR)))
@@ -1956,11 +1958,13 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
             nbytes = embedding_rows_bytes(rep)
         tflops = flops + (backward_flops(rep.target, flops, rep.args) if g else 0)
         tbytes = nbytes * (3 if g else 1)
+        dt = compute_dtype(_fx_vals(rep.args), val)  # fp32 matmuls run at the device's fp32 rate
         for a, o in enumerate(opts_r):
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
             share = local_bytes_share(rep, o, val, mesh, f, rows_only=rows)
-            comp[a] = roofline_time(tflops / f, tbytes * share, device, rep.target, rep.kwargs, with_backward=g)
-            fwd[a] = roofline_time(flops / f, nbytes * share, device, rep.target, rep.kwargs)
+            comp[a] = roofline_time(tflops / f, tbytes * share, device, rep.target, rep.kwargs, with_backward=g,
+                                    dtype=dt)
+            fwd[a] = roofline_time(flops / f, nbytes * share, device, rep.target, rep.kwargs, dtype=dt)
             icomm[a] = internal_comm_time(rep, o, cluster, with_backward=g)
             if icomm[a] > 0:
                 ilat[a] = min(icomm[a], internal_comm_time(rep, o, cluster, with_backward=g, latency=True))

@@ -204,14 +204,14 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
                                                                                     link)
     else:
         # one step's block: 1/c of the rank's attention, half of it under a causal mask (on average)
-        step = attention_time(rank / c * (0.5 if a["is_causal"] else 1.0), cluster.device)
+        step = attention_time(rank / c * (0.5 if a["is_causal"] else 1.0), cluster.device, dtype=q.dtype)
         hop = send_recv_time(local, link)
         t = (c - 1) * max(0.0, hop - step) + (c - 1) * max(0.0, 2 * hop - 2.5 * step) + hop
         balanced = a["is_causal"] and balanced_ok(node.graph, q.shape[2], c)
         t += ring_merge_time(q.numel() * q.element_size() / split, local, q.element_size(), c, cluster.device,
                              balanced)
     if a["is_causal"] and not balanced_ok(node.graph, q.shape[2], c):
-        t += (c - 1) / c * attention_time(3.5 * rank / 2, cluster.device)
+        t += (c - 1) / c * attention_time(3.5 * rank / 2, cluster.device, dtype=q.dtype)
     return t
 
 

@@ -116,6 +116,7 @@ def test_options_and_tags() -> None:
 
 def test_cost_terms() -> None:
     from autopart.cost import collective_time, preset
+    from autopart.cost.compute import dtype_peak_flops
 
     cluster = preset("h100-80gb", (8,))
     link, c = cluster.link(0), 8
@@ -149,7 +150,8 @@ def test_cost_terms() -> None:
     assert SC.balance_blockers(ordered.graph, 8192) and not SC.balance_blockers(_sdpa_graph(8192).graph, 8192)
     rank_flops = 4 * 8 * 8192 * 8192 * 64 / c  # this rank's queries against every key, no causal halving
     # the last rank's extra, at the rate the attention op itself is priced at (the preset's fused attention)
-    imbalance = (c - 1) / c * 3.5 * rank_flops / 2 / cluster.device.attention_flops
+    fp32 = dtype_peak_flops(cluster.device, torch.float32) / cluster.device.peak_flops  # an fp32 graph
+    imbalance = (c - 1) / c * 3.5 * rank_flops / 2 / (cluster.device.attention_flops * fp32)
     assert cost(ordered, "cp_allgather") - cost(_sdpa_graph(8192), "cp_allgather") == pytest.approx(imbalance)
     assert cost(_sdpa_graph(8192), "") == 0.0
 
