@@ -45,6 +45,7 @@ from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
+from autopart.cost.compute import dtype_peak_flops
 from autopart.placement import Replicate, Shard, is_shard, parse_spec
 from autopart.planner import PlanOptions
 from autopart.solver.ilp import SolverTimeout
@@ -1042,7 +1043,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     base = dict(model=name, params=n_params, cluster=cl.name, gpus=gpus, mesh=tuple(cl.mesh_shape),
                 batch=int(inputs[0].shape[0]) if inputs else batch, seq=int(inputs[0].shape[1]) if inputs and
                 inputs[0].dim() > 1 else seq, memory_budget=float(cl.memory_budget),
-                peak_tflops_per_gpu=cl.device.peak_flops / 1e12, inference=inference,
+                peak_tflops_per_gpu=dtype_peak_flops(cl.device, next(module.parameters()).dtype) / 1e12,
+                inference=inference,
                 kv_cache_tokens=int(kv_cache_tokens))
     floor = state_floor(n_params, gpus, state_bytes, 0.0 if inference else optimizer_bytes_per_param)
     if floor > cl.memory_budget:  # no trace needed: nothing can fit

@@ -264,3 +264,14 @@ def test_cpu_rates_are_printed_with_their_digits(capsys, monkeypatch) -> None:
     assert "of 50 GFLOP/s peak" in out and "0 TFLOP/s" not in out
     row = next(line for line in out.splitlines() if "FLOP/s per GPU" in line)
     assert "GFLOP/s" in row and " 0.0 " not in row
+
+
+def test_fp32_is_priced_and_rated_at_the_fp32_peak() -> None:
+    """An fp32 model on an H100 runs its matmuls at the fp32 rate (67 TFLOP/s, no TF32 by PyTorch's default): its
+    MFU is of that peak, under the preset's GEMM ceiling, and its step a multiple of the bf16 model's (it was
+    priced at the bf16 tensor-core peak: 383 TFLOP/s a GPU for llama-1b)."""
+    bf16 = adv.advise("gpt", "125m", gpus_per_node=2, cluster="h100-80gb", **SMALL)
+    fp32 = adv.advise("gpt", "125m", gpus_per_node=2, cluster="h100-80gb", dtype=torch.float32, **SMALL)
+    assert bf16.peak_tflops_per_gpu == pytest.approx(989) and fp32.peak_tflops_per_gpu == pytest.approx(67)
+    assert fp32.fits and fp32.mfu < 0.65 and fp32.tflops_per_gpu < 67
+    assert fp32.step_time_s > 2 * bf16.step_time_s  # this small model's memory-bound ops are the same
