@@ -160,6 +160,8 @@ def evaluate(model: nn.Module, gpus: int, example_inputs: tuple = (), example_kw
         if gpus % g:
             raise ValueError(f"{gpus} GPUs are not whole nodes of {g}")
         shape, names = ((gpus // g, g), ("dp", "tp")) if gpus > g else ((gpus,), ("dp",))
+        if recipe in ("ddp", "zero1", "fsdp"):  # the batch over every GPU: one axis, priced level by level
+            shape, names = (gpus,), ("dp",)
         kw = recipe_options(recipe, names, shape)
         if kw is None:
             raise ValueError(f"recipe {recipe!r} does not apply to mesh {shape}")

@@ -2126,9 +2126,36 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             raise PlanInputError(f"pin for {key!r}: no parameter or graph node has that name"
                                  + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
         info.options[name] = _pin_filter(key, info.options[name], pin)
+    dp_axes = [i for i, r in roles.items() if r == "dp"]
+    batch_split = dict.fromkeys(dp_axes, False)  # does some input split its batch there
     for n in info.nodes:
-        info.options[n.name] = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info,
-                                            opts.zero) or info.options[n.name]
+        kept = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info, opts.zero)
+        if info.kind[n.name] == "input" and value_of(n).dim() > 0 and len(dp_axes) > 1 and \
+                all(any(o.output[i] == Shard(0) for o in info.options[n.name]) for i in dp_axes) and not kept:
+            names = [axis_names[i] for i in dp_axes]
+            raise PlanInputError(
+                f"roles make mesh axes {names} data parallel: input {n.name!r} would split its batch over all of "
+                f"them at once, which autopart does not plan (a dim is split over one mesh axis at a time, expert "
+                f"weights aside). Plan data parallelism on one axis of {math.prod(mesh[i] for i in dp_axes)} "
+                f"(a mesh of ({math.prod(mesh[i] for i in dp_axes)},) for these axes), or give all but one of them "
+                "another role ('tp') or none")
+        info.options[n.name] = kept or info.options[n.name]
+        if info.kind[n.name] == "input" and value_of(n).dim() > 0:
+            for i in dp_axes:
+                batch_split[i] |= any(o.output[i] == Shard(0) for o in info.options[n.name])
+    unsplit = [i for i, ok in batch_split.items() if not ok and mesh[i] > 1]
+    if unsplit and not opts.stage and any(info.kind[n.name] == "input" and value_of(n).dim() > 0
+                                          for n in info.nodes):
+        import warnings
+
+        shapes = {n.name: tuple(value_of(n).shape) for n in info.nodes
+                  if info.kind[n.name] == "input" and value_of(n).dim() > 0}
+        i = unsplit[0]
+        warnings.warn(
+            f"roles make mesh axis {axis_names[i]!r} ({mesh[i]} devices) data parallel, but no input's batch (dim 0) "
+            f"splits {mesh[i]} ways evenly (inputs {shapes}): every device of that axis computes the whole batch "
+            f"(ZeRO still shards states there). Pass a batch that is a multiple of {mesh[i]} to split it",
+            stacklevel=2)
     if opts.local_batch:
         dp_axes = [i for i, r in roles.items() if r == "dp"] or list(range(len(mesh)))
         for n in info.nodes:

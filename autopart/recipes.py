@@ -36,6 +36,8 @@ def recipe_options(name: str, axis_names: tuple[str, ...], mesh: tuple[int, ...]
         raise ValueError(f"unknown recipe {name!r}; recipes are {', '.join(RECIPES)}")
     n = len(axis_names)
     data = {a: "dp" for a in axis_names}
+    if name in ("ddp", "zero1", "fsdp") and sum(k > 1 for k in mesh) > 1:
+        return None  # the batch split over several mesh axes at once: not planned (``planner.build_problem``)
     if name == "ddp":
         return {"roles": data, "zero": 0, "pipeline": "off"}
     if name == "zero1":
@@ -92,6 +94,11 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
     whole = None
     for name in RECIPES:
         kw = recipe_options(name, axis_names, cluster.mesh_shape)
+        if kw is None and name in ("ddp", "zero1", "fsdp") and (pipelined is None or not pipelined):
+            rows.append({"recipe": name, "fits": False, "plan_s": 0.0,
+                         "why": f"not planned on mesh {tuple(cluster.mesh_shape)}: the batch would split over "
+                                "several mesh axes at once; plan it on one axis of all the devices"})
+            continue
         if kw is None or (name == "zero1" and not trainable):  # no optimizer state to slice in inference
             continue
         if pipelined is not None and (kw["pipeline"] != "off") != pipelined:

@@ -13,6 +13,9 @@ stages); ILP solves / max gap = every solve made while planning and the largest 
 ``--breakdown`` prints the CPU time of every sharding problem solved on the way; ``--profile N`` profiles each plan
 call (cProfile on CPU time) and prints its N functions of largest cumulative time.
 Global batch: one sequence per device of the first mesh axis (at least 8), full context length of the model.
+The models are in bf16 with Adam's fp32 master weights and states (``optimizer_bytes_per_param=12``), as they
+train on GPUs: an fp32 model is priced at the GPU's fp32 matmul rate (``Device.fp32_flops``; before that existed
+these plans were of fp32 models priced at the bf16 rate).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict
     rows = []
     for name in models:
         with torch.device("meta"):
-            model = MODELS[name]()
+            model = MODELS[name]().to(torch.bfloat16)
+        extra = {"optimizer_bytes_per_param": 12.0, **extra}
         vocab = model.cfg.vocab_size
         # batch depends on the mesh (divisible by the data-parallel axis): trace once per batch size
         traced: dict[int, object] = {}

@@ -108,7 +108,7 @@ def _cp_plan(seq: int, cp: bool) -> autopart.Plan:
     shape = (8, 8)
     cfg = MambaConfig(**{**MambaConfig.preset("mamba-2.8b").__dict__, "n_layer": LAYERS, "chunk_size": 256})
     with torch.device("meta"):
-        model = Mamba(cfg)
+        model = Mamba(cfg).to(torch.bfloat16)  # as it trains on H100s
         ids = torch.randint(0, cfg.vocab_size, (8, seq))
     traced = trace(model, (ids,), {"labels": ids})
     no_cp = mock.patch.object(planner, "cp_variants", lambda n, opts: [o for o in cp_variants(n, opts)

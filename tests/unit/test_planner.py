@@ -564,3 +564,15 @@ def test_evaluate_names_bad_degrees_and_schedules(kw, match):
     """``evaluate`` with a degree of 0 raised ZeroDivisionError; an unknown schedule, "no plan fits"."""
     with pytest.raises(ValueError, match=match):
         autopart.evaluate(None, 4, traced=trace(_gpt(), (IDS,), {"labels": IDS}), **kw)
+
+
+def test_data_parallel_roles_that_cannot_split_the_batch_are_said():
+    """Both axes of a 2-D mesh pinned data parallel would split the batch over both at once, which is not
+    planned: a clear error (it fell back to any placement, a replicated plan reported as data parallel). A batch
+    that does not split over a data-parallel axis warns that every device there computes all of it."""
+    t = trace(_gpt(), (IDS,), {"labels": IDS})
+    with pytest.raises(ValueError, match=r"data parallel: input 'ids' would split its batch over all of them"):
+        autopart.plan(None, autopart.mesh((2, 2), ("dp", "dp2")), traced=t, recipes=False,
+                      roles={"dp": "dp", "dp2": "dp"})
+    with pytest.warns(UserWarning, match=r"no input's batch \(dim 0\) splits 3 ways"):
+        autopart.plan(None, autopart.mesh((3,), ("dp",)), traced=t, recipes=False, roles={"dp": "dp"})
