@@ -45,6 +45,7 @@ import itertools
 import math
 import re
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -2146,8 +2147,6 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     unsplit = [i for i, ok in batch_split.items() if not ok and mesh[i] > 1]
     if unsplit and not opts.stage and any(info.kind[n.name] == "input" and value_of(n).dim() > 0
                                           for n in info.nodes):
-        import warnings
-
         shapes = {n.name: tuple(value_of(n).shape) for n in info.nodes
                   if info.kind[n.name] == "input" and value_of(n).dim() > 0}
         i = unsplit[0]
@@ -2667,8 +2666,10 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
         over = OBJECTIVE_OVER_RECORD if r.get("by_objective") else 1.0
         if r.get("fits") and "options" in r and r["step_time_s"] / over < step * 1.05:
             try:
-                r["plan"] = _make_plan(traced, cluster, axis_names,
-                                       dataclasses.replace(r["options"], warm_start=r["warm_plan"]))
+                with warnings.catch_warnings():  # the recipe's roles, not the user's: no role warnings
+                    warnings.simplefilter("ignore", UserWarning)
+                    r["plan"] = _make_plan(traced, cluster, axis_names,
+                                           dataclasses.replace(r["options"], warm_start=r["warm_plan"]))
             except ValueError:
                 continue
             r["step_time_s"] = r["plan"].predicted["step_time_s"]

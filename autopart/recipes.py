@@ -24,8 +24,12 @@ and the free plan's gain over it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+import warnings
 from typing import Any
+
+import torch
 
 RECIPES = ("ddp", "zero1", "fsdp", "megatron", "megatron-fsdp", "megatron-1f1b")
 
@@ -92,6 +96,9 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
     trainable = any(fqn not in traced.frozen for fqn in traced.params.values())
     limit = opts.memory_limit if opts.memory_limit is not None else cluster.memory_budget
     whole = None
+    # the batch sizes of the inputs (dim 0): data parallelism over every device needs one that splits evenly
+    batches = [int(n.meta["val"].shape[0]) for n in traced.graph.find_nodes(op="placeholder")
+               if n.name in traced.user_inputs and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()]
     for name in RECIPES:
         kw = recipe_options(name, axis_names, cluster.mesh_shape)
         if kw is None and name in ("ddp", "zero1", "fsdp") and (pipelined is None or not pipelined):
@@ -102,6 +109,11 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
         if kw is None or (name == "zero1" and not trainable):  # no optimizer state to slice in inference
             continue
         if pipelined is not None and (kw["pipeline"] != "off") != pipelined:
+            continue
+        ways = math.prod(cluster.mesh_shape)
+        if name in ("ddp", "zero1", "fsdp") and batches and not any(b % ways == 0 and b >= ways for b in batches):
+            rows.append({"recipe": name, "fits": False, "plan_s": 0.0,
+                         "why": f"not planned: a batch of {max(batches)} does not split over {ways} devices"})
             continue
         t0 = time.perf_counter()
         row: dict[str, Any] = {"recipe": name}
@@ -114,33 +126,35 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
                                f"alone, over the {_fmt_bytes(limit)} budget (bound, not solved)")
                 rows.append(row)
                 continue
-        try:
-            if reduced is not None and kw["pipeline"] == "off":
-                p = plan_fn(reduced[0], cluster, axis_names, dataclasses.replace(o, virtual_layers=reduced[1]))
-                row["options"] = o
-                row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
-                row["warm_plan"] = p
-                row["by_objective"] = True  # its step is an ILP objective (``planner.OBJECTIVE_OVER_RECORD``)
-            elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
-                from autopart.pipelining import AS_RANKED
-
-                p = plan_fn(traced, cluster, axis_names, dataclasses.replace(o, rank_only=True))
-                if p.pipeline and p.pipeline.get("candidates_ranked_on", "").endswith(AS_RANKED):
+        with warnings.catch_warnings():  # a recipe's roles are the recipe's, not the user's: no role warnings
+            warnings.simplefilter("ignore", UserWarning)
+            try:
+                if reduced is not None and kw["pipeline"] == "off":
+                    p = plan_fn(reduced[0], cluster, axis_names, dataclasses.replace(o, virtual_layers=reduced[1]))
                     row["options"] = o
-                    row["scored_on"] = f"2 of {reduced[1]} blocks (pipeline ranking)"
-                    row["warm_plan"] = None
+                    row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
+                    row["warm_plan"] = p
+                    row["by_objective"] = True  # its step is an ILP objective (``planner.OBJECTIVE_OVER_RECORD``)
+                elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
+                    from autopart.pipelining import AS_RANKED
+
+                    p = plan_fn(traced, cluster, axis_names, dataclasses.replace(o, rank_only=True))
+                    if p.pipeline and p.pipeline.get("candidates_ranked_on", "").endswith(AS_RANKED):
+                        row["options"] = o
+                        row["scored_on"] = f"2 of {reduced[1]} blocks (pipeline ranking)"
+                        row["warm_plan"] = None
+                else:
+                    p = plan_fn(traced, cluster, axis_names, o)
+            except ValueError as e:
+                row.update(fits=False, why=str(e).splitlines()[0][:300])
             else:
-                p = plan_fn(traced, cluster, axis_names, o)
-        except ValueError as e:
-            row.update(fits=False, why=str(e).splitlines()[0][:300])
-        else:
-            step = p.solver["objective"] if row.get("by_objective") else p.predicted["step_time_s"]
-            row.update(fits=True, step_time_s=step,
-                       memory_bytes=p.predicted["memory_bytes"]["total"], checkpoint=sorted(set(p.checkpoint.values())),
-                       pipeline=(f"pp={p.pipeline['degree']} m={p.pipeline['micro_batches']} {p.pipeline['schedule']}"
-                                 if p.pipeline else ""))
-            if "scored_on" not in row:
-                row["plan"] = p
+                step = p.solver["objective"] if row.get("by_objective") else p.predicted["step_time_s"]
+                pp = p.pipeline
+                row.update(fits=True, step_time_s=step, memory_bytes=p.predicted["memory_bytes"]["total"],
+                           checkpoint=sorted(set(p.checkpoint.values())),
+                           pipeline=f"pp={pp['degree']} m={pp['micro_batches']} {pp['schedule']}" if pp else "")
+                if "scored_on" not in row:
+                    row["plan"] = p
         row["plan_s"] = time.perf_counter() - t0
         rows.append(row)
     return rows
@@ -175,5 +189,6 @@ def table(rows: list[dict]) -> str:
                          f"{_fmt_bytes(r['memory_bytes']):>10}"
                          f"  {r['gain']:+7.1%}{'  (chosen)' if r.get('chosen') else ''}{'  ' + extra if extra else ''}")
         else:
-            lines.append(f"  {r['recipe']:<14} does not fit: {r['why'][:100]}")
+            lines.append(f"  {r['recipe']:<14} " + (r["why"][:110] if r["why"].startswith("not planned")
+                                                     else f"does not fit: {r['why'][:100]}"))
     return "\n".join(lines)

@@ -144,3 +144,15 @@ def test_never_slower_than_a_recipe_solved_on_the_whole_graph():
         else:
             assert rows[name]["step_time_s"] == pytest.approx(own, rel=1e-9)
     assert rows["zero1"]["chosen"] and step == pytest.approx(rows["zero1"]["step_time_s"], rel=1e-12)
+
+
+def test_data_parallel_recipes_need_a_batch_that_splits():
+    """DDP, ZeRO-1 and FSDP over 4 devices of a batch of 2 are not data parallel (every device would compute
+    the whole batch): rows 'not planned' with the reason, not scored as such plans."""
+    model, ids = _model_ids()
+    ids = ids[:2]
+    p = autopart.plan(model, autopart.mesh((4,), ("a",)), (ids,), {"labels": ids})
+    rows = {r["recipe"]: r for r in p.solver["recipes"]}
+    for name in ("ddp", "zero1", "fsdp"):
+        assert not rows[name]["fits"] and rows[name]["why"] == "not planned: a batch of 2 does not split over 4 devices"
+    assert "  ddp            not planned: a batch of 2" in str(p)
