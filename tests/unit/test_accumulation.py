@@ -10,21 +10,7 @@ import torch
 import autopart
 from autopart.models import GPT, GPTConfig
 from autopart.plan import Plan
-
-
-@pytest.fixture(autouse=True)
-def _fp32_at_the_bf16_rate(monkeypatch):
-    """These cases stand for bf16 training with small fp32 models (their plans, memory and micro-batches were
-    tuned so): the GPU presets price fp32 matmuls at the bf16 rate here, as before fp32 had its own."""
-    import dataclasses
-
-    from autopart.cost import cluster as C
-
-    for name in ("a100-80gb", "h100-80gb", "h200-141gb"):
-        p = C.PRESETS[name]
-        dev = dataclasses.replace(p.device, fp32_flops=p.device.peak_flops, tf32_flops=p.device.peak_flops)
-        monkeypatch.setitem(C.PRESETS, name, dataclasses.replace(p, device=dev))
-
+from tests.unit.gpu_rates import fp32_at_the_bf16_rate  # noqa: F401 - applies to this module
 
 
 def _gpt(layers: int = 2, d: int = 64, batch: int = 16, seq: int = 64, meta: bool = False):
