@@ -142,7 +142,14 @@ class Program:
 
 
 def _value_key(v: Any) -> Any:
-    """A non-tensor input as a signature key: itself where hashable, else its repr."""
+    """A non-tensor input as a signature key: tensors inside it by shape and dtype, containers by their items,
+    anything else by itself where hashable, else its repr."""
+    if isinstance(v, torch.Tensor):
+        return ("Tensor", tuple(v.shape), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((k, _value_key(x)) for k, x in sorted(v.items(), key=lambda kv: repr(kv[0]))))
     try:
         hash(v)
         return (type(v).__name__, v)
