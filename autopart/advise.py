@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopart.api import parse_bytes
 from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
@@ -887,19 +888,16 @@ def state_floor(params: int, gpus: int, state_bytes: float, offload_bytes: float
     return params * (state_bytes - offload_bytes) / gpus
 
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
 def _held_terms(message: str) -> tuple[float, dict[str, float]]:
     """From the planner's no-fit message: (the smallest per-device peak any plan reaches, bytes of each kind of
     state decoding holds among the largest terms there: {"K/V cache": b, "recurrent state": b}); (nan, {}) when the
     message does not say."""
     m = re.search(r"smallest per-device peak any plan reaches is ([\d.]+) (TiB|GiB|MiB|KiB|B)\b", message)
-    peak = float(m.group(1)) * _UNITS[m.group(2)] if m else math.nan
+    peak = parse_bytes(m.group(1) + m.group(2)) if m else math.nan
     held: dict[str, float] = defaultdict(float)
     for kind, num, unit in re.findall(r"(K/V cache|recurrent state) of \S+ ([\d.]+) (TiB|GiB|MiB|KiB|B)\b",
                                       message):
-        held[kind] += float(num) * _UNITS[unit]
+        held[kind] += parse_bytes(num + unit)
     return peak, dict(held)
 
 

@@ -110,6 +110,8 @@ class PlanOptions:
     objective_cutoff: float | None = None  # internal: raise ``Pruned`` if no plan can be cheaper than this
     recipes: bool = True  # also score the standard recipes (``autopart.recipes``) and never return a slower plan
     explain_infeasible: bool = True  # a plan that does not fit: solve for its least peak (else a lower bound)
+    # warn when a 'dp' role cannot split the batch (``build_problem``); off for the recipes' own roles
+    role_warnings: bool = True
     # inference (no parameter needs a gradient): the K/V cache of this many tokens per sequence held at every
     # attention, in its layout (heads split by tensor parallelism split it too), read once per decoding step
     kv_cache_tokens: int = 0
@@ -1234,12 +1236,7 @@ def check_inputs(opts: PlanOptions) -> None:
     if opts.memory_limit is not None and not opts.memory_limit > 0:
         raise PlanInputError(f"memory budget {opts.memory_limit!r} bytes per device: give a positive size (bytes or "
                              "'12GiB'), or leave it None for the device's capacity")
-    modes = [opts.checkpoint] if isinstance(opts.checkpoint, str) else \
-        list(opts.checkpoint.values()) if isinstance(opts.checkpoint, dict) else []
-    for mode in modes:
-        if mode not in ("full", "selective", "none"):
-            raise PlanInputError(f"checkpoint={opts.checkpoint!r}: modes are 'full', 'selective' or 'none' (one for "
-                                 "every layer, or a dict layer -> mode)")
+    _check_checkpoint_modes(opts.checkpoint)
     _forced_offload(opts)
     from autopart.solver.pipeline import SCHEDULES
 
@@ -1249,6 +1246,15 @@ def check_inputs(opts: PlanOptions) -> None:
             raise PlanInputError(f"pipeline[{k!r}]={pp[k]!r}: give a whole number >= 1")
     if "schedule" in pp and pp["schedule"] not in SCHEDULES:
         raise PlanInputError(f"pipeline['schedule']={pp['schedule']!r}: schedules are {', '.join(SCHEDULES)}")
+
+
+def _check_checkpoint_modes(checkpoint: str | dict | None) -> None:
+    modes = [checkpoint] if isinstance(checkpoint, str) else \
+        list(checkpoint.values()) if isinstance(checkpoint, dict) else []
+    for mode in modes:
+        if mode not in ("full", "selective", "none"):
+            raise PlanInputError(f"checkpoint={checkpoint!r}: modes are 'full', 'selective' or 'none' (one for "
+                                 "every layer, or a dict layer -> mode)")
 
 
 class PlanInputError(ValueError):
@@ -2145,8 +2151,8 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
             for i in dp_axes:
                 batch_split[i] |= any(o.output[i] == Shard(0) for o in info.options[n.name])
     unsplit = [i for i, ok in batch_split.items() if not ok and mesh[i] > 1]
-    if unsplit and not opts.stage and any(info.kind[n.name] == "input" and value_of(n).dim() > 0
-                                          for n in info.nodes):
+    if unsplit and opts.role_warnings and not opts.stage and any(
+            info.kind[n.name] == "input" and value_of(n).dim() > 0 for n in info.nodes):
         shapes = {n.name: tuple(value_of(n).shape) for n in info.nodes
                   if info.kind[n.name] == "input" and value_of(n).dim() > 0}
         i = unsplit[0]
@@ -2534,7 +2540,8 @@ class _Session:
     def _key(traced: Traced, cluster: Cluster, axis_names, opts: PlanOptions) -> tuple:
         # the cutoff only prunes, the warm start only seeds and ``recipes`` is read by make_plan alone: none of
         # them changes the plan a problem solves to
-        o = dataclasses.replace(opts, objective_cutoff=None, warm_start=None, recipes=True, explain_infeasible=True)
+        o = dataclasses.replace(opts, objective_cutoff=None, warm_start=None, recipes=True, explain_infeasible=True,
+                                role_warnings=True)
         return id(traced), cluster, tuple(axis_names), repr(o)
 
     def pricing(self, cluster: Cluster) -> tuple[dict, dict]:
@@ -2666,10 +2673,8 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
         over = OBJECTIVE_OVER_RECORD if r.get("by_objective") else 1.0
         if r.get("fits") and "options" in r and r["step_time_s"] / over < step * 1.05:
             try:
-                with warnings.catch_warnings():  # the recipe's roles, not the user's: no role warnings
-                    warnings.simplefilter("ignore", UserWarning)
-                    r["plan"] = _make_plan(traced, cluster, axis_names,
-                                           dataclasses.replace(r["options"], warm_start=r["warm_plan"]))
+                r["plan"] = _make_plan(traced, cluster, axis_names,
+                                       dataclasses.replace(r["options"], warm_start=r["warm_plan"]))
             except ValueError:
                 continue
             r["step_time_s"] = r["plan"].predicted["step_time_s"]
@@ -2802,21 +2807,21 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
             base_err = e
             cand_note = f"the plan without stages was not solved in time ({e}); its bound {base_bound:.4g} s"
     p1 = base.predicted["step_time_s"] if base is not None else base_bound
+    not_planned = "a mesh axis has role 'pp'" if pp_axes else \
+        f"pipeline stages={forced['stages']} forced" if "stages" in forced else ""
     if cand is not None and (base is None or cand.step_s < base.predicted["step_time_s"] * (1 - 1e-9)):
         out = pipelining.record(cand, traced, cluster, axis_names, wall, tried, p1, bound=base is None)
         if cand_note:
             out.solver["unsolved"] = cand_note
-        if pp_axes or "stages" in forced:  # the plan without stages was not planned: not that it does not fit
-            out.pipeline["no_pipeline_not_planned"] = ("a mesh axis has role 'pp'" if pp_axes
-                                                       else f"pipeline stages={forced['stages']} forced")
+        if not_planned:  # the plan without stages was not planned: not that it does not fit
+            out.pipeline["no_pipeline_not_planned"] = not_planned
         return out
     if base is not None:
         base.solver["pipeline_search_s"] = wall
         base.solver["pipeline_candidates"] = sorted(tried, key=lambda r: r["step_time_s"])[:8]
         return base
     detail = "\n".join(f"  {e}" for e in errors[-12:])
-    without = base_err if base_err is not None else "not planned (" + (
-        "a mesh axis has role 'pp'" if pp_axes else f"pipeline stages={forced.get('stages')} forced") + ")"
+    without = base_err if base_err is not None else f"not planned ({not_planned})"
     raise ValueError(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
                      f"with pipeline stages:\n{detail}")
 
@@ -3173,7 +3178,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         timings["checkpoint_choice"] = label
         timings["regathered_bytes"] = float(ebytes[0])  # edge memory: shards kept for backward less nodes count
         return _record(traced, cluster, axis_names, opts, solved, sol, chosen, limit, dict(timings), modes, offload,
-                       recompute, step)
+                       recompute, step, wvec)
 
     plan = record(label)
     sol, modes, _, _, offload, *_ = results[label]
@@ -3193,7 +3198,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
 
 def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings, checkpoint, offload, recompute,
-            step_cost=None):
+            step_cost=None, working: list[np.ndarray] | None = None):
     from autopart.plan import Plan
 
     info, mesh = prob.info, cluster.mesh_shape
@@ -3440,8 +3445,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
     if opts.kv_cache_tokens:  # the K/V cache, counted with the attention nodes' memory, reported apart
         memory["kv_cache"] = sum(r.get("kv_cache_bytes", 0.0) for r in nodes.values())
         memory["activations"] -= memory["kv_cache"]
-    if not any(info.needs_grad.values()):  # forward-only: the largest op's working set (nothing is saved)
-        wvec = working_vectors(prob, cluster.mesh_shape)
+    if working is not None:  # forward-only: the largest op's working set (nothing is saved; ``working_vectors``)
+        wvec = working
         memory["activations"] += working_of(wvec, sol.choice)
         for g, members in enumerate(prob.groups):  # per node, for pipeline stages (``pipelining.block_units``)
             for name in members:
@@ -3732,10 +3737,9 @@ def _forced_checkpoint(opts: PlanOptions, info: Graphinfo) -> dict[str, str]:
     if not opts.checkpoint:
         return {}
     layers = sorted({lay for lay in info.layer.values() if lay})
+    _check_checkpoint_modes(opts.checkpoint)
     want = {lay: opts.checkpoint for lay in layers} if isinstance(opts.checkpoint, str) else dict(opts.checkpoint)
-    for lay, mode in want.items():
-        if mode not in ("full", "selective", "none"):
-            raise PlanInputError(f"checkpoint mode {mode!r} for layer {lay!r}: use 'full', 'selective' or 'none'")
+    for lay in want:
         if lay not in layers:
             raise ValueError(f"checkpoint asked for layer {lay!r}; the model's layers are {layers[:8]}...")
     return {lay: m for lay, m in want.items() if m != "none"}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -117,7 +116,8 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
             continue
         t0 = time.perf_counter()
         row: dict[str, Any] = {"recipe": name}
-        o = dataclasses.replace(opts, recipes=False, explain_infeasible=False, **kw)
+        # the recipe's roles are the recipe's, not the user's: no role warnings from its plans
+        o = dataclasses.replace(opts, recipes=False, explain_infeasible=False, role_warnings=False, **kw)
         if name in ("ddp", "zero1"):
             whole = whole_states_bytes(traced) if whole is None else whole
             if whole > limit:
@@ -126,35 +126,33 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
                                f"alone, over the {_fmt_bytes(limit)} budget (bound, not solved)")
                 rows.append(row)
                 continue
-        with warnings.catch_warnings():  # a recipe's roles are the recipe's, not the user's: no role warnings
-            warnings.simplefilter("ignore", UserWarning)
-            try:
-                if reduced is not None and kw["pipeline"] == "off":
-                    p = plan_fn(reduced[0], cluster, axis_names, dataclasses.replace(o, virtual_layers=reduced[1]))
-                    row["options"] = o
-                    row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
-                    row["warm_plan"] = p
-                    row["by_objective"] = True  # its step is an ILP objective (``planner.OBJECTIVE_OVER_RECORD``)
-                elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
-                    from autopart.pipelining import AS_RANKED
+        try:
+            if reduced is not None and kw["pipeline"] == "off":
+                p = plan_fn(reduced[0], cluster, axis_names, dataclasses.replace(o, virtual_layers=reduced[1]))
+                row["options"] = o
+                row["scored_on"] = f"2 of {reduced[1]} blocks (solver objective)"
+                row["warm_plan"] = p
+                row["by_objective"] = True  # its step is an ILP objective (``planner.OBJECTIVE_OVER_RECORD``)
+            elif reduced is not None:  # pipelined: its candidates ranked on the reduction, the winner as ranked
+                from autopart.pipelining import AS_RANKED
 
-                    p = plan_fn(traced, cluster, axis_names, dataclasses.replace(o, rank_only=True))
-                    if p.pipeline and p.pipeline.get("candidates_ranked_on", "").endswith(AS_RANKED):
-                        row["options"] = o
-                        row["scored_on"] = f"2 of {reduced[1]} blocks (pipeline ranking)"
-                        row["warm_plan"] = None
-                else:
-                    p = plan_fn(traced, cluster, axis_names, o)
-            except ValueError as e:
-                row.update(fits=False, why=str(e).splitlines()[0][:300])
+                p = plan_fn(traced, cluster, axis_names, dataclasses.replace(o, rank_only=True))
+                if p.pipeline and p.pipeline.get("candidates_ranked_on", "").endswith(AS_RANKED):
+                    row["options"] = o
+                    row["scored_on"] = f"2 of {reduced[1]} blocks (pipeline ranking)"
+                    row["warm_plan"] = None
             else:
-                step = p.solver["objective"] if row.get("by_objective") else p.predicted["step_time_s"]
-                pp = p.pipeline
-                row.update(fits=True, step_time_s=step, memory_bytes=p.predicted["memory_bytes"]["total"],
-                           checkpoint=sorted(set(p.checkpoint.values())),
-                           pipeline=f"pp={pp['degree']} m={pp['micro_batches']} {pp['schedule']}" if pp else "")
-                if "scored_on" not in row:
-                    row["plan"] = p
+                p = plan_fn(traced, cluster, axis_names, o)
+        except ValueError as e:
+            row.update(fits=False, why=str(e).splitlines()[0][:300])
+        else:
+            step = p.solver["objective"] if row.get("by_objective") else p.predicted["step_time_s"]
+            pp = p.pipeline
+            row.update(fits=True, step_time_s=step, memory_bytes=p.predicted["memory_bytes"]["total"],
+                       checkpoint=sorted(set(p.checkpoint.values())),
+                       pipeline=f"pp={pp['degree']} m={pp['micro_batches']} {pp['schedule']}" if pp else "")
+            if "scored_on" not in row:
+                row["plan"] = p
         row["plan_s"] = time.perf_counter() - t0
         rows.append(row)
     return rows

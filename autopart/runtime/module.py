@@ -142,8 +142,8 @@ class Program:
 
 
 def _value_key(v: Any) -> Any:
-    """A non-tensor input as a signature key: tensors inside it by shape and dtype, containers by their items,
-    anything else by itself where hashable, else its repr."""
+    """An input as a signature key: a tensor (also inside a list, tuple or dict) by shape and dtype, containers by
+    their items, anything else by itself where hashable, else its repr."""
     if isinstance(v, torch.Tensor):
         return ("Tensor", tuple(v.shape), v.dtype)
     if isinstance(v, (list, tuple)):
@@ -161,10 +161,8 @@ def signature(args: tuple, kwargs: dict, training: bool = True) -> tuple:
     """What a traced graph is specialised to: positions, names, shapes and dtypes of the tensor inputs, the values
     of the others (``torch.export`` bakes a Python number or flag into the graph: another value needs another
     trace) and the module's mode (dropout and batch norm trace differently under ``eval()``)."""
-    key = [(f"args[{i}]", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else (f"args[{i}]", _value_key(a))
-           for i, a in enumerate(args)]
-    key += [(f"kwargs[{k!r}]", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
-            else (f"kwargs[{k!r}]", _value_key(v)) for k, v in sorted(kwargs.items())]
+    key = [(f"args[{i}]", _value_key(a)) for i, a in enumerate(args)]
+    key += [(f"kwargs[{k!r}]", _value_key(v)) for k, v in sorted(kwargs.items())]
     if not training:
         key.append(("eval",))
     return tuple(key)
@@ -432,9 +430,8 @@ class ParallelModule(nn.Module):
 
     def _persistent_buffers(self) -> dict[str, torch.Tensor]:
         """This rank's persistent buffers by the model's names (copies)."""
-        store = self._buffer_store
-        return {fqn: t.clone() for fqn, t in self._buffers_local.items()
-                if fqn.replace(".", "__") not in store._non_persistent_buffers_set}
+        saved = self._buffer_store.state_dict(keep_vars=True)  # the persistent ones
+        return {fqn: t.clone() for fqn, t in self._buffers_local.items() if fqn.replace(".", "__") in saved}
 
     # ---- running -------------------------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict) -> Program:
@@ -521,6 +518,7 @@ class ParallelModule(nn.Module):
         return out
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
+        """The outputs of one call, in the model's structure (``Program.structured``)."""
         prog = self._program(args, kwargs)
         user = iter(self._bind_inputs(prog, self._user_tensors(prog, args, kwargs)))
         feed = []
@@ -529,13 +527,12 @@ class ParallelModule(nn.Module):
             feed.append(next(user) if value is None else value)
         outs = self._grads.mark(self._call(prog, prog.gm, feed))  # its backward starts the gradient reduction
         self._finish_param_gathers()  # buckets of parameters this program does not use
-        return RC.from_layout(outs, prog.gm.meta.get("autopart.context"))
+        return prog.structured(RC.from_layout(outs, prog.gm.meta.get("autopart.context")))
 
     def forward(self, *args, **kwargs):
         """The model's forward on the global batch: its outputs in the model's structure (a tensor, a tuple, a
         dict, a Hugging Face ModelOutput), every tensor whole on every rank."""
-        outs = self._run(args, kwargs)
-        return self._program(args, kwargs).structured(outs)
+        return self._run(args, kwargs)
 
     def _loss_of(self, out: Any) -> torch.Tensor:
         if self.loss_fn is not None:
