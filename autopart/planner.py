@@ -76,6 +76,7 @@ from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy import ssm as ssm_rules
 from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
+from autopart.strategy.registry import NESTED_INPUTS
 from autopart.trace import Traced
 
 aten = torch.ops.aten
@@ -296,6 +297,22 @@ def _nested_shard(spec, mesh_shape) -> bool:
     """A dim of ``spec`` is split on more than one axis (only stacked expert weights are)."""
     dims = [p.dim for p, n in zip(spec, mesh_shape) if is_shard(p) and n > 1]
     return len(dims) != len(set(dims))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _batch_nesting(option: OpOption, mesh_shape, exempt: tuple[int, ...] = ()) -> frozenset:
+    """The mesh axes splitting dim 0 of a spec of ``option`` (its outputs', its inputs' but those ``exempt``:
+    stacked expert weights) where more than one axis splits it (the batch split over several data-parallel axes
+    at once); empty where none nests."""
+    out = option.output
+    specs = (*(out if out and isinstance(out[0], tuple) else (out,)),
+             *(spec for j, spec in enumerate(option.inputs) if j not in exempt))
+    axes: set[int] = set()
+    for spec in specs:
+        cut = [i for i, (p, n) in enumerate(zip(spec, mesh_shape)) if n > 1 and is_shard(p) and p.dim == 0]
+        if len(cut) > 1:
+            axes.update(cut)
+    return frozenset(axes)
 
 
 def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_shape,
@@ -754,14 +771,16 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
     import itertools
 
     out = []
-    # stacked expert weights may split their expert dim over several axes (expert parallelism nested in mesh
-    # order, ``regions._ep_experts``): the one layout where a dim is sharded on more than one axis
+    # a dim split over several axes nests in mesh order (DTensor's): stacked expert weights along the expert dim
+    # (expert parallelism, ``regions._ep_experts``) and an input along its batch dim (data parallelism over several
+    # axes). Other parameters do not: their gradient buckets reduce axis by axis (``edge_matrix``)
     experts = kind == "param" and _expert_weight(node)
     for combo in itertools.product(*per_axis):
         dims = [p.dim for p in combo if is_shard(p)]
-        if len(dims) != len(set(dims)):  # (a strided dim never nests: its parameter is no expert weight)
+        if len(dims) != len(set(dims)):  # (a strided dim never nests)
             ways = math.prod(n for p, n in zip(combo, mesh_shape) if isinstance(p, Shard))
-            if experts and set(dims) == {0} and val.shape[0] % ways == 0:
+            if (experts or kind == "input") and set(dims) == {0} and val.shape[0] % ways == 0 and \
+                    not any(isinstance(p, Strided) for p in combo):
                 out.append(OpOption((), tuple(combo)))
             continue
         out.append(OpOption((), tuple(combo)))
@@ -2135,18 +2154,25 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         info.options[name] = _pin_filter(key, info.options[name], pin)
     dp_axes = [i for i, r in roles.items() if r == "dp"]
     batch_split = dict.fromkeys(dp_axes, False)  # does some input split its batch there
+    # a stage's plan runs in micro-batches, as does an accumulated one: the ILP prices the whole batch, so a
+    # batch split over several axes that micro-batches no longer divide would look best and then forbid them
+    # (``pipelining._batch_shards``). There the batch nests only over the data-parallel axes the roles name
+    nest_only = frozenset(dp_axes) if opts.stage or opts.micro_batches > 1 else None
     for n in info.nodes:
         kept = _role_filter(n, info.kind[n.name], info.options[n.name], roles, traced, info, opts.zero)
         if info.kind[n.name] == "input" and value_of(n).dim() > 0 and len(dp_axes) > 1 and \
                 all(any(o.output[i] == Shard(0) for o in info.options[n.name]) for i in dp_axes) and not kept:
             names = [axis_names[i] for i in dp_axes]
+            ways = math.prod(mesh[i] for i in dp_axes)
             raise PlanInputError(
-                f"roles make mesh axes {names} data parallel: input {n.name!r} would split its batch over all of "
-                f"them at once, which autopart does not plan (a dim is split over one mesh axis at a time, expert "
-                f"weights aside). Plan data parallelism on one axis of {math.prod(mesh[i] for i in dp_axes)} "
-                f"(a mesh of ({math.prod(mesh[i] for i in dp_axes)},) for these axes), or give all but one of them "
-                "another role ('tp') or none")
+                f"roles make mesh axes {names} data parallel: input {n.name!r} (shape {tuple(value_of(n).shape)}) "
+                f"must split its batch (dim 0) over all of them at once, into {ways} equal pieces, and "
+                f"{value_of(n).shape[0]} does not. Pass a batch that is a multiple of {ways}, or give one of these "
+                "axes another role ('tp') or none")
         info.options[n.name] = kept or info.options[n.name]
+        if nest_only is not None and info.kind[n.name] in ("op", "input"):
+            exempt = tuple(sorted(NESTED_INPUTS[n.target](n, tensor_inputs(n)))) if n.target in NESTED_INPUTS else ()
+            info.options[n.name] = [o for o in info.options[n.name] if _batch_nesting(o, mesh, exempt) <= nest_only]
         if info.kind[n.name] == "input" and value_of(n).dim() > 0:
             for i in dp_axes:
                 batch_split[i] |= any(o.output[i] == Shard(0) for o in info.options[n.name])
@@ -3182,13 +3208,17 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
     plan = record(label)
     sol, modes, _, _, offload, *_ = results[label]
-    if not opts.stage and any(zero12[sol.choice[g]] for g, zero12 in zero12_options.items()):
+    if not opts.stage and not opts.virtual_layers and any(zero12[sol.choice[g]]
+                                                          for g, zero12 in zero12_options.items()):
         # ZeRO-1/2 chosen with nothing forcing it: the ILP prices each parameter's slice of the step, reduction and
         # gather apart, the record the buckets as they run (their latency chains, the backward that hides them).
         # On long rings the two disagree (Mamba 2.8B on 4096 GPUs: the ILP's ZeRO-1 choices made the step 4% slower
         # than none, by the record): the same variant without sliced states, kept if the record says it is faster.
-        # Not for a pipeline's stage plans: the stage search prices a 2-block graph's plan for the whole model and
-        # needs the two to choose alike (a record's pick between near-equal variants broke that: Llama 70B, 64 GPUs)
+        # Not for a pipeline's stage plans, nor for any 2-block graph standing for the whole model
+        # (``virtual_layers``): the search prices such a plan for the whole model and needs the two to choose alike
+        # (a record's pick between near-equal variants broke that: Llama 70B, 64 GPUs; a 2-block GPT on 4 CPU
+        # ranks, whose 2-block record counted its buckets' latency for 2 blocks, kept no ZeRO where the whole graph
+        # keeps ZeRO-2)
         run(label + "/no-zero", modes, offload, sliced_states=False)
         if label + "/no-zero" in results:
             other = record(label + "/no-zero")

@@ -5,7 +5,8 @@ ZeRO level, a pipeline) with everything else (per-node shardings inside those ro
 the same solver, so a recipe is scored under exactly the cost model the free plan is:
 
 ========================  ===========================================================================
-``ddp``                   every axis data parallel, whole model states (PyTorch DDP)
+``ddp``                   every axis data parallel (the batch split over all of them, nested in mesh order),
+                          whole model states (PyTorch DDP)
 ``zero1``                 every axis data parallel, optimizer states sliced (distributed optimizer)
 ``fsdp``                  every axis data parallel, ZeRO-3 (FSDP ``fully_shard``)
 ``megatron``              the last (intra-node) axis tensor parallel, the others data parallel
@@ -39,8 +40,6 @@ def recipe_options(name: str, axis_names: tuple[str, ...], mesh: tuple[int, ...]
         raise ValueError(f"unknown recipe {name!r}; recipes are {', '.join(RECIPES)}")
     n = len(axis_names)
     data = {a: "dp" for a in axis_names}
-    if name in ("ddp", "zero1", "fsdp") and sum(k > 1 for k in mesh) > 1:
-        return None  # the batch split over several mesh axes at once: not planned (``planner.build_problem``)
     if name == "ddp":
         return {"roles": data, "zero": 0, "pipeline": "off"}
     if name == "zero1":
@@ -100,11 +99,6 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
                if n.name in traced.user_inputs and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()]
     for name in RECIPES:
         kw = recipe_options(name, axis_names, cluster.mesh_shape)
-        if kw is None and name in ("ddp", "zero1", "fsdp") and (pipelined is None or not pipelined):
-            rows.append({"recipe": name, "fits": False, "plan_s": 0.0,
-                         "why": f"not planned on mesh {tuple(cluster.mesh_shape)}: the batch would split over "
-                                "several mesh axes at once; plan it on one axis of all the devices"})
-            continue
         if kw is None or (name == "zero1" and not trainable):  # no optimizer state to slice in inference
             continue
         if pipelined is not None and (kw["pipeline"] != "off") != pipelined:

@@ -127,9 +127,11 @@ def _shape_of(v: Any) -> tuple[int, ...] | None:
 
 
 def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes: list[int],
-               nested: bool = False) -> bool:
-    """Even shards of ``shape`` under ``placements``; a dim split on several axes only where ``nested`` (its
-    pieces then nest in mesh order: expert weights, ``NESTED_INPUTS``)."""
+               nested: bool = False, batch: bool = True) -> bool:
+    """Even shards of ``shape`` under ``placements``. A dim split on several axes holds its pieces nested in mesh
+    order (DTensor's order): any dim where ``nested`` (expert weights, ``NESTED_INPUTS``), dim 0 where ``batch``
+    (data parallelism over several axes: the batch, or whatever dim 0 holds, split into as many pieces as the axes
+    have devices together; a per-axis rule's option stays right on each piece)."""
     if shape is None:
         return all(not is_shard(p) for p in placements)
     used: dict[int, int] = {}
@@ -140,7 +142,8 @@ def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes
                 return False
             d = p.dim % len(shape)
             ways = used.get(d, 1) * n
-            if (d in used and (not nested or d in strided or isinstance(p, Strided))) or shape[d] % ways != 0 or \
+            if (d in used and (not (nested or batch and d == 0) or d in strided or isinstance(p, Strided))) or \
+                    shape[d] % ways != 0 or \
                     shape[d] < ways:
                 return False
             if isinstance(p, Strided):  # each of its blocks splits evenly

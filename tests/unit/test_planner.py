@@ -567,12 +567,17 @@ def test_evaluate_names_bad_degrees_and_schedules(kw, match):
 
 
 def test_data_parallel_roles_that_cannot_split_the_batch_are_said():
-    """Both axes of a 2-D mesh pinned data parallel would split the batch over both at once, which is not
-    planned: a clear error (it fell back to any placement, a replicated plan reported as data parallel). A batch
-    that does not split over a data-parallel axis warns that every device there computes all of it."""
+    """Both axes of a 2-D mesh pinned data parallel split the batch over both at once (nested in mesh order);
+    where the batch does not split into that many pieces, though it does over each axis alone, a clear error (it
+    fell back to any placement, a replicated plan reported as data parallel). A batch that does not split over a
+    data-parallel axis warns that every device there computes all of it."""
     t = trace(_gpt(), (IDS,), {"labels": IDS})
-    with pytest.raises(ValueError, match=r"data parallel: input 'ids' would split its batch over all of them"):
-        autopart.plan(None, autopart.mesh((2, 2), ("dp", "dp2")), traced=t, recipes=False,
+    p = autopart.plan(None, autopart.mesh((2, 2), ("dp", "dp2")), traced=t, recipes=False,
+                      roles={"dp": "dp", "dp2": "dp"})
+    assert p.inputs["ids"] == "S(0)S(0)" and "dp: data, dp2: data" in str(p)
+    with pytest.raises(ValueError, match=r"input 'ids' \(shape \(4, 16\)\) must split its batch \(dim 0\) over all "
+                                         r"of them at once, into 8 equal pieces"):
+        autopart.plan(None, autopart.mesh((2, 4), ("dp", "dp2")), traced=t, recipes=False,
                       roles={"dp": "dp", "dp2": "dp"})
     with pytest.warns(UserWarning, match=r"no input's batch \(dim 0\) splits 3 ways"):
         autopart.plan(None, autopart.mesh((3,), ("dp",)), traced=t, recipes=False, roles={"dp": "dp"})

@@ -24,10 +24,12 @@ def test_unpinned_plan_is_never_slower_than_a_recipe():
     rows = p.solver["recipes"]
     assert [r["recipe"] for r in rows] == list(RECIPES)
     fits = [r for r in rows if r["fits"]]
-    assert {r["recipe"] for r in fits} == {"megatron", "megatron-fsdp", "megatron-1f1b"}
-    # DDP, ZeRO-1 and FSDP would split the batch over both axes at once, which is not planned: not applicable on
-    # a 2-D mesh (they were scored as whatever plan their roles left, not data parallel)
-    assert all("several mesh axes at once" in r["why"] for r in rows if r["recipe"] in ("ddp", "zero1", "fsdp"))
+    # every recipe applies: DDP, ZeRO-1 and FSDP split the batch over both axes at once (nested in mesh order)
+    assert {r["recipe"] for r in fits} == set(RECIPES)
+    ddp2 = autopart.plan(model, autopart.mesh((2, 2), ("a", "b")), (ids,), {"labels": ids}, recipes=False,
+                         roles={"a": "dp", "b": "dp"}, zero=0)
+    assert ddp2.inputs["ids"] == "S(0)S(0)", ddp2.inputs
+    assert all(spec == "RR" for spec in ddp2.params.values())
     step = p.predicted["step_time_s"]
     for r in fits:
         assert r["step_time_s"] >= step * (1 - 1e-9), r
@@ -142,3 +144,20 @@ def test_data_parallel_recipes_need_a_batch_that_splits():
     for name in ("ddp", "zero1", "fsdp"):
         assert not rows[name]["fits"] and rows[name]["why"] == "not planned: a batch of 2 does not split over 4 devices"
     assert "  ddp            not planned: a batch of 2" in str(p)
+
+
+def test_small_model_on_a_2d_mesh_is_data_parallel_over_both_axes():
+    """A small model on a (2, 4) mesh of CPU ranks: the free plan splits the batch over both axes at once (nested
+    in mesh order), which it could not before, and is never slower than DDP over both; it was data parallel on one
+    axis with the other replicated or splitting something else."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, max_seq_len=64, n_layer=4, n_head=4, d_model=64))
+    ids = torch.randint(0, 256, (16, 64))
+    p = autopart.plan(model, autopart.mesh((2, 4), ("node", "gpu")), (ids,), {"labels": ids})
+    assert p.inputs == {"ids": "S(0)S(0)", "labels": "S(0)S(0)"}, p.inputs
+    assert "node: data, gpu: data" in str(p)
+    ddp = next(r for r in p.solver["recipes"] if r["recipe"] == "ddp")
+    assert ddp["fits"] and p.predicted["step_time_s"] <= ddp["step_time_s"] * (1 + 1e-9)
+    one_axis = autopart.plan(model, autopart.mesh((2, 4), ("node", "gpu")), (ids,), {"labels": ids},
+                             roles={"node": "tp", "gpu": "dp"})
+    assert p.predicted["step_time_s"] < one_axis.predicted["step_time_s"]
