@@ -1181,8 +1181,9 @@ def _role_filter(node: fx.Node, kind: str, opts: list[OpOption], roles: dict[int
         for axis, role in roles.items():
             if kind == "param":
                 p = o.output[axis]
-                if role == "dp" and not isinstance(p, Replicate) and (zero == 0 or not o.tag) and o not in ep:
-                    ok = False  # sharded on a data axis: only as ZeRO-3 (ZeRO-1/2 keep the parameter replicated)
+                if role == "dp" and not isinstance(p, Replicate) and (zero == 0 or o.tag != "zero3") and o not in ep:
+                    ok = False  # sharded on a data axis: only as ZeRO-3 (ZeRO-1/2 keep the parameter replicated;
+                    # their tags on a layout sharded there, sliced over the other axes, are no ZeRO-3)
                 if role == "tp" and isinstance(p, Replicate) and val.dim() >= 2 and any_shard[axis]:
                     ok = False
             if kind == "input" and role == "tp" and not isinstance(o.output[axis], Replicate):

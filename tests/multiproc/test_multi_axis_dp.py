@@ -34,3 +34,18 @@ def test_batch_split_over_two_axes(case):
     assert set(plan.zero.values()) == ({zero} if zero else set()), plan.zero
     if zero in (0, 1, 2):  # the parameters are whole on both data-parallel axes
         assert all(isinstance(parse_spec(s)[i], Replicate) for s in plan.params.values() for i in dp), plan.params
+
+
+HSDP = {"blocks.0.mlp.fc.weight": "RS(0)", "blocks.1.attn.q.weight": "RS(1)", "lm_head.weight": "RS(0)"}
+
+
+def test_hybrid_sharded_data_parallel():
+    """HSDP: the batch split over both axes, these weights ZeRO-3 sharded on the inner axis and replicated on the
+    outer one (their gradients reduce-scattered inside, all-reduced across), the others whole: parity."""
+    from autopart.plan import Plan
+
+    results = run_ranks(4, distributed, "gpt", (2, 2), ("node", "gpu"), DP2, False, None, None, 2, HSDP, None)
+    check("gpt", results, reference("gpt"))
+    plan = Plan.from_json(results[0][3])
+    assert plan.inputs["ids"] == "S(0)S(0)"
+    assert {k: plan.params[k] for k in HSDP} == HSDP and all(plan.zero[k] == 3 for k in HSDP), plan.zero
