@@ -56,6 +56,9 @@ CONFIGS: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict]] = {
     "dp2xtp2-zero3": ((2, 2), ("dp", "tp"), dict(roles={"dp": "dp", "tp": "tp"}, zero=3, pipeline="off")),
     "dp2xtp2-ckpt-sel": ((2, 2), ("dp", "tp"), dict(roles={"dp": "dp", "tp": "tp"}, zero=0, checkpoint="selective",
                                                     pipeline="off")),
+    # the batch split over both axes at once (nested in mesh order): DDP and ZeRO-1 on a (node, gpu) mesh
+    "dp2xdp2": ((2, 2), ("node", "gpu"), dict(roles={"node": "dp", "gpu": "dp"}, zero=0, pipeline="off")),
+    "dp2xdp2-zero1": ((2, 2), ("node", "gpu"), dict(roles={"node": "dp", "gpu": "dp"}, zero=1, pipeline="off")),
     "pp2xdp2-1f1b": ((2, 2), ("pp", "dp"), dict(roles={"pp": "pp", "dp": "dp"}, zero=0,
                                                 pipeline={"schedule": "1f1b", "micro_batches": 2})),
     "pp2xtp2-gpipe": ((2, 2), ("pp", "tp"), dict(roles={"pp": "pp", "tp": "tp"},
