@@ -127,11 +127,13 @@ def _shape_of(v: Any) -> tuple[int, ...] | None:
 
 
 def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes: list[int],
-               nested: bool = False, batch: bool = True) -> bool:
+               nested: bool = False) -> bool:
     """Even shards of ``shape`` under ``placements``. A dim split on several axes holds its pieces nested in mesh
-    order (DTensor's order): any dim where ``nested`` (expert weights, ``NESTED_INPUTS``), dim 0 where ``batch``
+    order (DTensor's order): any dim where ``nested`` (expert weights, ``NESTED_INPUTS``), and dim 0 everywhere
     (data parallelism over several axes: the batch, or whatever dim 0 holds, split into as many pieces as the axes
-    have devices together; a per-axis rule's option stays right on each piece)."""
+    have devices together; a per-axis rule's option stays right on each piece, since dim 0 maps to dim 0 wherever
+    it nests: a rule moving it to another dim nests that dim, which is refused). Where micro-batches follow, the
+    planner keeps the nesting to the data-parallel axes (``planner._batch_nesting``)."""
     if shape is None:
         return all(not is_shard(p) for p in placements)
     used: dict[int, int] = {}
@@ -142,9 +144,8 @@ def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes
                 return False
             d = p.dim % len(shape)
             ways = used.get(d, 1) * n
-            if (d in used and (not (nested or batch and d == 0) or d in strided or isinstance(p, Strided))) or \
-                    shape[d] % ways != 0 or \
-                    shape[d] < ways:
+            if (d in used and (not (nested or d == 0) or d in strided or isinstance(p, Strided))) or \
+                    shape[d] % ways != 0 or shape[d] < ways:
                 return False
             if isinstance(p, Strided):  # each of its blocks splits evenly
                 if not p.fits(shape[d], n):
