@@ -777,10 +777,10 @@ def _placeholder_options(node: fx.Node, kind: str, mesh_shape) -> list[OpOption]
     experts = kind == "param" and _expert_weight(node)
     for combo in itertools.product(*per_axis):
         dims = [p.dim for p in combo if is_shard(p)]
-        if len(dims) != len(set(dims)):  # (a strided dim never nests)
+        if len(dims) != len(set(dims)):  # (a strided dim never nests: only a parameter that is no expert weight
+            # has strided layouts)
             ways = math.prod(n for p, n in zip(combo, mesh_shape) if isinstance(p, Shard))
-            if (experts or kind == "input") and set(dims) == {0} and val.shape[0] % ways == 0 and \
-                    not any(isinstance(p, Strided) for p in combo):
+            if (experts or kind == "input") and set(dims) == {0} and val.shape[0] % ways == 0:
                 out.append(OpOption((), tuple(combo)))
             continue
         out.append(OpOption((), tuple(combo)))

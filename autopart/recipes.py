@@ -97,13 +97,13 @@ def score(traced, cluster, axis_names: tuple[str, ...], opts, plan_fn, reduced=N
     # the batch sizes of the inputs (dim 0): data parallelism over every device needs one that splits evenly
     batches = [int(n.meta["val"].shape[0]) for n in traced.graph.find_nodes(op="placeholder")
                if n.name in traced.user_inputs and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()]
+    ways = math.prod(cluster.mesh_shape)
     for name in RECIPES:
         kw = recipe_options(name, axis_names, cluster.mesh_shape)
         if kw is None or (name == "zero1" and not trainable):  # no optimizer state to slice in inference
             continue
         if pipelined is not None and (kw["pipeline"] != "off") != pipelined:
             continue
-        ways = math.prod(cluster.mesh_shape)
         if name in ("ddp", "zero1", "fsdp") and batches and not any(b % ways == 0 and b >= ways for b in batches):
             rows.append({"recipe": name, "fits": False, "plan_s": 0.0,
                          "why": f"not planned: a batch of {max(batches)} does not split over {ways} devices"})

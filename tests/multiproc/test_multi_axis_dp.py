@@ -5,6 +5,7 @@ tensor-parallel one, on real gloo processes: parity with one process over 3 Adam
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_batch_split_over_two_axes(case):
     from autopart.plan import Plan
 
     name, shape, names, roles, zero = case
-    results = run_ranks(math.prod(shape), distributed, name, shape, names, roles, False, None, None, 2, None, zero)
+    results = run_ranks(math.prod(shape), partial(distributed, zero=zero), name, shape, names, roles)
     check(name, results, reference(name))
     plan = Plan.from_json(results[0][3])
     dp = [i for i, a in enumerate(names) if roles[a] == "dp"]
@@ -44,7 +45,7 @@ def test_hybrid_sharded_data_parallel():
     outer one (their gradients reduce-scattered inside, all-reduced across), the others whole: parity."""
     from autopart.plan import Plan
 
-    results = run_ranks(4, distributed, "gpt", (2, 2), ("node", "gpu"), DP2, False, None, None, 2, HSDP, None)
+    results = run_ranks(4, partial(distributed, pins=HSDP), "gpt", (2, 2), ("node", "gpu"), DP2)
     check("gpt", results, reference("gpt"))
     plan = Plan.from_json(results[0][3])
     assert plan.inputs["ids"] == "S(0)S(0)"
