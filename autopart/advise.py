@@ -41,14 +41,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopart.api import parse_bytes
 from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
 from autopart.cost.compute import dtype_peak_flops
 from autopart.placement import Replicate, Shard, is_shard, parse_spec
-from autopart.planner import PlanOptions
+from autopart.planner import NoPlanFits, PlanOptions
 from autopart.solver.ilp import SolverTimeout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -735,6 +734,10 @@ class Advice:
     seq: int
     fits: bool
     binding: str = ""  # why nothing fits
+    # nothing fits, as the planner measured it (``no_fit_record``): the smallest per-device peak any plan reaches,
+    # the budget, the moment of the step it binds at, and its largest terms ({"kind", "node", "bytes"}); {} when
+    # the planner did not say (a model too large to trace, a timeout)
+    no_fit: dict = field(default_factory=dict)
     strategy: dict = field(default_factory=dict)
     step_time_s: float = math.nan
     tokens_per_s: float = math.nan
@@ -888,17 +891,25 @@ def state_floor(params: int, gpus: int, state_bytes: float, offload_bytes: float
     return params * (state_bytes - offload_bytes) / gpus
 
 
-def _held_terms(message: str) -> tuple[float, dict[str, float]]:
-    """From the planner's no-fit message: (the smallest per-device peak any plan reaches, bytes of each kind of
-    state decoding holds among the largest terms there: {"K/V cache": b, "recurrent state": b}); (nan, {}) when the
-    message does not say."""
-    m = re.search(r"smallest per-device peak any plan reaches is ([\d.]+) (TiB|GiB|MiB|KiB|B)\b", message)
-    peak = parse_bytes(m.group(1) + m.group(2)) if m else math.nan
-    held: dict[str, float] = defaultdict(float)
-    for kind, num, unit in re.findall(r"(K/V cache|recurrent state) of \S+ ([\d.]+) (TiB|GiB|MiB|KiB|B)\b",
-                                      message):
-        held[kind] += parse_bytes(num + unit)
-    return peak, dict(held)
+def _held_terms(err: Exception) -> tuple[float, dict[str, float]]:
+    """From the planner's no-fit error (``planner.NoPlanFits``): (the smallest per-device peak any plan reaches,
+    bytes of each kind of state decoding holds among the largest terms there: {"K/V cache": b, "recurrent state":
+    b}); (nan, {}) for another error."""
+    if not isinstance(err, NoPlanFits):
+        return math.nan, {}
+    return err.peak(), err.held()
+
+
+def no_fit_record(err: Exception) -> dict:
+    """``Advice.no_fit`` of the planner's error: {} unless it is ``NoPlanFits`` with figures (a pipelined search's
+    reports its plan without stages, on the whole mesh)."""
+    if not isinstance(err, NoPlanFits):
+        return {}
+    src = err if err.terms or err.without is None else err.without
+    if not src.terms:
+        return {}
+    return {"smallest_peak_bytes": float(src.min_memory), "limit_bytes": float(src.limit), "binding": src.binding,
+            "terms": [{"kind": k, "node": n, "bytes": float(b)} for k, n, b in src.terms]}
 
 
 def _binding(err: Exception, params: int, gpus: int, cl: Cluster, state_bytes: float,
@@ -912,7 +923,7 @@ def _binding(err: Exception, params: int, gpus: int, cl: Cluster, state_bytes: f
         return (f"{states} {params * state_bytes / 2**30:,.0f} GiB ({state_bytes:g} B/parameter) are "
                 f"{full / 2**30:.1f} GiB per GPU even sharded over all {gpus} GPUs, over the "
                 f"{budget / 2**30:.1f} GiB budget ({first})")
-    peak, held = _held_terms(text)
+    peak, held = _held_terms(err)
     if held:
         kind, size = max(held.items(), key=lambda kv: kv[1])
         # it binds when the plan would fit without it (or it is most of the peak)
@@ -1100,6 +1111,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
             return Advice(fits=False, binding=f"not planned: {err}", plan_s=time.perf_counter() - t0, views=tried,
                           **base)
         return Advice(fits=False, binding=_binding(err, n_params, gpus, cl, state_bytes, inference),
+                      no_fit=no_fit_record(err),
                       plan_s=time.perf_counter() - t0, views=tried, **base)
     base["mesh"] = tuple((best.pipeline or {}).get("world_mesh_shape", best.mesh_shape))
     return dataclasses.replace(read_plan(best, traced, base, time.perf_counter() - t0), views=tried)
@@ -1347,7 +1359,8 @@ def evaluate_recipe(rec: Recipe, built: tuple, traced, cluster: Cluster, base: d
                                      time_limit_s=time_limit_s, optimizer_bytes_per_param=optimizer_bytes_per_param,
                                      reduce_dtype=reduce_dtype, grad_dtype=grad_dtype)
     except (ValueError, PlanTimeout) as e:
-        return Advice(fits=False, binding=str(e).strip().splitlines()[0], plan_s=time.perf_counter() - t0, **base)
+        return Advice(fits=False, binding=str(e).strip().splitlines()[0], no_fit=no_fit_record(e),
+                      plan_s=time.perf_counter() - t0, **base)
     return read_plan(plan, traced, base, time.perf_counter() - t0)
 
 

@@ -118,11 +118,32 @@ class Plan:
 
     # ---- queries -------------------------------------------------------------------------------------------
     def axis_role(self, axis: int) -> str:
-        """What the solver made of a mesh axis: 'data' (batch sharded), 'tensor' (weights sharded), both, or idle."""
-        p_shard = any(spec_axis(s, axis).startswith("S") for s in self.params.values())
-        i_shard = any(spec_axis(s, axis).startswith("S") for s in self.inputs.values())
+        """What the solver made of a mesh axis, by where the parameters' bytes go: 'tensor' when a fifth or more of
+        them are split on it (ZeRO-3's shards aside: those are gathered whole for use), 'data' when a fifth or more
+        are held whole (or as ZeRO shards) there and the batch is divided on it (training: their gradients are summed
+        over the axis, ``reduced``; forward only: some op's output is split on it), both, or 'replicated' (idle).
+
+        By bytes, not by the inputs: a plan may keep its token ids whole and slice them at the embedding (free), or
+        split one 128K-row table's hidden dim while every block is data parallel; the blocks decide what the axis
+        is. A plan saved before parameter records carried ``numel`` counts each parameter once."""
+        tags = self.options.get("param_tags") or {}
+        numel = {r["param"]: r["numel"] for r in self.nodes.values() if "numel" in r}
+        weight = {f: numel.get(f, 0) for f in self.params} if numel else dict.fromkeys(self.params, 1)  # tied: once
+        total = sum(weight.values())
+        if total == 0:  # no parameters: the inputs say it
+            return "data" if any(spec_axis(s, axis).startswith("S") for s in self.inputs.values()) else "replicated"
+        sharded = {f for f, s in self.params.items() if spec_axis(s, axis).startswith("S") and tags.get(f) != "zero3"}
+        if any(r.get("grad_bytes") for r in self.nodes.values()) or self.reduced:
+            whole = {f for f in self.params if f not in sharded and axis in self.reduced.get(f, ())}
+        else:
+            split = any(spec_axis(s, axis).startswith("S") for r in self.nodes.values()
+                        if r["op"] not in ("param", "buffer", "constant", "input")
+                        for s in ([r["output"]] if isinstance(r["output"], str) else r["output"]))
+            whole = set(self.params) - sharded if split else set()
+        tensor = sum(weight[f] for f in sharded) >= 0.2 * total
+        data = sum(weight[f] for f in whole) >= 0.2 * total
         return {(True, True): "data+tensor", (True, False): "tensor", (False, True): "data"}.get(
-            (p_shard, i_shard), "replicated")
+            (tensor, data), "replicated")
 
     def param_pins(self) -> dict[str, str]:
         """Every parameter pinned to this plan's exact option, as ``plan(..., pins=)`` takes them: its placement and

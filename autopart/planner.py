@@ -1282,6 +1282,34 @@ class PlanInputError(ValueError):
     nothing, a checkpoint or offload mode that does not exist): raised as is, not as "no plan fits"."""
 
 
+class NoPlanFits(ValueError):
+    """No plan fits the memory budget. Beside its message, what callers read without parsing it (``advise``):
+    ``min_memory``, the smallest per-device peak any plan reaches (bytes; nan when not known), ``limit`` the bytes
+    it had to fit, ``binding`` the moment of the step where memory binds, and ``terms``, the largest terms of that
+    peak as ``(kind, node, bytes)`` (kind: "model states (parameter, gradient, optimizer)", "weights",
+    "K/V cache", "recurrent state" or "activations"). A pipelined search's error carries its plan without stages'
+    figures (the whole mesh, one stage) when it has them, in ``without``."""
+
+    def __init__(self, message: str, min_memory: float = math.nan, limit: float = math.nan, binding: str = "",
+                 terms: list[tuple[str, str, float]] | None = None, without: NoPlanFits | None = None):
+        super().__init__(message)
+        self.min_memory, self.limit, self.binding, self.terms = min_memory, limit, binding, list(terms or [])
+        self.without = without
+
+    def held(self) -> dict[str, float]:
+        """Bytes of each kind of state decoding holds between steps among the largest terms at the smallest peak:
+        ``{"K/V cache": b, "recurrent state": b}`` (the plan without stages' when this is a pipelined search's)."""
+        src = self if self.terms or self.without is None else self.without
+        out: dict[str, float] = defaultdict(float)
+        for kind, _, b in src.terms:
+            if kind in ("K/V cache", "recurrent state"):
+                out[kind] += b
+        return dict(out)
+
+    def peak(self) -> float:
+        return self.min_memory if self.terms or self.without is None else self.without.min_memory
+
+
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:
     # "S(2) [cp_ring]": that tagged variant only, as options print (OpOption.__str__); "R []": the untagged one
     # only (``Plan.param_pins``: not the ZeRO-1/2 slices of the same placement); "R": any variant of it
@@ -2849,8 +2877,9 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         return base
     detail = "\n".join(f"  {e}" for e in errors[-12:])
     without = base_err if base_err is not None else f"not planned ({not_planned})"
-    raise ValueError(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
-                     f"with pipeline stages:\n{detail}")
+    raise NoPlanFits(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
+                     f"with pipeline stages:\n{detail}",
+                     without=base_err if isinstance(base_err, NoPlanFits) else None)
 
 
 def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions,
@@ -3174,12 +3203,13 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
                 if target in ssm_rules.SCAN_OPS or target in ssm_rules.CONV_OPS:
                     return "recurrent state"
             return "activations"
-        contrib = ", ".join(f"{what(n)} of {n} {_fmt_bytes(b)}" for n, b in exc.contributors)
+        terms = [(what(n), n, float(b)) for n, b in exc.contributors]
+        contrib = ", ".join(f"{kind} of {n} {_fmt_bytes(b)}" for kind, n, b in terms)
         tried = ", ".join(timings["checkpoint_variants"])
         keep = 1 - opts.memory_margin
         given = (f"{_fmt_bytes(limit / keep)} less the memory model's {opts.memory_margin:.0%} margin, "
                  f"{_fmt_bytes(limit)}," if opts.memory_margin else _fmt_bytes(limit))
-        raise ValueError(
+        raise NoPlanFits(
             f"no plan fits in {given} per device on {cluster.name} mesh {cluster.mesh_shape} "
             f"(activation checkpointing tried: {tried}). Memory binds at the {exc.binding or 'peak'}: the smallest "
             f"per-device peak any plan reaches is {_fmt_bytes(exc.min_memory)}, largest terms there: {contrib}. "
@@ -3187,8 +3217,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             f"shrank with the mesh, about "
             f"{math.ceil(cluster.world_size * exc.min_memory / limit) if math.isfinite(exc.min_memory) else '?'} "
             f"instead of {cluster.world_size}; replicated terms do not shrink, so that is a lower bound), or pin "
-            f"roles that shard more (zero=3, a tensor-parallel axis)."
-        ) from exc
+            f"roles that shard more (zero=3, a tensor-parallel axis).",
+            min_memory=exc.min_memory, limit=limit, binding=exc.binding, terms=terms) from exc
     label = min(results, key=lambda k: results[k][0].objective)
 
     def record(label: str):
@@ -3322,6 +3352,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             if prob.keep_full:
                 rec["keep_bytes"] = float(prob.keep_full[gid][a]) / k  # kept under full recompute
         if info.kind[n.name] == "param":
+            rec["param"], rec["numel"] = traced.params[n.name], value_of(n).numel()  # ``Plan.axis_role`` weighs
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
             if o.tag == "zero2" and info.needs_grad[n.name]:
                 # the whole local gradient: what its reduce-scatter moves, and what a pipeline holds until the

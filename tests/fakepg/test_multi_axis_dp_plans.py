@@ -50,7 +50,12 @@ def test_llama8b_on_4x8_is_data_parallel_over_all_gpus():
     for layer in (f"blocks.{i}" for i in range(1, 32)):
         assert not p.collective_counts(layer, "fwd"), p.collective_counts(layer, "fwd")
     assert p.predicted["memory_bytes"]["total"] <= autopart.preset("h100-80gb", SHAPE).memory_budget
+    # the plan's "axes:" line says so, by the parameters' bytes (not by the token ids, kept whole and sliced at the
+    # embedding); Megatron's layout reads data across nodes, tensor inside
+    assert [p.axis_role(i) for i in range(2)] == ["data", "data"], str(p).splitlines()[1]
+    assert "axes: node: data, gpu: data" in str(p)
     # faster than Megatron's layout on the same mesh, which was the best this mesh could plan before
     meg = _plan(roles={"node": "dp", "gpu": "tp"})
     assert p.predicted["step_time_s"] < meg.predicted["step_time_s"], (p.predicted["step_time_s"],
                                                                         meg.predicted["step_time_s"])
+    assert [meg.axis_role(i) for i in range(2)] == ["data", "tensor"]

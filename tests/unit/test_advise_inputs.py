@@ -148,8 +148,12 @@ def test_serving_stopped_by_the_kv_cache_names_it() -> None:
     assert srv.best is not None and srv.best.batch == 1
     assert srv.stopped.startswith("batch 2 does not fit: K/V cache: "), srv.stopped
     assert "activations and working memory" not in srv.stopped
-    peak, held = adv._held_terms(srv.rows[-1].binding)
-    assert held["K/V cache"] == pytest.approx(2 * 64 * 2**30, rel=0.01) and peak > held["K/V cache"]
+    # the figures behind those words, as the planner measured them (not parsed from its message)
+    nf = srv.rows[-1].no_fit
+    cache = sum(t["bytes"] for t in nf["terms"] if t["kind"] == "K/V cache")
+    assert cache == pytest.approx(2 * 64 * 2**30, rel=0.01) and nf["smallest_peak_bytes"] > cache
+    assert nf["smallest_peak_bytes"] > nf["limit_bytes"] and srv.rows[-1].to_json()["no_fit"] == nf
+    assert srv.best.no_fit == {}
 
 
 # ---- 4. report labels ------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def test_frozen_model_plans_forward_only_with_a_kv_cache():
     expect = CFG["n_layer"] * 2 * 2 * CFG["n_kv_head"] * ctx * hd * 4 / tp
     assert mem["kv_cache"] == pytest.approx(expect, rel=0.01)
     assert mem["total"] >= mem["parameters"] + mem["kv_cache"]
+    assert p.axis_role(0) == "tensor"  # the weights' bytes split there (the norms, whole, are a sliver)
     # decoding reads the cache once per step: a longer context costs time as well as memory
     short = autopart.plan(_llama(), autopart.mesh((tp,), ("tp",)), (ids,), roles={"tp": "tp"}, kv_cache_tokens=64)
     assert short.predicted["step_time_s"] < p.predicted["step_time_s"]
@@ -44,6 +45,10 @@ def test_inference_is_cheaper_than_training_and_partly_frozen_models_train_the_r
     inf = autopart.plan(_llama(), mesh, (ids,), roles={"dp": "dp"})
     train = autopart.plan(_llama(frozen=False), mesh, (ids,), {"labels": ids}, roles={"dp": "dp"}, zero=0)
     assert inf.predicted["step_time_s"] < train.predicted["step_time_s"]
+    # forward only, no gradient says the axis is data parallel: the weights whole and the batch split there do
+    assert inf.axis_role(0) == train.axis_role(0) == "data" and not inf.reduced
+    solo = autopart.plan(_llama(), autopart.mesh((1,), ("dp",)), (ids,))
+    assert solo.axis_role(0) == "replicated"
     assert inf.predicted["memory_bytes"]["total"] < train.predicted["memory_bytes"]["total"]
     ft = _llama(frozen=False)
     ft.embed.requires_grad_(False)  # fine-tuning with a frozen embedding: its gradient and states vanish
