@@ -132,13 +132,22 @@ def test_unpinned_small_model_plans_and_costs_agree():
 
 
 def test_memory_limit_no_plan_can_meet():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(autopart.NoPlanFits) as err:
         autopart.plan(_gpt(), autopart.mesh((2, 2), ("dp", "tp")), (IDS,), {"labels": IDS},
                       memory_budget="10KiB")
     msg = str(err.value)
     assert "smallest per-device peak any plan reaches" in msg and "largest terms there: model states" in msg
     assert "Memory binds at the end of" in msg
     assert "Raise memory_budget to at least" in msg and "KiB" in msg
+    # the same figures for a program to read (``advise`` does), whichever search raised it
+    e = err.value
+    src = e if e.terms else e.without
+    assert isinstance(e, ValueError) and src.min_memory > src.limit > 0 and src.binding.startswith("end of")
+    kinds, sizes = [k for k, _, _ in src.terms], [b for _, _, b in src.terms]
+    assert "model states (parameter, gradient, optimizer)" in kinds and set(kinds) <= {
+        "model states (parameter, gradient, optimizer)", "activations"}
+    assert sizes == sorted(sizes, reverse=True) and sum(sizes) <= src.min_memory * (1 + 1e-9)
+    assert e.peak() == src.min_memory and e.held() == {}  # training holds no K/V cache
 
 
 def test_memory_limit_forces_sharding(monkeypatch):
