@@ -62,6 +62,7 @@ from autopart.solver.pipeline import (
     best_pipeline,
     gather_exposed,
     reduction_tail,
+    schedule_units,
     stage_peak,
 )
 from autopart.trace import Traced
@@ -506,6 +507,8 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                 errors.append(f"p={p}: {forced['micro_batches']} micro-batches do not split batch {batch} "
                               f"into parts divisible by the {f} ranks a stage splits activations over")
         found = None
+        # decoding (forward only, a K/V cache held between steps) is served continuously: priced kept full
+        steady = bool(opts.kv_cache_tokens) and not any(u.grad_bytes for u in units)
         dev = cluster.device  # ranks sharing a host's cores compute faster in the fill and drain
         sharing = CoreSharing(math.prod(stage_mesh), dev.host_ranks, dev.alone_speedup) \
             if dev.alone_speedup > 1 and dev.host_ranks > 1 else None
@@ -519,7 +522,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
                     errors.append(f"p={p} m={m}: interleaved needs 2 blocks per rank and m a multiple of "
                                   f"max(1, m // p) (torch's ScheduleInterleaved1F1B)")
                     continue
-                pl = best_pipeline(layer_costs, mem_limit, [p], [m], scheds, p2p, sharing)
+                pl = best_pipeline(layer_costs, mem_limit, [p], [m], scheds, p2p, sharing, steady)
             except ValueError as e:
                 if log:
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
@@ -694,6 +697,11 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         "world_mesh_shape": list(world), "micro_batches": m, "micro_batch_size": cand.micro_batch_size,
         "batch": cand.batch, "schedule": o.schedule, "virtual": o.virtual,
         "bubble_fraction": pl.bubble_fraction, "step_time_s": cand.step_s, "pipeline_s": pl.step_s,
+        # decoding served continuously: the step priced with the pipeline kept full (``PipelineOptions.steady``);
+        # one call of the runtime, which fills and drains it, takes ``drained_step_time_s``
+        "steady": o.steady,
+        "drained_step_time_s": cand.step_s + (schedule_units(dataclasses.replace(o, steady=False))
+                                              - schedule_units(o)) * max(pl.stage_time_s) if o.steady else cand.step_s,
         "gradient_reduction_s": cand.reduce_s, "p2p_s": o.p2p_s,
         "stages": stage_recs, "stage_of_layer": {units[i].name: c for i, c in enumerate(stages)},
         # forward-only (no parameter trains: inference), the order the runtime runs it in

@@ -260,7 +260,10 @@ class Plan:
             f"pipeline: {pp['degree']} stages on mesh axis {pp['axis_name']} "
             f"(world mesh {tuple(pp['world_mesh_shape'])}, stage mesh {tuple(self.mesh_shape)}); "
             f"{pp['micro_batches']} micro-batches of {pp['micro_batch_size']}"
-            f" (batch {pp['batch']}); schedule {sched}; bubble {pp['bubble_fraction']:.1%} of the step",
+            f" (batch {pp['batch']}); schedule {sched}; bubble {pp['bubble_fraction']:.1%} of the step"
+            + (f"; decoding served continuously: priced with the pipeline kept full (each micro-batch's next token "
+               f"enters the first stage as it leaves the last; one call that fills and drains it takes "
+               f"{_fmt_time(pp['drained_step_time_s'])})" if pp.get("steady") else ""),
             f"step {_fmt_time(pp['step_time_s'])} = pipeline {_fmt_time(pp['pipeline_s'])} + gradient reduction "
             f"{_fmt_time(pp['gradient_reduction_s'])}" + (f" + optimizer step {_fmt_time(pp['optimizer_step_s'])}"
                                                            if pp.get("optimizer_step_s") else "") +

@@ -143,6 +143,11 @@ class PipelineOptions:
     virtual: int = 1
     p2p_s: float = 0.0
     sharing: CoreSharing | None = None  # ranks sharing cores: slots priced by the ranks busy in them
+    # decoding served continuously (forward only, a K/V cache held between steps): the pipeline never drains. As a
+    # micro-batch's token leaves the last stage its next step enters the first (vLLM's and TensorRT-LLM's pipeline
+    # parallel serving keep as many batches in flight), so a step of every micro-batch is ``v max(m, p)`` chunk
+    # times, with no fill or drain; it is also the time between a sequence's tokens
+    steady: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -157,7 +162,7 @@ class PipelineOptions:
 
     def __str__(self) -> str:
         v = f"v{self.virtual}" if self.schedule == "interleaved" else ""
-        return f"{self.schedule}{v}(p={self.stages}, m={self.micro_batches})"
+        return f"{self.schedule}{v}(p={self.stages}, m={self.micro_batches}{', steady' if self.steady else ''})"
 
     @property
     def chunks(self) -> int:
@@ -226,6 +231,8 @@ def schedule_units(opts: PipelineOptions) -> float:
     forward's share of a chunk's time (forward-only included), checked against an event simulation in
     ``tests/unit/test_pipeline_dp.py``."""
     p, m, v = opts.stages, opts.micro_batches, opts.virtual
+    if opts.steady:  # kept full: no fill, no drain (``PipelineOptions.steady``)
+        return float(v * max(m, p))
     return float(v * max(m, p) + min(m, p) - 1)
 
 
@@ -234,7 +241,7 @@ def slot_units(opts: PipelineOptions) -> float:
     sharing cores run faster in the fill and drain (``PipelineOptions.sharing``)."""
     nominal = schedule_units(opts)
     sh = opts.sharing
-    if sh is None or sh.alone_speedup <= 1 or opts.stages == 1:
+    if sh is None or sh.alone_speedup <= 1 or opts.stages == 1 or opts.steady:  # steady: every slot busy
         return nominal
     rows = _simulate(opts)
     slots = [sh.slot_time([row[s] != "." for row in rows]) for s in range(len(rows[0]))]
@@ -516,19 +523,21 @@ def best_pipeline(
     schedules: Iterable[str | tuple[str, int]],
     p2p_s: float = 0.0,
     sharing: CoreSharing | None = None,
+    steady: bool = False,
 ) -> PipelinePlan:
     """Search stage counts x micro-batch counts x schedules; least time per micro-batch (step_s / m) wins.
 
     Layer costs are per micro-batch of a fixed size, so comparing m compares throughput. A schedule is a name or
     ``("interleaved", v)``; plain "interleaved" means v = 2. Ties go to lower peak memory. ``sharing``: ranks
-    sharing a host's cores (``CoreSharing``), ``stage_ranks`` per stage.
+    sharing a host's cores (``CoreSharing``), ``stage_ranks`` per stage. ``steady``: decoding served continuously,
+    the pipeline kept full (``PipelineOptions.steady``).
     """
     best, errors = None, []
     for p, m, sch in itertools.product(list(stage_counts), list(micro_batch_counts), list(schedules)):
         name, v = (sch, 1) if isinstance(sch, str) else sch
         if name == "interleaved" and isinstance(sch, str):
             v = 2
-        opts = PipelineOptions(p, m, name, v, p2p_s, sharing)
+        opts = PipelineOptions(p, m, name, v, p2p_s, sharing, steady)
         try:
             plan = partition(layers, opts, memory_limit)
         except ValueError as e:

@@ -128,3 +128,26 @@ def test_forward_only_working_set_is_sharded_and_holds_no_weights():
     weights = sum(p.numel() * 4 for p in _llama().parameters())
     assert last["memory_bytes"]["states"] >= logits  # the 4 micro-batches' logits, held until the call returns
     assert first["memory_bytes"]["states"] + last["memory_bytes"]["states"] >= weights + logits
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_decoding_pipeline_is_priced_kept_full(m):
+    """Served decoding never drains its pipeline: as a micro-batch's token leaves the last stage its next step enters
+    the first. A step of every micro-batch is max(m, p) stage times, not GPipe's one-batch m + p - 1 (the fill and
+    drain), and that is the time between a sequence's tokens. A forward of one batch (no K/V cache: not decoding)
+    still pays the fill and drain, as the runtime runs one call."""
+    forced = {"stages": 2, "micro_batches": m, "schedule": "gpipe"}
+    dec = _decode_plan("pp", forced, ranks=2)
+    pp = dec.pipeline
+    assert pp["steady"] and "decoding served continuously" in dec.pipeline_text()
+    t = max(st["time_s"] for st in pp["stages"])
+    assert pp["pipeline_s"] == pytest.approx(max(m, 2) * t, rel=1e-9)
+    assert pp["drained_step_time_s"] == pytest.approx((m + 1) * t, rel=1e-9)
+    assert pp["bubble_fraction"] == pytest.approx(1 - m / max(m, 2))
+    assert dec.predicted["step_time_s"] == pytest.approx(pp["step_time_s"]) and pp["step_time_s"] >= pp["pipeline_s"]
+    ids = torch.randint(0, 256, (4, 1))
+    one = autopart.plan(_llama(), autopart.mesh((2,), ("pp",)), (ids,), roles={"pp": "pp"}, cluster="h100-80gb",
+                        pipeline=forced, recipes=False)
+    assert not one.pipeline["steady"] and one.pipeline["drained_step_time_s"] == one.pipeline["step_time_s"]
+    t1 = max(st["time_s"] for st in one.pipeline["stages"])
+    assert one.pipeline["pipeline_s"] == pytest.approx((m + 1) * t1, rel=1e-9)
