@@ -908,8 +908,11 @@ def no_fit_record(err: Exception) -> dict:
     src = err if err.terms or err.without is None else err.without
     if not src.terms:
         return {}
-    return {"smallest_peak_bytes": float(src.min_memory), "limit_bytes": float(src.limit), "binding": src.binding,
-            "terms": [{"kind": k, "node": n, "bytes": float(b)} for k, n, b in src.terms]}
+    def num(x: float) -> float | None:  # JSON has no inf or nan
+        return float(x) if math.isfinite(x) else None
+
+    return {"smallest_peak_bytes": num(src.min_memory), "limit_bytes": num(src.limit), "binding": src.binding,
+            "terms": [{"kind": k, "node": n, "bytes": num(b)} for k, n, b in src.terms]}
 
 
 def _binding(err: Exception, params: int, gpus: int, cl: Cluster, state_bytes: float,

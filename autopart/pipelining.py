@@ -62,7 +62,7 @@ from autopart.solver.pipeline import (
     best_pipeline,
     gather_exposed,
     reduction_tail,
-    schedule_units,
+    schedule_step_time,
     stage_peak,
 )
 from autopart.trace import Traced
@@ -78,6 +78,9 @@ class Unit:
     # the least time_s a micro-batch takes whatever its size: its ops' parameters read (and, training, their
     # gradients written) at the memory bandwidth (a decoding step reads every weight; planner's param_read_s)
     floor_s: float = 0.0
+    # the part of time_s of the nodes that read parameters (whose floor_s it is): only they keep a floor, the
+    # rest (attention over the K/V cache, norms) shrinks with the micro-batch. None: all of time_s
+    floored_s: float | None = None
     fwd_s: float = 0.0  # forward compute of the recomputable nodes (what full recompute costs)
     act_bytes: float = 0.0
     ckpt_act_bytes: float = 0.0  # kept under full recompute (the block's input/output)
@@ -101,6 +104,7 @@ class Unit:
     block_time_s: float = 0.0
     block_fixed_s: float = 0.0
     block_floor_s: float = 0.0
+    block_floored_s: float = 0.0
     block_fwd_s: float = 0.0
     block_act_bytes: float = 0.0
     block_ckpt_bytes: float = 0.0
@@ -115,7 +119,11 @@ class Unit:
 
     def cost(self, m: int) -> LayerCost:
         rec = self.ckpt_act_bytes / m if self.checkpointable and self.ckpt_act_bytes < self.act_bytes else None
-        t = max(self.time_s / m, min(self.floor_s, self.time_s)) + self.fixed_s
+        # a micro-batch's nodes that read parameters take at least the read, the others their share: a decoding
+        # micro-batch reads every weight of the block, and its own sequences' K/V cache (not the floor's max of
+        # the two, which hid the cache's read under the weights')
+        floored = self.time_s if self.floored_s is None else min(self.floored_s, self.time_s)
+        t = (self.time_s - floored) / m + max(floored / m, min(self.floor_s, floored)) + self.fixed_s
         fwd = min(self.fwd_s / m, t)
         if self.full:  # recomputed whatever the partition: keeps its input, runs its forward again in backward
             return LayerCost(fwd_s=fwd, bwd_s=t, act_bytes=min(self.ckpt_act_bytes, self.act_bytes) / m,
@@ -149,7 +157,7 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         raise ValueError(f"pipeline parallelism needs repeated blocks to split between stages; the graph has "
                          f"{len(layers)} block(s) ({layers}): use pipeline='off'")
     index = {lay: i for i, lay in enumerate(layers)}
-    units = [Unit(lay) for lay in layers]
+    units = [Unit(lay, floored_s=0.0) for lay in layers]
     unit_of: dict[str, int] = {}
     cur = 0
     for n in order:
@@ -217,6 +225,9 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
         u.block_time_s += (rec["time_s"] - lat) * own
         u.floor_s += rec.get("param_read_s", 0.0)
         u.block_floor_s += rec.get("param_read_s", 0.0) * own
+        if rec.get("param_read_s", 0.0) > 0:
+            u.floored_s += rec["time_s"] - lat
+            u.block_floored_s += (rec["time_s"] - lat) * own
         u.block_act_bytes += kept * own
         u.block_transient_bytes = max(u.block_transient_bytes + tr * own, work * own)
         if rec["region"] in ("layer", "attention"):
@@ -368,7 +379,7 @@ def expand_units(units: list[Unit], n_blocks: int) -> list[Unit]:
     the blocks between are the second block without the head (its own nodes only)."""
     first, second = units
     inner = dataclasses.replace(second, name="", time_s=second.block_time_s, fixed_s=second.block_fixed_s,
-                                floor_s=second.block_floor_s,
+                                floor_s=second.block_floor_s, floored_s=second.block_floored_s,
                                 fwd_s=second.block_fwd_s, act_bytes=second.block_act_bytes,
                                 ckpt_act_bytes=second.block_ckpt_bytes, out_bytes=first.out_bytes,
                                 state_bytes=second.block_state_bytes, kv_bytes=second.block_kv_bytes,
@@ -433,13 +444,18 @@ def _batch_of(traced: Traced) -> int:
 
 
 def _batch_shards(plan, traced: Traced, mesh) -> int:
-    """How many ways a stage splits the batch: the product of the mesh axes on which the inputs or any activation
-    is sharded on its batch dimension (dim 0 of the batch's size, batch-first models). A micro-batch must still
-    split that many ways. A batch x sequence flattened into dim 0 (the tokens of a linear under sequence
-    parallelism, reduce-scattered there by a collective matmul) splits with the sequence, whatever the
-    micro-batch: it does not count. Nor does a tensor that no input flows into (a RoPE table of the sequence's
-    length, [seq, head_dim]: sharded by sequence on a tensor axis, and as long as the batch when seq == batch, e.g.
-    4096 sequences of 4096 tokens)."""
+    """How many ways a stage splits the batch: the product of ``batch_axes``. A micro-batch must still split that
+    many ways."""
+    return math.prod(mesh[i] for i in batch_axes(plan, traced))
+
+
+def batch_axes(plan, traced: Traced) -> set[int]:
+    """The mesh axes on which a plan splits the batch: those on which the inputs or any activation is sharded on
+    its batch dimension (dim 0 of the batch's size, batch-first models). A batch x sequence flattened into dim 0
+    (the tokens of a linear under sequence parallelism, reduce-scattered there by a collective matmul) splits with
+    the sequence, whatever the micro-batch: it does not count. Nor does a tensor that no input flows into (a RoPE
+    table of the sequence's length, [seq, head_dim]: sharded by sequence on a tensor axis, and as long as the batch
+    when seq == batch, e.g. 4096 sequences of 4096 tokens)."""
     batch = _batch_of(traced)
     vals = {n.name: n.meta.get("val") for n in traced.graph.nodes}
     from_inputs = set(traced.user_inputs)
@@ -459,7 +475,7 @@ def _batch_shards(plan, traced: Traced, mesh) -> int:
             for i, p in enumerate(parse_spec(out)):
                 if isinstance(p, Shard) and p.dim == 0:
                     axes.add(i)
-    return math.prod(mesh[i] for i in axes)
+    return axes
 
 
 def _schedules(forced: dict) -> list:
@@ -700,8 +716,8 @@ def record(cand: Candidate, traced: Traced, cluster: Cluster, axis_names: tuple[
         # decoding served continuously: the step priced with the pipeline kept full (``PipelineOptions.steady``);
         # one call of the runtime, which fills and drains it, takes ``drained_step_time_s``
         "steady": o.steady,
-        "drained_step_time_s": cand.step_s + (schedule_units(dataclasses.replace(o, steady=False))
-                                              - schedule_units(o)) * max(pl.stage_time_s) if o.steady else cand.step_s,
+        "drained_step_time_s": cand.step_s - pl.step_s + schedule_step_time(
+            pl.stage_time_s, dataclasses.replace(o, steady=False)) if o.steady else cand.step_s,
         "gradient_reduction_s": cand.reduce_s, "p2p_s": o.p2p_s,
         "stages": stage_recs, "stage_of_layer": {units[i].name: c for i, c in enumerate(stages)},
         # forward-only (no parameter trains: inference), the order the runtime runs it in

@@ -118,32 +118,53 @@ class Plan:
 
     # ---- queries -------------------------------------------------------------------------------------------
     def axis_role(self, axis: int) -> str:
-        """What the solver made of a mesh axis, by where the parameters' bytes go: 'tensor' when a fifth or more of
-        them are split on it (ZeRO-3's shards aside: those are gathered whole for use), 'data' when a fifth or more
-        are held whole (or as ZeRO shards) there and the batch is divided on it (training: their gradients are summed
-        over the axis, ``reduced``; forward only: some op's output is split on it), both, or 'replicated' (idle).
+        """What the solver made of a mesh axis, by where the parameters' bytes go. Each parameter on the axis is
+        split for use (its ops read the shard: tensor parallel), an expert weight split over the experts (expert
+        parallel), or whole where it is used (replicated, or a ZeRO-3 shard gathered for each use). The axis is
+        'tensor' when a fifth or more of the bytes are split for use, 'expert' when a fifth or more are expert
+        weights split there, 'data' when the batch is split on it and a fifth or more are whole or experts'
+        (frozen weights too: inference, fine-tuning), 'context' when an attention or scan splits the sequence on
+        it; several joined by '+', or 'replicated' (idle).
 
-        By bytes, not by the inputs: a plan may keep its token ids whole and slice them at the embedding (free), or
-        split one 128K-row table's hidden dim while every block is data parallel; the blocks decide what the axis
-        is. A plan saved before parameter records carried ``numel`` counts each parameter once."""
+        By the bytes of the blocks' parameters (of all, in a model without numbered blocks), not by the inputs: a
+        plan may keep its token ids whole and slice them at the embedding (free), or split one 128K-row table's
+        hidden dim while every block is data parallel; the blocks decide what the axis is. A plan saved before its
+        records carried ``numel`` counts each parameter once, and one without ``options["batch_axes"]`` takes the
+        batch as split where a gradient is summed or an input split."""
         tags = self.options.get("param_tags") or {}
         numel = {r["param"]: r["numel"] for r in self.nodes.values() if "numel" in r}
         weight = {f: numel.get(f, 0) for f in self.params} if numel else dict.fromkeys(self.params, 1)  # tied: once
-        total = sum(weight.values())
-        if total == 0:  # no parameters: the inputs say it
-            return "data" if any(spec_axis(s, axis).startswith("S") for s in self.inputs.values()) else "replicated"
-        sharded = {f for f, s in self.params.items() if spec_axis(s, axis).startswith("S") and tags.get(f) != "zero3"}
-        if any(r.get("grad_bytes") for r in self.nodes.values()) or self.reduced:
-            whole = {f for f in self.params if f not in sharded and axis in self.reduced.get(f, ())}
+        if any(weight[f] and _param_layer(f) for f in weight):  # the blocks decide, not the embedding or head
+            weight = {f: w if _param_layer(f) else 0 for f, w in weight.items()}
+        gathered = {r["param"]: r["gathered_axes"] for r in self.nodes.values() if "gathered_axes" in r}
+        expert = {r["param"] for r in self.nodes.values() if r.get("expert") or r.get("stacked")}
+        if "batch_axes" in self.options:
+            batch = axis in self.options["batch_axes"]
         else:
-            split = any(spec_axis(s, axis).startswith("S") for r in self.nodes.values()
-                        if r["op"] not in ("param", "buffer", "constant", "input")
-                        for s in ([r["output"]] if isinstance(r["output"], str) else r["output"]))
-            whole = set(self.params) - sharded if split else set()
-        tensor = sum(weight[f] for f in sharded) >= 0.2 * total
-        data = sum(weight[f] for f in whole) >= 0.2 * total
-        return {(True, True): "data+tensor", (True, False): "tensor", (False, True): "data"}.get(
-            (tensor, data), "replicated")
+            batch = any(axis in v for v in self.reduced.values()) or \
+                any(spec_axis(s, axis).startswith("S") for s in self.inputs.values())
+        split_use = split_expert = whole = 0
+        for f, spec in self.params.items():
+            if not spec_axis(spec, axis).startswith("S"):
+                whole += weight[f]
+            elif f in expert and spec_axis(spec, axis) == "S(0)":  # split over the experts
+                split_expert += weight[f]
+            elif axis in gathered.get(f, (axis,) if tags.get(f) == "zero3" and batch else ()):  # saved before
+                # ``gathered_axes``: ZeRO-3 shards where the batch is split
+                whole += weight[f]
+            else:
+                split_use += weight[f]
+        total = sum(weight.values())
+        roles = []
+        if batch and (whole + split_expert >= 0.2 * total or total == 0):
+            roles.append("data")
+        if any(r.get("cp_axis") == axis for r in self.nodes.values()):
+            roles.append("context")
+        if total and split_expert >= 0.2 * total:
+            roles.append("expert")
+        if total and split_use >= 0.2 * total:
+            roles.append("tensor")
+        return "+".join(roles) or "replicated"
 
     def param_pins(self) -> dict[str, str]:
         """Every parameter pinned to this plan's exact option, as ``plan(..., pins=)`` takes them: its placement and

@@ -75,7 +75,7 @@ from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_key, b
 from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy import ssm as ssm_rules
-from autopart.strategy.context import CP_TAGS, cp_comm_time, cp_variants
+from autopart.strategy.context import CP_TAGS, cp_axis, cp_comm_time, cp_variants, seq_axis
 from autopart.strategy.registry import NESTED_INPUTS
 from autopart.trace import Traced
 
@@ -3344,6 +3344,12 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         ep = ep_axes(n, o.inputs) if n.target is regions.OP else ()
         if ep:  # expert parallel: what the plan prints
             rec["ep_axes"], rec["experts"] = list(ep), regions.region(n.args[0]).num_experts
+            for i in regions.region(n.args[0]).expert_inputs:  # its stacked expert weights (``Plan.axis_role``)
+                w, _ = _producer(n.args[1][i])
+                if w.name in nodes and info.kind.get(w.name) == "param":
+                    nodes[w.name]["expert"] = True
+        if o.tag in CP_TAGS:  # the axis it splits the sequence over (``Plan.axis_role``)
+            rec["cp_axis"] = cp_axis(o) if n.target == aten.scaled_dot_product_attention.default else seq_axis(o)
         kv = kv_cache_bytes(n, o, mesh, opts.kv_cache_tokens) if info.kind[n.name] == "op" else 0.0
         if kv:  # in its memory_bytes: the cache of every sequence of the batch, held between steps
             rec["kv_cache_bytes"] = kv
@@ -3353,6 +3359,8 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                 rec["keep_bytes"] = float(prob.keep_full[gid][a]) / k  # kept under full recompute
         if info.kind[n.name] == "param":
             rec["param"], rec["numel"] = traced.params[n.name], value_of(n).numel()  # ``Plan.axis_role`` weighs
+            if value_of(n).dim() >= 3 and not any("conv" in str(u.target) for u in n.users):
+                rec["stacked"] = True  # [E, d, f] expert weights stacked (``autopart.models.moe``), not a kernel
             rec["grad_bytes"] = float(prob.grad_memory[gid][a]) / k
             if o.tag == "zero2" and info.needs_grad[n.name]:
                 # the whole local gradient: what its reduce-scatter moves, and what a pipeline holds until the
@@ -3376,6 +3384,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
                     param_tags[alias] = o.tag
             gathered = [i for i in range(len(mesh)) if is_shard(o.output[i]) and n.users and all(
                 isinstance(chosen[u.name].inputs[tensor_inputs(u).index(n)][i], Replicate) for u in n.users)]
+            rec["gathered_axes"] = gathered  # sharded there only to be stored (ZeRO-3): ``Plan.axis_role``
             if gathered and o.tag == "zero3":
                 zero[fqn] = 3
             elif o.tag in ("zero1", "zero2") and not gathered:
@@ -3556,7 +3565,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         accumulation = {"micro_batches": m, "micro_batch_size": batch // m, "batch": batch}
         predicted = accumulated(predicted, m, traced, nodes, collectives, reduced, zero,
                                 [g[:3] for g in zero_gathers], cluster, sizes, opts.reduce_dtype)
-    return Plan(
+    plan = Plan(
         fingerprint=traced.fingerprint,
         mesh_shape=tuple(mesh),
         axis_names=tuple(axis_names),
@@ -3581,6 +3590,10 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
         offload=sorted(offload),
         accumulation=accumulation,
     )
+    from autopart.pipelining import batch_axes
+
+    plan.options["batch_axes"] = sorted(batch_axes(plan, traced))  # ``Plan.axis_role``
+    return plan
 
 
 def per_micro_batch_s(nodes: dict, collectives: list[dict], device: Device) -> tuple[float, float]:
@@ -3612,11 +3625,12 @@ def weight_reread_s(nodes: dict, m: int, device: Device) -> float:
     """What ``m`` micro-batches add to the traced batch's compute by reading the weights again each: per block (the
     nodes of one layer; the rest as one), a micro-batch takes at least its ops' parameter reads at the memory
     bandwidth (``param_read_s``: forward's read, and backward's read and gradient write), capped at the whole
-    batch's time, as ``pipelining.Unit.cost`` prices a pipeline's micro-batches. Zero where each micro-batch's
-    share of the compute stays above it (large micro-batches: GEMMs are compute-bound)."""
+    batch's time of those ops, as ``pipelining.Unit.cost`` prices a pipeline's micro-batches (the other ops, such as
+    attention over the K/V cache, split with the batch). Zero where each micro-batch's share of the compute stays
+    above it (large micro-batches: GEMMs are compute-bound)."""
     blocks: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for r in nodes.values():
-        if r["op"] in ("param", "buffer", "constant", "input"):
+        if r["op"] in ("param", "buffer", "constant", "input") or not r.get("param_read_s"):
             continue
         b = blocks[r["layer"]]
         b[0] += r["time_s"] - fixed_op_s(r, device)

@@ -42,21 +42,17 @@ def test_batch_one_decoding_is_tensor_parallel_over_the_node_with_weights_sharde
     assert read < a.step_time_s < read + comm + 1e-3
 
 
-def test_decoding_across_a100_nodes_is_pipelined_and_priced_kept_full():
-    """Two A100 nodes serving Llama-2-70B's layer (8 layers) at batch 64: tensor parallel 8 inside each node and
-    2 pipeline stages across (vLLM's and TensorRT-LLM's multi-node layout), priced as served: the pipeline never
-    drains, a step of both micro-batches is 2 stage times (not GPipe's 3 of one batch), which is also the time
-    between a sequence's tokens. Priced as one drained batch, the same pipeline is slower than the plan without
-    stages (before, the search turned to the interleaved schedule to cut a bubble served decoding does not have)."""
-    a = autopart.advise("llama", "70b", layers=8, cluster="a100-80gb", nodes=2, batch=64, seq=1, inference=True,
+def test_decoding_batch_8_stays_tensor_parallel_its_pipelines_priced_as_served():
+    """Llama-3-8B decoding 8 sequences over an 8192-token K/V cache on one H100 node: tensor parallel 8, as served
+    in practice. Its pipelined candidates are priced as a server runs them, kept full (a step of m micro-batches is
+    max(m, p) stage times, no fill or drain), and each micro-batch reads its stage's weights *and* its sequences'
+    K/V cache. When a block's floor was the larger of the two (the weights' read hiding the cache's), tensor 4 x 2
+    pipeline stages looked 11% faster (1.719 ms against 1.937) and won."""
+    a = autopart.advise("llama", "8b", cluster="h100-80gb", nodes=1, batch=8, seq=1, inference=True,
                         kv_cache_tokens=8192)
-    pp = a.plan.pipeline
-    assert a.fits and a.strategy["pp"] == 2 and a.strategy["tp"] == 8, a.strategy
-    assert pp["steady"] and pp["axis_name"] == "node" and pp["micro_batches"] >= 2
-    t = max(st["time_s"] for st in pp["stages"])
-    m = pp["micro_batches"]
-    assert pp["pipeline_s"] == pytest.approx(max(m, 2) * t, rel=1e-9)
-    assert pp["drained_step_time_s"] == pytest.approx(a.step_time_s + (min(m, 2) - 1) * t, rel=1e-9)
-    # the plan without stages on the same mesh is slower than the pipeline served, faster than one drained batch
-    assert a.step_time_s < pp["no_pipeline_step_time_s"] < pp["drained_step_time_s"]
-    assert a.tokens_per_s == pytest.approx(64 / a.step_time_s)
+    assert a.fits and (a.strategy["tp"], a.strategy["pp"]) == (8, 1), a.strategy
+    cands = a.plan.solver["pipeline_candidates"]
+    assert cands and all("steady" in c["schedule"] for c in cands)
+    assert min(c["step_time_s"] for c in cands) > a.step_time_s
+    kv = a.memory["by_kind"]["kv_cache"]
+    assert kv == pytest.approx(8 * 32 * 8192 * 2 * 8 * 128 * 2 / 8, rel=0.01)  # the cache split 8 ways by heads

@@ -175,6 +175,7 @@ def _llama_program(tag: str, s: int = 16):
 def test_pass_lowers_and_balances() -> None:
     t, plan, sdpa, passes = _llama_program("cp_allgather")
     assert plan.nodes[sdpa]["tag"] == "cp_allgather"
+    assert plan.nodes[sdpa]["cp_axis"] == 0 and plan.axis_role(0) == "context"  # the sequence split, not the batch
     gm = passes(plan)
     assert gm.meta["autopart.context"] == {"axis": 0, "n": 2, "s": 16, "layout": "balanced"}
     assert gm.code.count("context_attention(") == 1 and "'cp_allgather', True, None, 'balanced'" in gm.code

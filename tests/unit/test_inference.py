@@ -96,6 +96,10 @@ def test_every_micro_batch_of_a_pipeline_reads_its_stage_weights():
     assert u.cost(4).fwd_s + u.cost(4).bwd_s == pytest.approx(4.0)  # not 10 / 4
     one = Unit("b", time_s=10.0, floor_s=40.0).cost(1)
     assert one.fwd_s + one.bwd_s == pytest.approx(10.0)  # never above one pass's time
+    # only the ops that read the weights keep the floor: the rest (attention reading its sequences' K/V cache)
+    # takes its share. 6 of the 10 s read 4 s of weights: a quarter of the batch takes 4 + 4 / 4, not max(2.5, 4)
+    part = Unit("b", time_s=10.0, floor_s=4.0, floored_s=6.0).cost(4)
+    assert part.fwd_s + part.bwd_s == pytest.approx(5.0)
     stage_time = {}
     for m in (1, 4):
         p = _decode_plan("pp", {"stages": 2, "micro_batches": m, "schedule": "gpipe"}, ranks=2)

@@ -162,6 +162,8 @@ def test_expert_parallel_plan_structure(ep: int):
         (d, e) for d, e in zip(expert_nodes(t.graph)["dispatch"], expert_nodes(t.graph)["experts"][::3])
     } | {(e, c) for e, c in zip(expert_nodes(t.graph)["experts"][2::3], expert_nodes(t.graph)["combine"])}
     assert not plan.unsupported_ops or set(plan.unsupported_ops) <= {"aten.arange.default", "aten.arange.start_step"}
+    # the axis splits the tokens (data) and the experts (expert): not tensor parallel, though most bytes are split
+    assert plan.axis_role(0) == "data+expert" and "axes: ep: data+expert" in str(plan)
 
 
 def test_all_to_all_is_priced_at_the_ranks_shard():

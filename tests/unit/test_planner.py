@@ -590,3 +590,28 @@ def test_data_parallel_roles_that_cannot_split_the_batch_are_said():
                       roles={"dp": "dp", "dp2": "dp"})
     with pytest.warns(UserWarning, match=r"no input's batch \(dim 0\) splits 3 ways"):
         autopart.plan(None, autopart.mesh((3,), ("dp",)), traced=t, recipes=False, roles={"dp": "dp"})
+
+
+def test_axis_roles_weigh_the_blocks_parameters():
+    """``Plan.axis_role`` (the "axes:" line): tensor where the blocks' weights are split for use, data where the
+    batch is split and they are whole, ZeRO-3's shards (gathered for each use) and frozen weights counted whole."""
+    kw = dict(recipes=False, pipeline="off")
+    tp_fsdp = autopart.plan(_gpt(), autopart.mesh((2, 2), ("dp", "tp")), (IDS,), {"labels": IDS},
+                            roles={"dp": "dp", "tp": "tp"}, zero=3, **kw)
+    assert tp_fsdp.zero and [tp_fsdp.axis_role(i) for i in range(2)] == ["data", "tensor"]
+    fsdp = autopart.plan(_gpt(), autopart.mesh((4,), ("dp",)), (IDS,), {"labels": IDS}, roles={"dp": "dp"}, zero=3,
+                         **kw)
+    assert fsdp.zero and fsdp.axis_role(0) == "data"
+    frozen = _gpt()
+    for name, q in frozen.named_parameters():
+        q.requires_grad_("ln" in name)  # only the norms train: the axis still splits the batch
+    ddp = autopart.plan(frozen, autopart.mesh((4,), ("dp",)), (IDS,), {"labels": IDS}, roles={"dp": "dp"}, zero=0,
+                        **kw)
+    assert ddp.axis_role(0) == "data" and ddp.options["batch_axes"] == [0]
+    # a plan saved before the records said which parameters are gathered, their sizes and the batch's axes
+    old = Plan.from_json(tp_fsdp.to_json())
+    for rec in old.nodes.values():
+        for key in ("numel", "gathered_axes", "stacked", "expert"):
+            rec.pop(key, None)
+    del old.options["batch_axes"]
+    assert [old.axis_role(i) for i in range(2)] == ["data", "tensor"]
