@@ -456,26 +456,48 @@ def batch_axes(plan, traced: Traced) -> set[int]:
     the sequence, whatever the micro-batch: it does not count. Nor does a tensor that no input flows into (a RoPE
     table of the sequence's length, [seq, head_dim]: sharded by sequence on a tensor axis, and as long as the batch
     when seq == batch, e.g. 4096 sequences of 4096 tokens)."""
-    batch = _batch_of(traced)
-    vals = {n.name: n.meta.get("val") for n in traced.graph.nodes}
-    from_inputs = set(traced.user_inputs)
-    for n in traced.graph.nodes:
-        if any(a.name in from_inputs for a in n.all_input_nodes):
-            from_inputs.add(n.name)
+    batch_sized = _batch_sized(traced)
     axes: set[int] = set()
-    for name, rec in plan.nodes.items():
-        if rec["op"] in ("param", "buffer", "constant") or name not in from_inputs:
+    for name, sized in batch_sized.items():
+        rec = plan.nodes.get(name)
+        if rec is None or rec["op"] in ("param", "buffer", "constant"):
             continue
         outs = rec["output"] if isinstance(rec["output"], list) else [rec["output"]]
-        val = vals.get(name)
-        vs = list(val) if isinstance(val, (list, tuple)) else [val] * len(outs)
-        for out, v in zip(outs, vs):
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] != batch:
-                continue
-            for i, p in enumerate(parse_spec(out)):
-                if isinstance(p, Shard) and p.dim == 0:
-                    axes.add(i)
+        for out, ok in zip(outs, sized if len(sized) == len(outs) else sized * len(outs)):
+            if ok and "S(0)" in out:  # (a spec string: the quick test before parsing it)
+                for i, p in enumerate(parse_spec(out)):
+                    if isinstance(p, Shard) and p.dim == 0:
+                        axes.add(i)
     return axes
+
+
+_BATCH_SIZED: dict[int, tuple] = {}
+
+
+def _batch_sized(traced: Traced) -> dict[str, list[bool]]:
+    """Of every node an input flows into: per output, whether dim 0 may be the batch (a tensor whose dim 0 is the
+    batch's size, or not a tensor); {} without a batch dimension. Per traced graph, computed once."""
+    hit = _BATCH_SIZED.get(id(traced))
+    if hit is not None and hit[0] is traced:
+        return hit[1]
+    try:
+        batch = _batch_of(traced)
+    except ValueError:
+        batch = None
+    out: dict[str, list[bool]] = {}
+    if batch is not None:
+        from_inputs = set(traced.user_inputs)
+        for n in traced.graph.nodes:
+            if n.name not in from_inputs and not any(a.name in from_inputs for a in n.all_input_nodes):
+                continue
+            from_inputs.add(n.name)
+            val = n.meta.get("val")
+            vs = list(val) if isinstance(val, (list, tuple)) else [val]
+            out[n.name] = [not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] != batch) for v in vs]
+    if len(_BATCH_SIZED) > 16:
+        _BATCH_SIZED.clear()
+    _BATCH_SIZED[id(traced)] = (traced, out)
+    return out
 
 
 def _schedules(forced: dict) -> list:
