@@ -903,11 +903,10 @@ def _held_terms(err: Exception) -> tuple[float, dict[str, float]]:
 def no_fit_record(err: Exception) -> dict:
     """``Advice.no_fit`` of the planner's error: {} unless it is ``NoPlanFits`` with figures (a pipelined search's
     reports its plan without stages, on the whole mesh)."""
-    if not isinstance(err, NoPlanFits):
+    src = err.figures if isinstance(err, NoPlanFits) else None
+    if src is None or not src.terms:
         return {}
-    src = err if err.terms or err.without is None else err.without
-    if not src.terms:
-        return {}
+
     def num(x: float) -> float | None:  # JSON has no inf or nan
         return float(x) if math.isfinite(x) else None
 

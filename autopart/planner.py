@@ -1296,18 +1296,24 @@ class NoPlanFits(ValueError):
         self.min_memory, self.limit, self.binding, self.terms = min_memory, limit, binding, list(terms or [])
         self.without = without
 
+    @property
+    def figures(self) -> NoPlanFits:
+        """The error whose figures describe this failure: itself, or, a pipelined search's without figures of its
+        own, its plan without stages' (``without``)."""
+        return self if self.terms or self.without is None else self.without
+
     def held(self) -> dict[str, float]:
         """Bytes of each kind of state decoding holds between steps among the largest terms at the smallest peak:
-        ``{"K/V cache": b, "recurrent state": b}`` (the plan without stages' when this is a pipelined search's)."""
-        src = self if self.terms or self.without is None else self.without
+        ``{"K/V cache": b, "recurrent state": b}`` (of ``figures``)."""
         out: dict[str, float] = defaultdict(float)
-        for kind, _, b in src.terms:
+        for kind, _, b in self.figures.terms:
             if kind in ("K/V cache", "recurrent state"):
                 out[kind] += b
         return dict(out)
 
     def peak(self) -> float:
-        return self.min_memory if self.terms or self.without is None else self.without.min_memory
+        """The smallest per-device peak any plan reaches (of ``figures``)."""
+        return self.figures.min_memory
 
 
 def _pin_filter(name: str, opts: list[OpOption], pin: str) -> list[OpOption]:

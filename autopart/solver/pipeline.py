@@ -145,9 +145,9 @@ class PipelineOptions:
     sharing: CoreSharing | None = None  # ranks sharing cores: slots priced by the ranks busy in them
     # serving (forward only, a K/V cache held between steps: decoding, or a prefill chunk over a cached context)
     # runs continuously: the pipeline never drains. As a micro-batch's token leaves the last stage its next step
-    # enters the first (vLLM's and TensorRT-LLM's pipeline
-    # parallel serving keep as many batches in flight), so a step of every micro-batch is ``v max(m, p)`` chunk
-    # times, with no fill or drain; it is also the time between a sequence's tokens
+    # enters the first (vLLM's and TensorRT-LLM's pipeline parallel serving keep as many batches in flight), so a
+    # step of every micro-batch is ``v max(m, p)`` chunk times, with no fill or drain; it is also the time between
+    # a sequence's tokens
     steady: bool = False
 
     def __post_init__(self) -> None:

@@ -147,7 +147,7 @@ def test_memory_limit_no_plan_can_meet():
     assert "model states (parameter, gradient, optimizer)" in kinds and set(kinds) <= {
         "model states (parameter, gradient, optimizer)", "activations"}
     assert sizes == sorted(sizes, reverse=True) and sum(sizes) <= src.min_memory * (1 + 1e-9)
-    assert e.peak() == src.min_memory and e.held() == {}  # training holds no K/V cache
+    assert e.figures is src and e.peak() == src.min_memory and e.held() == {}  # training holds no K/V cache
 
 
 def test_memory_limit_forces_sharding(monkeypatch):
