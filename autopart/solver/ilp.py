@@ -372,12 +372,27 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
     fixed: dict[int, int] = {}
     replaced_by: dict[tuple[int, int], int] = {}
 
+    # what changed since it was last looked at: an edge to check again for forbidden rows and separability, a group
+    # for dominance. A clean one would give the same answer as last time (nothing), so skipping it changes nothing
+    dirty_edges: set[tuple[int, int]] = set(edges)
+    dirty_nodes: set[int] = set(range(n))
+
+    def touch(i: int) -> None:
+        """Group i's options, costs or memory changed: it and its neighbours' view of it are stale."""
+        dirty_nodes.add(i)
+        for key in adj[i]:
+            dirty_edges.add(key)
+            dirty_nodes.add(key[0] if key[1] == i else key[1])
+
     def keep(i: int, mask: np.ndarray) -> None:
+        if mask.all():
+            return
         opts[i], cost[i], mem[i] = opts[i][mask], cost[i][mask], mem[i][mask]
         for key in adj[i]:
             edges[key] = edges[key][mask, :] if key[0] == i else edges[key][:, mask]
             if key in emem:
                 emem[key] = emem[key][mask, :] if key[0] == i else emem[key][:, mask]
+        touch(i)
 
     def rows(i: int, key: tuple[int, int]) -> np.ndarray:
         return edges[key] if key[0] == i else edges[key].T
@@ -398,6 +413,8 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
         emem.pop(key, None)
         adj[key[0]].discard(key)
         adj[key[1]].discard(key)
+        dirty_edges.discard(key)
+        dirty_nodes.update(key)
 
     def fail_empty(i: int) -> None:
         neighbours = sorted({problem.names[k[0] if k[1] == i else k[1]] for k in adj[i]})
@@ -420,6 +437,9 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
             if len(opts[i]) == 0:
                 fail_empty(i)
         for key in list(edges):
+            if key not in dirty_edges:
+                continue
+            dirty_edges.discard(key)
             u, v = key
             mat = edges[key]
             ok_u, ok_v = np.isfinite(mat).any(axis=1), np.isfinite(mat).any(axis=0)
@@ -432,9 +452,9 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
             for i in key:
                 if len(opts[i]) == 0:
                     fail_empty(i)
-            if not enabled:
+            if not enabled or key not in edges:
                 continue
-            sep = _separable(edges[key]) if key in edges else None
+            sep = _separable(edges[key])
             msep = [_separable(emem[key][:, :, r]) for r in range(emem[key].shape[2])] if key in emem else []
             if sep is not None and all(m is not None for m in msep):
                 cost[u] = cost[u] + sep[0]
@@ -459,6 +479,8 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
                 base = base[~slack]
                 if not base.size:
                     limit = None
+                dirty_nodes.update(range(n))  # fewer memory rows: a group's features and an edge's split change
+                dirty_edges.update(emem)
                 changed = True
         if not enabled:
             break
@@ -478,6 +500,9 @@ def _presolve(problem: Problem, enabled: bool, explain: bool = True) -> _Reduced
         if changed:
             continue
         for i in free:
+            if i not in dirty_nodes:
+                continue
+            dirty_nodes.discard(i)
             k = len(opts[i])
             parts = [cost[i][:, None]] + [rows(i, key) for key in sorted(adj[i])]
             if limit is not None:
