@@ -39,11 +39,17 @@ class OpOption:
     tag: str = ""  # a variant with the same placements: "zero3" = a sharded parameter re-gathered for backward
 
     def __str__(self) -> str:
-        from autopart.placement import spec_str
+        text = self.__dict__.get("_text")  # memoised: every plan's record prints each node's options
+        if text is None:
+            from autopart.placement import spec_str
 
-        out = self.output
-        outs = "(" + ",".join(spec_str(o) for o in out) + ")" if out and isinstance(out[0], tuple) else spec_str(out)
-        return f"{','.join(spec_str(i) for i in self.inputs) or '-'} -> {outs}" + (f" [{self.tag}]" if self.tag else "")
+            out = self.output
+            outs = "(" + ",".join(spec_str(o) for o in out) + ")" if out and isinstance(out[0], tuple) \
+                else spec_str(out)
+            text = f"{','.join(spec_str(i) for i in self.inputs) or '-'} -> {outs}" + \
+                (f" [{self.tag}]" if self.tag else "")
+            object.__setattr__(self, "_text", text)
+        return text
 
 
 Rule = Callable[["NodeInfo", int], list[Option1D]]
