@@ -516,3 +516,32 @@ def test_forest_bound_is_a_lower_bound_exact_on_trees_and_above_the_floor():
             assert bound == pytest.approx(best[0], rel=1e-12, abs=1e-12)
         above_floor += bound > floor + 1e-9
     assert above_floor >= 20  # the bound is not the floor in disguise
+
+
+def test_presolve_leaves_nothing_to_reduce() -> None:
+    """Presolve runs to its fixpoint: it re-checks only the edges and groups whose options, costs or memory changed
+    (``_presolve``'s dirty sets), so a second presolve of its output (forbidden pairs, separable edges, slack memory
+    rows, single options, dominated options) must find nothing left; one that stopped early would. Random problems
+    with and without memory limits and forbidden pairs, cycles included."""
+    from autopart.solver.ilp import _presolve
+
+    rng = np.random.default_rng(11)
+    reduced = 0
+    for trial in range(300):
+        p = random_problem(rng, tree=trial % 3 == 0, memory=trial % 2 == 0)
+        try:
+            red = _presolve(p, True)
+        except InfeasibleError:
+            continue
+        if not red.groups:
+            continue
+        reduced += len(red.groups) < len(p.names) or any(len(o) < len(c) for o, c in zip(red.options, p.node_cost))
+        limited = red.memory_limit is not None
+        again = Problem([p.names[g] for g in red.groups], red.cost,
+                        red.memory if limited else [np.zeros(len(c)) for c in red.cost], red.edges,
+                        memory_limit=red.memory_limit, memory_base=red.memory_base if limited else 0.0)
+        red2 = _presolve(again, True)
+        assert red2.groups == list(range(len(red.groups))) and not red2.fixed and not red2.replaced_by, trial
+        assert [len(o) for o in red2.options] == [len(o) for o in red.options], trial
+        assert len(red2.edges) == len(red.edges), trial
+    assert reduced > 100  # the problems gave presolve work to do
