@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import re
 import weakref
 from collections.abc import Callable
@@ -293,10 +294,23 @@ def _shared_plan(model: nn.Module, mesh: Mesh, traced: Traced, **kw) -> Plan:
     """``plan(...)`` made on rank 0 and broadcast, so every rank runs the same plan."""
     import torch.distributed as dist
 
-    text = [None]
+    text: list[Any] = [None]
     if dist.get_rank() == 0:
-        text[0] = globals()["plan"](model, mesh, traced=traced, **kw).to_json()
+        try:
+            text[0] = globals()["plan"](model, mesh, traced=traced, **kw).to_json()
+        except Exception as exc:
+            # every rank raises it: the others would otherwise wait in the broadcast, then fail on a closed
+            # connection that names nothing (the error is rank 0's, pickled where it can be)
+            try:
+                pickle.dumps(exc)
+                text[0] = exc
+            except Exception:  # noqa: BLE001 - an exception that does not pickle: its type and message
+                text[0] = RuntimeError(f"{type(exc).__name__}: {exc}")
+            dist.broadcast_object_list(text, src=0)
+            raise
     dist.broadcast_object_list(text, src=0)
+    if isinstance(text[0], BaseException):
+        raise text[0]
     return Plan.from_json(text[0])
 
 

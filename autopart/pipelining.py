@@ -532,9 +532,11 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
 
     def schedules_for(units, p, m):
         # interleaved: 2 chunks per rank need 2p blocks; torch's ScheduleInterleaved1F1B runs m micro-batches in
-        # rounds of max(1, m // p) and needs m to be a multiple of that
+        # rounds of max(1, m // p) and needs m to be a multiple of that. 1F1B: torch's Schedule1F1B needs m >= p
+        # (with fewer, every forward fits in its warm-up: it runs as GPipe, which has no such bound)
         rounds = max(1, m // p)
-        return [s for s in _schedules(forced) if s in ("gpipe", "1f1b") or (len(units) >= 2 * p and m % rounds == 0)]
+        return [s for s in _schedules(forced) if s == "gpipe" or (s == "1f1b" and m >= p) or
+                (s not in ("gpipe", "1f1b") and len(units) >= 2 * p and m % rounds == 0)]
 
     def best_over_m(units, sub, stage_mesh, axis, p, mem_limit, log):
         f = _batch_shards(sub, traced, stage_mesh)
@@ -557,7 +559,9 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
             try:
                 scheds = schedules_for(units, p, m)
                 if not scheds:
-                    errors.append(f"p={p} m={m}: interleaved needs 2 blocks per rank and m a multiple of "
+                    errors.append(f"p={p} m={m}: 1F1B needs m >= p micro-batches (torch's Schedule1F1B; with fewer "
+                                  f"use 'gpipe', the same schedule there)" if _schedules(forced) == ["1f1b"] else
+                                  f"p={p} m={m}: interleaved needs 2 blocks per rank and m a multiple of "
                                   f"max(1, m // p) (torch's ScheduleInterleaved1F1B)")
                     continue
                 pl = best_pipeline(layer_costs, mem_limit, [p], [m], scheds, p2p, sharing, steady)

@@ -2881,7 +2881,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         base.solver["pipeline_search_s"] = wall
         base.solver["pipeline_candidates"] = sorted(tried, key=lambda r: r["step_time_s"])[:8]
         return base
-    detail = "\n".join(f"  {e}" for e in errors[-12:])
+    detail = "\n".join(f"  {e}" for e in list(dict.fromkeys(errors))[-12:])  # a line once (stage solves repeat)
     without = base_err if base_err is not None else f"not planned ({not_planned})"
     raise NoPlanFits(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
                      f"with pipeline stages:\n{detail}",

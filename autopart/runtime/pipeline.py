@@ -217,9 +217,10 @@ class PipelinedModule(ParallelModule):
             schedule = ScheduleInterleaved1F1B(stages, **kw)
         elif len(stages) > 1:  # forward only with several chunks per rank: breadth-first, GPipe's order
             schedule = ScheduleLoopedBFS(stages, **kw)
-        elif sched == "1f1b":
+        elif sched == "1f1b" and n_micro >= self.chunks:
             schedule = Schedule1F1B(stages[0], **kw)
-        else:
+        else:  # GPipe; also 1F1B with fewer micro-batches than stages, whose every forward fits in its warm-up:
+            # the same order, which torch's Schedule1F1B refuses to run
             schedule = ScheduleGPipe(stages[0], **kw)
         cache[key] = (schedule, graphs, mods)
         return cache[key]

@@ -598,3 +598,25 @@ def test_buffers_modes_non_tensor_inputs_and_output_structure(tmp_path):
             torch.testing.assert_close(loaded[k], ref_state[k], rtol=0, atol=1e-5)
         assert evaluated == pytest.approx(ref_eval, abs=1e-5), (evaluated, ref_eval)
         assert trained == pytest.approx(ref_train, abs=1e-5), (trained, ref_train)
+
+
+def _plan_error_run():
+    import autopart
+
+    x, y = _norm_flagged_data()
+    try:
+        autopart.parallelize(_NormFlagged(), autopart.mesh((2,), ("dp",)), (x,), {"y": y}, roles={"dp": "dp"},
+                             pins={"b.weigth": "R"})
+    except autopart.PlanInputError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_planning_error_reaches_every_rank():
+    """Rank 0 plans and broadcasts the plan; when planning fails there, every rank raises rank 0's error (the
+    others used to fail in the broadcast on a closed connection that named nothing)."""
+    results = run_ranks(2, _plan_error_run)
+    for name, message in results:
+        assert name == "PlanInputError" and "'b.weigth': no parameter or graph node has that name" in message, \
+            message
+        assert "did you mean 'b.weight'" in message, message

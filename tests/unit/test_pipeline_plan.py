@@ -373,3 +373,22 @@ def test_forward_only_refuses_recompute_and_activation_offload():
         autopart.plan(model, mesh, (ids,), {}, cluster="h100-80gb", checkpoint="full", kv_cache_tokens=64)
     with pytest.raises(ValueError, match="offload='activations' on a forward-only graph"):
         autopart.plan(model, mesh, (ids,), {}, cluster="h100-80gb", offload="activations", kv_cache_tokens=64)
+
+
+def test_1f1b_needs_as_many_micro_batches_as_stages():
+    """torch's Schedule1F1B refuses fewer micro-batches than stages (its runtime error came only at the first step):
+    forced, the plan says so and names GPipe; searched, such a pipeline runs GPipe (the same order there), and
+    1F1B only where m >= p."""
+    model = _model()
+    mesh = autopart.mesh((2, 2), ("pp", "tp"))
+    with pytest.raises(autopart.NoPlanFits, match=r"p=2 m=1: 1F1B needs m >= p micro-batches.*'gpipe'"):
+        autopart.plan(model, mesh, (IDS,), {"labels": IDS}, roles={"pp": "pp", "tp": "tp"},
+                      pipeline={"schedule": "1f1b", "micro_batches": 1})
+    p = autopart.plan(model, mesh, (IDS,), {"labels": IDS}, roles={"pp": "pp", "tp": "tp"},
+                      pipeline={"micro_batches": 1})
+    assert p.pipeline["micro_batches"] == 1 and p.pipeline["schedule"] == "gpipe", p.pipeline
+    searched = autopart.plan(model, mesh, (IDS,), {"labels": IDS}, roles={"pp": "pp", "tp": "tp"})
+    tried = searched.pipeline["candidates"]  # e.g. {"schedule": "1f1b(p=2, m=2)", "degree": 2, ...}
+    assert any(c["schedule"].startswith("1f1b") for c in tried), tried
+    assert all(c["micro_batches"] >= c["degree"] for c in tried if c["schedule"].startswith("1f1b")), tried
+    assert searched.pipeline["schedule"] != "1f1b" or searched.pipeline["micro_batches"] >= 2
