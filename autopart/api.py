@@ -302,9 +302,9 @@ def _shared_plan(model: nn.Module, mesh: Mesh, traced: Traced, **kw) -> Plan:
             # every rank raises it: the others would otherwise wait in the broadcast, then fail on a closed
             # connection that names nothing (the error is rank 0's, pickled where it can be)
             try:
-                pickle.dumps(exc)
+                pickle.loads(pickle.dumps(exc))  # the other ranks unpickle it (a custom __init__ may refuse)
                 text[0] = exc
-            except Exception:  # noqa: BLE001 - an exception that does not pickle: its type and message
+            except Exception:  # noqa: BLE001 - an exception that does not round-trip: its type and message
                 text[0] = RuntimeError(f"{type(exc).__name__}: {exc}")
             dist.broadcast_object_list(text, src=0)
             raise

@@ -304,6 +304,9 @@ class InfeasibleError(ValueError):
         self.contributors = contributors
         self.binding = binding  # the memory row (moment of the step) at the reported peak
 
+    def __reduce__(self):  # pickled whole (a planning error rank 0 sends the other ranks)
+        return type(self), (str(self), self.min_memory, self.contributors, self.binding)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Presolve

@@ -545,3 +545,18 @@ def test_presolve_leaves_nothing_to_reduce() -> None:
         assert [len(o) for o in red2.options] == [len(o) for o in red.options], trial
         assert len(red2.edges) == len(red.edges), trial
     assert reduced > 100  # the problems gave presolve work to do
+
+
+def test_planning_errors_pickle_whole() -> None:
+    """Rank 0 sends a planning error to the other ranks pickled (``api._shared_plan``): the solver's and the
+    planner's errors come back with their figures (an exception's default pickling calls ``__init__`` with the
+    message alone, which InfeasibleError's signature refused)."""
+    import pickle
+
+    from autopart.planner import NoPlanFits
+
+    e = pickle.loads(pickle.dumps(InfeasibleError("no fit", 3.0, [("w", 2.0)], "end of backward")))
+    assert (type(e), str(e), e.min_memory, e.contributors, e.binding) == \
+        (InfeasibleError, "no fit", 3.0, [("w", 2.0)], "end of backward")
+    n = pickle.loads(pickle.dumps(NoPlanFits("none", 5.0, 4.0, "peak", [("activations", "mm", 1.0)])))
+    assert (n.min_memory, n.limit, n.binding, n.terms) == (5.0, 4.0, "peak", [("activations", "mm", 1.0)])
