@@ -295,20 +295,22 @@ def _shared_plan(model: nn.Module, mesh: Mesh, traced: Traced, **kw) -> Plan:
     import torch.distributed as dist
 
     text: list[Any] = [None]
+    failed: Exception | None = None
     if dist.get_rank() == 0:
         try:
             text[0] = globals()["plan"](model, mesh, traced=traced, **kw).to_json()
         except Exception as exc:
             # every rank raises it: the others would otherwise wait in the broadcast, then fail on a closed
             # connection that names nothing (the error is rank 0's, pickled where it can be)
+            failed = exc
             try:
                 pickle.loads(pickle.dumps(exc))  # the other ranks unpickle it (a custom __init__ may refuse)
                 text[0] = exc
             except Exception:  # noqa: BLE001 - an exception that does not round-trip: its type and message
                 text[0] = RuntimeError(f"{type(exc).__name__}: {exc}")
-            dist.broadcast_object_list(text, src=0)
-            raise
     dist.broadcast_object_list(text, src=0)
+    if failed is not None:
+        raise failed  # rank 0: its own error, with its traceback
     if isinstance(text[0], BaseException):
         raise text[0]
     return Plan.from_json(text[0])
