@@ -46,6 +46,7 @@ import math
 import re
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -234,9 +235,9 @@ def _no_bytes(val: torch.Tensor) -> torch.Tensor:
 def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
     f = 1
     for p, n in zip(spec, mesh_shape):
-        if is_shard(p):
+        if isinstance(p, (Shard, Strided)):  # is_shard, inline: pricing calls this ~200k times a 70B plan
             f *= n
-    return tensor_bytes(val.shape, val.dtype) / f
+    return val.numel() * val.element_size() / f
 
 
 def embedding_rows_bytes(node: fx.Node) -> float:
@@ -842,8 +843,6 @@ _ANALYZED: dict = {}
 def _analyzed(traced: Traced, mesh: tuple[int, ...]) -> Graphinfo:
     """``analyze`` memoised for the last few (graph, mesh) pairs (the pipeline search solves each stage mesh twice);
     callers get their own options dict (they replace entries with filtered lists)."""
-    import weakref
-
     key = (id(traced.gm), mesh)
     store = _SESSION.analyzed if _SESSION is not None else _ANALYZED  # a make_plan call keeps all of its own
     hit = store.get(key)
@@ -1440,6 +1439,26 @@ def zero1_gather_time(val: torch.Tensor, spec, cluster: Cluster, latency: bool =
 
 
 _FORWARD_FLOOR: dict = {}
+_WORK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def op_work(n: fx.Node) -> tuple[int, int, torch.dtype | None, int]:
+    """(forward FLOPs, bytes read and written, compute dtype, backward FLOPs) of op node ``n``, whatever the mesh:
+    memoised per graph (by name; a graph that gained or lost nodes since is priced afresh) -- reading the values
+    of a node's arguments (``_fx_vals``) cost more than the pricing itself, once per stage mesh the search
+    builds a problem for (the whole graph's floors: 0.4 s of a Llama-70B plan)."""
+    graph = n.graph
+    memo = _WORK.get(graph)
+    if memo is None or memo[0] != len(graph.nodes):
+        memo = _WORK[graph] = (len(graph.nodes), {})
+    hit = memo[1].get(n.name)
+    if hit is None:
+        val = value_of(n)
+        args = _fx_vals(n.args)
+        flops = node_flops(n.target, args, _fx_vals(n.kwargs), val)
+        nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val, n.target)
+        hit = memo[1][n.name] = (flops, nbytes, compute_dtype(args, val), backward_flops(n.target, flops, n.args))
+    return hit
 
 
 def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float], float]:
@@ -1451,8 +1470,6 @@ def _forward_floor(info: Graphinfo, device, world: int) -> tuple[dict[str, float
 def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], float, dict[str, float]]:
     """``_forward_floor``'s two, and each op's backward seconds (of those that need a gradient) at the same split;
     memoised for the last few (graph, device, world) (the pipeline search builds a problem per stage mesh)."""
-    import weakref
-
     graph = info.nodes[0].graph if info.nodes else None
     key = (id(graph), device, world)
     hit = _FORWARD_FLOOR.get(key)
@@ -1462,14 +1479,11 @@ def _floors(info: Graphinfo, device, world: int) -> tuple[dict[str, float], floa
     for n in info.nodes:
         before[n.name] = clock
         if info.kind[n.name] == "op":
-            val = value_of(n)
-            flops = node_flops(n.target, _fx_vals(n.args), _fx_vals(n.kwargs), val)
-            nbytes = node_bytes(_fx_vals(list(n.args) + list(n.kwargs.values())), val, n.target)
-            dt = compute_dtype(_fx_vals(n.args), val)  # fp32 matmuls run at the device's fp32 rate
+            flops, nbytes, dt, bflops = op_work(n)  # fp32 matmuls run at the device's fp32 rate (dt)
             fwd = roofline_time(flops / world, nbytes / world, device, n.target, n.kwargs, dtype=dt)
             clock += fwd
             if info.needs_grad[n.name]:
-                both = roofline_time((flops + backward_flops(n.target, flops, n.args)) / world, 3 * nbytes / world,
+                both = roofline_time((flops + bflops) / world, 3 * nbytes / world,
                                      device, n.target, n.kwargs, with_backward=True, dtype=dt)
                 bwd[n.name] = max(0.0, both - fwd)
     if len(_FORWARD_FLOOR) >= 8:
@@ -2011,15 +2025,13 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
     kfull = np.zeros(len(opts_r))
     ksel = np.zeros(len(opts_r))
     if info.kind[rep.name] == "op":
-        flops = node_flops(rep.target, _fx_vals(rep.args), _fx_vals(rep.kwargs), val)
-        nbytes = node_bytes(_fx_vals(list(rep.args) + list(rep.kwargs.values())), val, rep.target)
+        flops, nbytes, dt, bflops = op_work(rep)  # fp32 matmuls run at the device's fp32 rate (dt)
         g = info.needs_grad[rep.name]
         rows = rep.target == aten.embedding.default and not g
         if rows:
             nbytes = embedding_rows_bytes(rep)
-        tflops = flops + (backward_flops(rep.target, flops, rep.args) if g else 0)
+        tflops = flops + (bflops if g else 0)
         tbytes = nbytes * (3 if g else 1)
-        dt = compute_dtype(_fx_vals(rep.args), val)  # fp32 matmuls run at the device's fp32 rate
         for a, o in enumerate(opts_r):
             f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
             share = local_bytes_share(rep, o, val, mesh, f, rows_only=rows)

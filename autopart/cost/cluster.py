@@ -88,7 +88,8 @@ class Link:
     def in_chain(self) -> Link:
         """The link as a collective issued right after another one sees it: its ``chained`` measurements where
         calibrated (they replace ``per_collective``), else this one."""
-        return replace(self, per_collective=self.chained, chained=()) if self.chained else self
+        return self._derived("_in_chain", lambda: replace(self, per_collective=self.chained, chained=())) \
+            if self.chained else self
 
     def across(self) -> Link:
         """The link between nodes alone (``local`` dropped)."""
@@ -98,10 +99,11 @@ class Link:
         """The same link with every alpha 0 (its measured collectives' and its node-local link's too) and no
         low-latency protocol: what a parameter's share of a bucketed collective pays, the bucket paying the latency
         once (a bucket is large: the default protocol's bandwidth)."""
-        return replace(self, alpha=0.0, ll_latency=0.0, ll_hop=0.0, ll_bandwidth=0.0,
-                       per_collective=tuple((k, 0.0, b) for k, _, b in self.per_collective),
-                       chained=tuple((k, 0.0, b) for k, _, b in self.chained),
-                       local_link=self.local_link.without_latency() if self.local_link else None)
+        return self._derived("_without_latency", lambda: replace(
+            self, alpha=0.0, ll_latency=0.0, ll_hop=0.0, ll_bandwidth=0.0,
+            per_collective=tuple((k, 0.0, b) for k, _, b in self.per_collective),
+            chained=tuple((k, 0.0, b) for k, _, b in self.chained),
+            local_link=self.local_link.without_latency() if self.local_link else None))
 
     def default_protocol(self) -> Link:
         """The same link without its low-latency protocol (its node-local link's too): what a bucket of gradients or
@@ -109,8 +111,18 @@ class Link:
         its latency is the default protocol's (``planner.bucket_bytes``, ``grad_reduction_share``)."""
         if self.ll_bandwidth <= 0 and (self.local_link is None or self.local_link.ll_bandwidth <= 0):
             return self
-        return replace(self, ll_latency=0.0, ll_hop=0.0, ll_bandwidth=0.0,
-                       local_link=self.local_link.default_protocol() if self.local_link else None)
+        return self._derived("_default_protocol", lambda: replace(
+            self, ll_latency=0.0, ll_hop=0.0, ll_bandwidth=0.0,
+            local_link=self.local_link.default_protocol() if self.local_link else None))
+
+    def _derived(self, name: str, make) -> Link:
+        # memoised on the (frozen) link: pricing asks for these ~25k times a 70B plan, and each ``replace`` runs
+        # ``__post_init__``'s checks again
+        out = self.__dict__.get(name)
+        if out is None:
+            out = make()
+            object.__setattr__(self, name, out)
+        return out
 
     @property
     def bandwidth(self) -> float:

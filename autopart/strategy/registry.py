@@ -51,6 +51,18 @@ class OpOption:
             object.__setattr__(self, "_text", text)
         return text
 
+    def __hash__(self) -> int:
+        # memoised (the dataclass's hash walks every placement, in Python, on each lookup of the planner's caches);
+        # not pickled: a string's hash differs between processes
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.inputs, self.output, self.tag))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
 
 Rule = Callable[["NodeInfo", int], list[Option1D]]
 _RULES: dict[Any, Rule] = {}
