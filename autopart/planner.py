@@ -278,6 +278,15 @@ def is_split(option: OpOption, axis: int) -> bool:
         any(not isinstance(o[axis], Replicate) for o in _outs(option))
 
 
+def split_axes(option: OpOption, n_axes: int) -> tuple[bool, ...]:
+    """``is_split`` on each of a mesh's ``n_axes`` axes, memoised on the option (pricing asks per edge)."""
+    s = option.__dict__.get("_split")
+    if s is None or len(s) != n_axes:
+        s = tuple(is_split(option, i) for i in range(n_axes))
+        object.__setattr__(option, "_split", s)
+    return s
+
+
 def output_spec(option: OpOption, index: int | None):
     return option.output[index] if index is not None else option.output
 
@@ -322,8 +331,11 @@ def conversion_steps(src, dst, split: tuple[bool, ...], needs_grad: bool, mesh_s
     ``Strided`` layout (a fused projection's blocks) converts to nothing else: it is a parameter's, used as stored
     by the ops that split it into its blocks. Memoised: pricing asks for the same few thousand conversions of
     every value pattern's options (a tuple of immutable steps, shared by the callers)."""
-    return _conversion_steps(tuple(src), tuple(dst), tuple(split), bool(needs_grad), tuple(mesh_shape),
-                             tuple(param_reduced))
+    try:  # tuples already (pricing's ~140k calls a 70B plan): no copies
+        return _conversion_steps(src, dst, split, needs_grad, mesh_shape, param_reduced)
+    except TypeError:  # a list among them
+        return _conversion_steps(tuple(src), tuple(dst), tuple(split), bool(needs_grad), tuple(mesh_shape),
+                                 tuple(param_reduced))
 
 
 @functools.lru_cache(maxsize=1 << 18)
@@ -2033,7 +2045,7 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
         tflops = flops + (bflops if g else 0)
         tbytes = nbytes * (3 if g else 1)
         for a, o in enumerate(opts_r):
-            f = math.prod(n for i, n in enumerate(mesh) if is_split(o, i))
+            f = math.prod(n for n, cut in zip(mesh, split_axes(o, len(mesh))) if cut)
             share = local_bytes_share(rep, o, val, mesh, f, rows_only=rows)
             comp[a] = roofline_time(tflops / f, tbytes * share, device, rep.target, rep.kwargs, with_backward=g,
                                     dtype=dt)
@@ -2126,7 +2138,7 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
         dst_id = spec_ids.setdefault(dst, len(spec_ids))
         dst_nested = bucketed and _nested_shard(dst, mesh_t)
         dst_fixed = tuple(spec_ids.setdefault((dst[i],), len(spec_ids)) for i in fixed_axes)
-        split = tuple(is_split(bo, i) for i in range(len(mesh)))
+        split = split_axes(bo, len(mesh))
         if any(not isinstance(dst[i], Replicate) for i in data_axes):
             mat[:, bi] = math.inf  # dp axis: weights are used whole (stored sharded under ZeRO, gathered)
             continue
@@ -3414,7 +3426,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             inputs[n.name] = spec_str(o.output)
         if info.kind[n.name] != "op":
             continue
-        split = tuple(is_split(o, i) for i in range(len(mesh)))
+        split = split_axes(o, len(mesh))
         for j, a in enumerate(tensor_inputs(n)):
             u, idx = _producer(a)
             if u.name not in chosen:
@@ -3451,7 +3463,7 @@ def _record(traced, cluster, axis_names, opts, prob, sol, chosen, limit, timings
             hid, fused_step = 0.0, 0  # seconds a collective matmul hides, of which of ``steps``
             if overlap and j == 0 and linear_input_fused(a):  # one gather for the users converting it alike
                 lin_fwd = sum(fwd_of(w.name) for w in a.users if chosen[w.name].inputs[0] == o.inputs[j] and
-                              tuple(is_split(chosen[w.name], i) for i in range(len(mesh))) == split)
+                              split_axes(chosen[w.name], len(mesh)) == split)
                 hid = tp_overlap_hidden(value_of(a), src, o.inputs[j], split, g, cluster, lin_fwd, True)
                 fused_step = max((i for i, st in enumerate(steps or ()) if st.fwd != "none"), default=0)
             elif overlap and a is u and linear_output_fused(u):

@@ -93,7 +93,7 @@ class Link:
 
     def across(self) -> Link:
         """The link between nodes alone (``local`` dropped)."""
-        return replace(self, local=1, local_link=None) if self.local > 1 else self
+        return self._derived("_across", lambda: replace(self, local=1, local_link=None)) if self.local > 1 else self
 
     def without_latency(self) -> Link:
         """The same link with every alpha 0 (its measured collectives' and its node-local link's too) and no

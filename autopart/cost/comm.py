@@ -132,15 +132,14 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     if kind == "send_recv":
         _check(nbytes, n)
         return 0.0 if n == 1 else send_recv_time(nbytes, link)
-    fns = {
-        "all_reduce": all_reduce_time,
-        "all_gather": all_gather_time,
-        "reduce_scatter": reduce_scatter_time,
-        "all_to_all": all_to_all_time,
-    }
-    if kind not in fns:
+    fn = _TIMES.get(kind)
+    if fn is None:
         raise ValueError(f"unknown collective {kind!r}; expected one of {COLLECTIVES}")
-    return fns[kind](nbytes, n, link)
+    return fn(nbytes, n, link)
+
+
+_TIMES = {"all_reduce": all_reduce_time, "all_gather": all_gather_time, "reduce_scatter": reduce_scatter_time,
+          "all_to_all": all_to_all_time}
 
 
 def hierarchical_time(kind: str, nbytes: float, levels: Sequence[tuple[int, Link]]) -> float:
