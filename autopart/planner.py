@@ -491,15 +491,23 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
     total = 0.0
     cur = list(src)
     summed: list[tuple[int, float]] = []  # a bucketed gradient's sum, per axis: one hierarchical reduction below
+    whole = val.numel() * val.element_size()
+    ways = 1  # the ranks ``cur`` splits the value over (``_local_bytes``, kept up to date step by step)
+    for p, n in zip(cur, mesh):
+        if isinstance(p, (Shard, Strided)):
+            ways *= n
     for st in steps:
-        full = list(cur)
-        full[st.axis] = Replicate()
-        nbytes = _local_bytes(val, full, mesh)
+        n = mesh[st.axis]
+        if isinstance(cur[st.axis], (Shard, Strided)):
+            ways //= n
+        nbytes = whole / ways  # gathered on the step's axis
+        cur[st.axis] = st.dst
+        if isinstance(st.dst, (Shard, Strided)):
+            ways *= n
         if bucketed and st.fwd == "none" and st.bwd == "all_reduce":
             summed.append((st.axis, nbytes))
-            cur[st.axis] = st.dst
             continue
-        link = cluster.link(st.axis).in_chain() if chained else cluster.link(st.axis)
+        link = cluster.links[st.axis].in_chain() if chained else cluster.links[st.axis]
         for kind, backward in ((st.fwd, False), (st.bwd, True)):
             if kind in _COMM_KIND:
                 # all-to-all: each rank's buffer is its shard, 1/n of the array gathered on the axis
@@ -511,7 +519,6 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
                 total += collective_time(_COMM_KIND[kind], sent, mesh[st.axis], link)
         if regather and st.fwd == "all_gather":
             total += collective_time("all_gather", nbytes, mesh[st.axis], link)
-        cur[st.axis] = st.dst
     if not summed:
         return total, 0.0, ()
     axes = tuple(sorted(a for a, _ in summed))
@@ -2164,8 +2171,8 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
                 comms = cache.get(ok)
                 if comms is None:
                     comms = cache[ok] = tp_overlap_comms(val, srcs[ai], dst, split, g, cluster, into)
-                # a collective hidden whole leaves 0 (not -1e-16 of rounding, which the solver rejects)
-                t = max(0.0, t - hidden_behind(comms, lin_fwd[bi if into else ai]))
+                if comms:  # a collective hidden whole leaves 0 (not -1e-16 of rounding, which the solver rejects)
+                    t = max(0.0, t - hidden_behind(comms, lin_fwd[bi if into else ai]))
             if kept_sharded:  # saved as its shard, gathered again in backward
                 rk = (vkey, src_ids[ai], dst_id, split, "regather")
                 hit = cache.get(rk)
