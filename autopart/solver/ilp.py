@@ -893,12 +893,11 @@ def _run_mathopt(
             if mathopt.TerminationReason(result.termination.reason) == mathopt.TerminationReason.OPTIMAL else None
         if values is not None and np.all(np.abs(values[integer] - np.round(values[integer])) <= LP_INTEGRAL_TOL):
             bound = result.termination.objective_bounds.dual_bound
-            if hint is not None:
-                # among optimal choices the caller's start, as the MIP kept it when nothing beat it (a tie)
-                lhs = np.bincount(rows, weights=vals * hint[cols], minlength=len(lb))
-                if np.all(lhs >= lb - 1e-9 * (1 + np.abs(lb))) and np.all(lhs <= ub + 1e-9 * (1 + np.abs(ub))) and \
-                        float(obj @ hint) <= bound + 1e-12 * max(1.0, abs(bound)):
-                    values = hint
+            # among optimal choices the caller's start, as the MIP kept it when nothing beat it (a tie)
+            lhs = np.bincount(rows, weights=vals * hint[cols], minlength=len(lb))
+            if np.all(lhs >= lb - 1e-9 * (1 + np.abs(lb))) and np.all(lhs <= ub + 1e-9 * (1 + np.abs(ub))) and \
+                    float(obj @ hint) <= bound + 1e-12 * max(1.0, abs(bound)):
+                values = hint
             return _RawResult(values, True, False, bound / cost_scale, relaxation=True), cost_scale
         time_left -= time.perf_counter() - t0
         del model.variables.integers[:]
