@@ -411,9 +411,11 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     # not the micro-batch re-solve's own choice
     prog.plan.options["bucket_bytes"] = dict(plan.options.get("bucket_bytes", {}))
     # which chunks use each parameter (a tied embedding/head: the first and the last)
-    from autopart.pipelining import assign_stages
+    from autopart.pipelining import assign_stages, check_buffer_stages
 
     stage_of = assign_stages(prog.gm, prog.plan, pipe["stage_of_layer"])
+    check_buffer_stages(prog.gm, prog.buffers, prog.tied, stage_of, p,
+                        {name: rec.get("layer", "") for name, rec in prog.plan.nodes.items()})
     users: dict[str, set[int]] = {}
     buffer_users: dict[str, set[int]] = {}  # and each buffer (a stage holds those its chunks read or update)
     for n in prog.gm.graph.nodes:

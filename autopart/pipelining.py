@@ -798,6 +798,45 @@ def rank_memory(stages: list[dict]) -> dict[int, dict[str, float]]:
     return per_rank
 
 
+def check_buffer_stages(gm: fx.GraphModule, buffers: dict[str, str], tied: dict[str, str], stage_of: dict[str, int],
+                        ranks: int, layer_of: dict[str, str] | None = None) -> None:
+    """Raise ``NotImplementedError`` where the graph updates a buffer in place (a running statistic, a step count)
+    and chunks on more than one pipeline rank use it: each rank holds its own copy, updated by its own chunks only,
+    so the others would read a value the single-process model had updated (or keep their own diverging updates),
+    silently. A buffer only read (a rotary table shared by every layer), or read and updated by one rank's chunks
+    (each block's own batch-norm statistics), is fine. ``stage_of``: chunk per call (``assign_stages``), chunk
+    ``c`` on rank ``c % ranks``; ``layer_of``: a node's layer, for the message."""
+    from autopart.trace import _mutated_args, _source_line
+
+    writers: dict[str, set[int]] = defaultdict(set)
+    users: dict[str, set[int]] = defaultdict(set)
+    where: dict[str, list[str]] = defaultdict(list)
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.name not in stage_of:
+            continue
+        written = {a for a in _mutated_args(n) if isinstance(a, fx.Node)}
+        for a in n.all_input_nodes:
+            name = tied.get(a.name, a.name)
+            if a.op != "placeholder" or name not in buffers:
+                continue
+            fqn = buffers[name]
+            users[fqn].add(stage_of[n.name])
+            if a in written:
+                writers[fqn].add(stage_of[n.name])
+                where[fqn].append(f"updated at {_source_line(n)}")
+            where[fqn].append(f"{n.name} (chunk {stage_of[n.name]}"
+                              + (f", {layer_of[n.name]}" if layer_of and layer_of.get(n.name) else "") + ")")
+    for fqn in sorted(writers):
+        held = sorted({c % ranks for c in users[fqn]})
+        if len(held) > 1:
+            raise NotImplementedError(
+                f"pipeline: buffer {fqn!r} is updated in place by chunk(s) {sorted(writers[fqn])} and used by chunks "
+                f"{sorted(users[fqn])}, on pipeline ranks {held}. Each rank holds its own copy of a buffer and updates "
+                f"it from its own chunks only, so the others would read a stale value: not supported. Uses: "
+                f"{', '.join(dict.fromkeys(where[fqn][:8]))}. Fix: keep the layers that read and update it in one "
+                f"stage, or plan without pipeline stages (pipeline='off').")
+
+
 def assign_stages(gm: fx.GraphModule, plan, stage_of_layer: dict[str, int]) -> dict[str, int]:
     """Chunk (global stage index) of every call of a rewritten graph: nodes of a planned block go with it; the
     others follow their latest input, and those fed only by placeholders (a parameter's gather, an embedding

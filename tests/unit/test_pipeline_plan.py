@@ -392,3 +392,49 @@ def test_1f1b_needs_as_many_micro_batches_as_stages():
     assert any(c["schedule"].startswith("1f1b") for c in tried), tried
     assert all(c["micro_batches"] >= c["degree"] for c in tried if c["schedule"].startswith("1f1b")), tried
     assert searched.pipeline["schedule"] != "1f1b" or searched.pipeline["micro_batches"] >= 2
+
+
+class _SharedBuffer(torch.nn.Module):
+    """Four blocks; ``seen`` (a running mean of the last block's output) is read before the first block and updated
+    after the last; ``norms`` are each block's own batch norms (their statistics updated and read by one block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+        self.norms = torch.nn.ModuleList([torch.nn.BatchNorm1d(8) for _ in range(4)])
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x, labels):
+        x = x + self.seen
+        for block, norm in zip(self.blocks, self.norms):
+            x = norm(torch.relu(block(x)))
+        self.seen.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return torch.nn.functional.mse_loss(x, labels)
+
+
+@pytest.mark.parametrize("chunks,ranks,fails", [(2, 2, True), (4, 2, True), (2, 1, False), (1, 1, False)])
+def test_a_buffer_updated_in_one_stage_and_used_on_another_rank_is_refused(chunks, ranks, fails):
+    """A buffer the graph updates in place, used by chunks on two pipeline ranks, would go stale on one of them
+    (each rank holds its own copy): ``check_buffer_stages`` refuses it, naming the buffer and its users. Each block's
+    own batch-norm statistics stay on one rank and pass, as does everything on one rank (chunks of an
+    interleaved schedule there run in one process)."""
+    from types import SimpleNamespace
+
+    from autopart.pipelining import check_buffer_stages
+    from autopart.planner import analyze
+
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    t = trace(_SharedBuffer().train(), (x, y))
+    info = analyze(t, (1,))
+    plan = SimpleNamespace(nodes={n.name: {"layer": info.layer.get(n.name, "")} for n in t.gm.graph.nodes})
+    stage_of_layer = {f"blocks.{i}": i * chunks // 4 for i in range(4)}
+    stage_of = assign_stages(t.gm, plan, stage_of_layer)
+    layer_of = {n: r["layer"] for n, r in plan.nodes.items()}
+    if fails:
+        with pytest.raises(NotImplementedError, match=r"buffer 'seen' is updated in place .* pipeline ranks \[0, 1\]"):
+            check_buffer_stages(t.gm, t.buffers, t.tied, stage_of, ranks, layer_of)
+    else:
+        check_buffer_stages(t.gm, t.buffers, t.tied, stage_of, ranks, layer_of)
+    # the batch norms' statistics alone (each block's own) pass on any split
+    no_seen = {k: v for k, v in t.buffers.items() if v != "seen"}
+    check_buffer_stages(t.gm, no_seen, t.tied, stage_of, ranks, layer_of)
