@@ -54,9 +54,12 @@ def _ilp_lines(sol: dict) -> list[str]:
     if warm:
         src = f" (the search from recipe {sol['warm_start_from']})" if sol.get("warm_start_from") else ""
         used = [w for w in warm if w["hint"] == "used"]
-        lines.append(f"warm starts{src}: {len(used)} of {len(warm)} hinted solves took the hint; hint -> objective: "
+        bare = [w for w in warm if w["hint"] == "not needed"]  # presolve and the tree DP, or an integral LP
+        lines.append(f"warm starts{src}: {len(warm)} hinted solves, {len(used)} handed the hint to the MIP, "
+                     f"{len(bare)} needed no MIP (presolve and the tree DP, or an integral LP relaxation; the hint "
+                     f"kept where it ties); hint -> objective: "
                      + ", ".join(f"{_fmt_time(w['hint_objective'])} -> {_fmt_time(w['objective'])}"
-                                 for w in used[:6]))
+                                 for w in (used + bare)[:6]))
     return lines
 
 
