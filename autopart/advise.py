@@ -47,7 +47,7 @@ from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
 from autopart.cost.compute import dtype_peak_flops
 from autopart.placement import Replicate, Shard, is_shard, parse_spec
-from autopart.planner import NoPlanFits, PlanOptions
+from autopart.planner import NoPlanFits, PlanOptions, _local_bytes
 from autopart.solver.ilp import SolverTimeout
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -319,11 +319,6 @@ def _flops(model: nn.Module, traced, tokens: int, inference: bool, kv_cache_toke
 
 
 # ---- reading a plan --------------------------------------------------------------------------------------------
-def _local_bytes(val: torch.Tensor, spec, mesh) -> float:
-    f = math.prod(n for p, n in zip(spec, mesh) if is_shard(p))
-    return math.prod(val.shape) * val.dtype.itemsize / f
-
-
 def _bus_bytes(kind: str, nbytes: float, n: int) -> float:
     if n == 1:
         return 0.0

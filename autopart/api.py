@@ -411,13 +411,13 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
     # not the micro-batch re-solve's own choice
     prog.plan.options["bucket_bytes"] = dict(plan.options.get("bucket_bytes", {}))
     # which chunks use each parameter (a tied embedding/head: the first and the last)
-    from autopart.pipelining import assign_stages, check_buffer_stages
+    from autopart.pipelining import assign_stages, buffer_chunks
 
     stage_of = assign_stages(prog.gm, prog.plan, pipe["stage_of_layer"])
-    check_buffer_stages(prog.gm, prog.buffers, prog.tied, stage_of, p,
-                        {name: rec.get("layer", "") for name, rec in prog.plan.nodes.items()})
+    # and each buffer's (refused where one updated in place is used on several pipeline ranks)
+    buffer_users = buffer_chunks(prog.gm, prog.buffers, prog.tied, stage_of, p,
+                                 {name: rec.get("layer", "") for name, rec in prog.plan.nodes.items()})
     users: dict[str, set[int]] = {}
-    buffer_users: dict[str, set[int]] = {}  # and each buffer (a stage holds those its chunks read or update)
     for n in prog.gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -425,8 +425,6 @@ def _parallelize_pipelined(model, m: Mesh, plan: Plan, t: Traced, example_inputs
             name = prog.tied.get(a.name, a.name)
             if a.op == "placeholder" and name in prog.params:
                 users.setdefault(prog.params[name], set()).add(stage_of[n.name])
-            elif a.op == "placeholder" and name in prog.buffers:
-                buffer_users.setdefault(prog.buffers[name], set()).add(stage_of[n.name])
     owned = {fqn for fqn, cs in [*users.items(), *buffer_users.items()] if any(c % p == pp_rank for c in cs)}
     named = dict(model.named_parameters(remove_duplicate=False))
     shapes = {fqn: (tuple(named[fqn].shape), named[fqn].dtype) for fqn in prog.params.values()}

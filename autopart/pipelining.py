@@ -798,9 +798,10 @@ def rank_memory(stages: list[dict]) -> dict[int, dict[str, float]]:
     return per_rank
 
 
-def check_buffer_stages(gm: fx.GraphModule, buffers: dict[str, str], tied: dict[str, str], stage_of: dict[str, int],
-                        ranks: int, layer_of: dict[str, str] | None = None) -> None:
-    """Raise ``NotImplementedError`` where the graph updates a buffer in place (a running statistic, a step count)
+def buffer_chunks(gm: fx.GraphModule, buffers: dict[str, str], tied: dict[str, str], stage_of: dict[str, int],
+                  ranks: int, layer_of: dict[str, str] | None = None) -> dict[str, set[int]]:
+    """The chunks that read or update each buffer (by FQN; a stage holds the buffers of its chunks). Raises
+    ``NotImplementedError`` where the graph updates a buffer in place (a running statistic, a step count)
     and chunks on more than one pipeline rank use it: each rank holds its own copy, updated by its own chunks only,
     so the others would read a value the single-process model had updated (or keep their own diverging updates),
     silently. A buffer only read (a rotary table shared by every layer), or read and updated by one rank's chunks
@@ -835,6 +836,7 @@ def check_buffer_stages(gm: fx.GraphModule, buffers: dict[str, str], tied: dict[
                 f"it from its own chunks only, so the others would read a stale value: not supported. Uses: "
                 f"{', '.join(dict.fromkeys(where[fqn][:8]))}. Fix: keep the layers that read and update it in one "
                 f"stage, or plan without pipeline stages (pipeline='off').")
+    return dict(users)
 
 
 def assign_stages(gm: fx.GraphModule, plan, stage_of_layer: dict[str, int]) -> dict[str, int]:

@@ -232,12 +232,17 @@ def _no_bytes(val: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,) * val.dim(), dtype=val.dtype, device="meta")
 
 
-def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
+def split_ways(spec, mesh_shape) -> int:
+    """The ranks ``spec`` splits a value over: the product of the axes it shards (``Shard`` or ``Strided``)."""
     f = 1
     for p, n in zip(spec, mesh_shape):
         if isinstance(p, (Shard, Strided)):  # is_shard, inline: pricing calls this ~200k times a 70B plan
             f *= n
-    return val.numel() * val.element_size() / f
+    return f
+
+
+def _local_bytes(val: torch.Tensor, spec, mesh_shape) -> float:
+    return val.numel() * val.element_size() / split_ways(spec, mesh_shape)
 
 
 def embedding_rows_bytes(node: fx.Node) -> float:
@@ -492,10 +497,7 @@ def transition_parts(val: torch.Tensor, src, dst, split: tuple[bool, ...], needs
     cur = list(src)
     summed: list[tuple[int, float]] = []  # a bucketed gradient's sum, per axis: one hierarchical reduction below
     whole = val.numel() * val.element_size()
-    ways = 1  # the ranks ``cur`` splits the value over (``_local_bytes``, kept up to date step by step)
-    for p, n in zip(cur, mesh):
-        if isinstance(p, (Shard, Strided)):
-            ways *= n
+    ways = split_ways(cur, mesh)  # kept up to date step by step (``_local_bytes`` of each step's gathered layout)
     for st in steps:
         n = mesh[st.axis]
         if isinstance(cur[st.axis], (Shard, Strided)):

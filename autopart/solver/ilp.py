@@ -1158,7 +1158,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
             raw, _ = _run_cpsat(mip, sub, options, time_left, hint_vec)
         else:
             raw, _ = _run_mathopt(mip, sub, backend_used, options, time_left, hint_vec)
-            if raw.relaxation and problem.hint is not None and hint is not None:
+            if raw.relaxation and problem.hint is not None:  # (the relaxation runs only with a start)
                 hint_state = "not needed"  # the relaxation, integral, needs no start
         num_vars, num_rows = mip.num_vars, len(mip.row_names)
         if raw.values is None:

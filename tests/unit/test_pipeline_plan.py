@@ -415,12 +415,12 @@ class _SharedBuffer(torch.nn.Module):
 @pytest.mark.parametrize("chunks,ranks,fails", [(2, 2, True), (4, 2, True), (2, 1, False), (1, 1, False)])
 def test_a_buffer_updated_in_one_stage_and_used_on_another_rank_is_refused(chunks, ranks, fails):
     """A buffer the graph updates in place, used by chunks on two pipeline ranks, would go stale on one of them
-    (each rank holds its own copy): ``check_buffer_stages`` refuses it, naming the buffer and its users. Each block's
+    (each rank holds its own copy): ``buffer_chunks`` refuses it, naming the buffer and its users. Each block's
     own batch-norm statistics stay on one rank and pass, as does everything on one rank (chunks of an
     interleaved schedule there run in one process)."""
     from types import SimpleNamespace
 
-    from autopart.pipelining import check_buffer_stages
+    from autopart.pipelining import buffer_chunks
     from autopart.planner import analyze
 
     x, y = torch.randn(16, 8), torch.randn(16, 8)
@@ -432,9 +432,10 @@ def test_a_buffer_updated_in_one_stage_and_used_on_another_rank_is_refused(chunk
     layer_of = {n: r["layer"] for n, r in plan.nodes.items()}
     if fails:
         with pytest.raises(NotImplementedError, match=r"buffer 'seen' is updated in place .* pipeline ranks \[0, 1\]"):
-            check_buffer_stages(t.gm, t.buffers, t.tied, stage_of, ranks, layer_of)
+            buffer_chunks(t.gm, t.buffers, t.tied, stage_of, ranks, layer_of)
     else:
-        check_buffer_stages(t.gm, t.buffers, t.tied, stage_of, ranks, layer_of)
+        buffer_chunks(t.gm, t.buffers, t.tied, stage_of, ranks, layer_of)
     # the batch norms' statistics alone (each block's own) pass on any split
     no_seen = {k: v for k, v in t.buffers.items() if v != "seen"}
-    check_buffer_stages(t.gm, no_seen, t.tied, stage_of, ranks, layer_of)
+    used = buffer_chunks(t.gm, no_seen, t.tied, stage_of, ranks, layer_of)
+    assert used and all(len(cs) == 1 and fqn.startswith("norms.") for fqn, cs in used.items())  # a stage holds them
