@@ -73,14 +73,24 @@ def queue_backward_callback(fn) -> None:
 def flash_attention_cpu(q, k, v, is_causal: bool, attn_mask, scale: float):
     """(output, log-sum-exp ``[b, h, s]``) of attention by the CPU flash kernel
     (``aten._scaled_dot_product_flash_attention_for_cpu``): no score matrix is materialised. ``attn_mask`` is
-    additive, of q's dtype; a row it masks wholly gets output 0 and log-sum-exp 0 (not −inf)."""
+    additive, of q's dtype; a row it masks wholly gets output 0 and log-sum-exp 0 (not −inf). Inputs whose last
+    dim is strided are made contiguous first: the kernel reads them as if its stride were 1 (torch 2.13: garbage
+    out of a query that a reduce-scatter along the features left with stride 32 there), which the public
+    ``scaled_dot_product_attention`` guards against before calling it."""
+    q, k, v = (_last_dim_dense(t) for t in (q, k, v))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=attn_mask,
                                                                      scale=scale)
 
 
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 def flash_attention_cpu_backward(dout, q, k, v, out, lse, is_causal: bool, attn_mask, scale: float):
     """(dq, dk, dv) of ``flash_attention_cpu`` (``aten._scaled_dot_product_flash_attention_for_cpu_backward``),
-    given the output and log-sum-exp the softmax is normalised by (it recomputes the probabilities from them)."""
+    given the output and log-sum-exp the softmax is normalised by (it recomputes the probabilities from them); strided
+    last dims made contiguous, as ``flash_attention_cpu``."""
+    dout, q, k, v, out = (_last_dim_dense(t) for t in (dout, q, k, v, out))
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
 

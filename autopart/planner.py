@@ -76,7 +76,7 @@ from autopart.runtime.grads import BUCKET_BYTES, REDUCE_IN_FLIGHT, bucket_key, b
 from autopart.runtime.zero1 import GATHER_IN_FLIGHT  # after-step gather buckets outstanding, priced as run
 from autopart.strategy import OpOption, options_for, tensor_inputs
 from autopart.strategy import ssm as ssm_rules
-from autopart.strategy.context import CP_TAGS, cp_axis, cp_comm_time, cp_variants, seq_axis
+from autopart.strategy.context import CP_TAGS, SDPA, cp_axis, cp_comm_time, cp_variants, gqa_split, seq_axis
 from autopart.strategy.registry import NESTED_INPUTS
 from autopart.trace import Traced
 
@@ -269,12 +269,15 @@ def local_bytes_share(node: fx.Node, option: OpOption, val, mesh_shape, split: i
         return 1.0 / split
     full = local = 0.0
     pairs = [(value_of(n), p) for n, p in zip(ins, option.inputs)]
+    # grouped-query heads split wider than the K/V heads: each device reads one of the K/V heads it holds whole
+    gqa = gqa_split(node, ins, option.inputs, tuple(mesh_shape)) if node.target == SDPA else None
+    kv_reads = {id(value_of(ins[j])): gqa.kv_heads for j in (gqa.key, gqa.value)} if gqa else {}
     if rows_only:  # a forward-only lookup (``embedding_rows_bytes``): the rows it reads, split like its output
         pairs = pairs[1:]
     for x, spec in pairs + list(zip(outs, out_specs)):
         if isinstance(x, torch.Tensor) and spec is not None:
             full += tensor_bytes(x.shape, x.dtype)
-            local += _local_bytes(x, spec, mesh_shape)
+            local += _local_bytes(x, spec, mesh_shape) / kv_reads.get(id(x), 1)
     return local / full if full > 0 else 1.0 / split
 
 
@@ -2072,9 +2075,10 @@ def _node_prices(rep: fx.Node, opts_r: list[OpOption], val, info: Graphinfo, clu
                         rep, o, info, mesh, saving_users, lambda u, lay=lay: info.layer.get(u.name) != lay or
                         _region(u, info, last_of_layer) != "attention")
             kv = kv_cache_bytes(rep, o, mesh, opts.kv_cache_tokens)
-            if kv:
+            if kv:  # decoding reads the whole cache once per step: of K/V heads held whole, the one it attends with
                 mem[a] += kv
-                comp[a] += kv / device.mem_bandwidth  # decoding reads the whole cache once per step
+                gqa = gqa_split(rep, tensor_inputs(rep), o.inputs, mesh) if rep.target == SDPA else None
+                comp[a] += kv / (gqa.kv_heads if gqa else 1) / device.mem_bandwidth
     elif info.kind[rep.name] == "param":
         for a, o in enumerate(opts_r):
             local, optim = param_state_bytes(val, o.output, mesh, opts, o.tag, info.needs_grad[rep.name])

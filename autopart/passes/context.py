@@ -11,6 +11,11 @@ sequence) or, when the attention is causal and ``strategy.context.balanced_ok`` 
 positions, and ``gm.meta["autopart.context"]`` (``{"axis", "n", "s", "layout"}``) tells the runtime to permute user
 inputs and un-permute outputs.
 
+Grouped-query attention whose heads are split over more devices of an axis than it has K/V heads, K and V reaching
+it whole on that axis (``strategy.context.gqa_split``), reads its one K/V head: the node's key and value go through
+``autopart.runtime.context.kv_heads_for_rank(x, axis)`` first (the lowering composes with the sequence split of
+another axis, which then exchanges that head).
+
 State-space sequence ops (``strategy.context.SEQUENCE_OPS``) whose output is ``Shard(1)`` on a mesh axis call
 ``autopart.runtime.ssm.context_scan`` (``"cp_state"``) or ``context_conv1d`` (``"cp_halo"``) on that axis; they
 need the contiguous layout, which ``balanced_ok`` guarantees (they block the balanced one).
@@ -22,7 +27,16 @@ import torch.fx as fx
 
 from autopart.placement import Shard
 from autopart.runtime import context as RC
-from autopart.strategy.context import ATTENTION_TAGS, SDPA, SEQUENCE_OPS, _sdpa_args, balanced_ok, position_source
+from autopart.strategy import tensor_inputs
+from autopart.strategy.context import (
+    ATTENTION_TAGS,
+    SDPA,
+    SEQUENCE_OPS,
+    _sdpa_args,
+    balanced_ok,
+    gqa_split,
+    position_source,
+)
 
 
 def _cp_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
@@ -74,11 +88,40 @@ def _lower_sequence_op(node: fx.Node, plan) -> bool:
     return True
 
 
+def _lower_gqa(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> bool:
+    changed = False
+    for node in list(gm.graph.nodes):
+        specs = node.meta.get("autopart.inputs")
+        if node.op != "call_function" or node.target != SDPA or specs is None:
+            continue
+        inputs = tensor_inputs(node)
+        # the traced shapes: the arguments are the conversions' outputs now, which carry no value
+        split = gqa_split(node, [_traced(a) for a in inputs], specs, mesh_shape)
+        if not split:
+            continue
+        a = _sdpa_args(node)
+        for key in ("key", "value"):
+            x = a[key]
+            with gm.graph.inserting_before(node):
+                y = gm.graph.call_function(RC.kv_heads_for_rank, (x, split.axis))
+            y.meta["autopart.output"] = x.meta.get("autopart.output")
+            node.replace_input_with(x, y)
+        changed = True
+    return changed
+
+
+def _traced(a: fx.Node) -> fx.Node:
+    """The traced value behind ``a``: back through the conversions ``insert_collectives`` inserted."""
+    while "val" not in a.meta and a.meta.get("autopart.collective") and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a
+
+
 def context_parallel(gm: fx.GraphModule, plan) -> tuple[fx.GraphModule, bool]:
+    changed = _lower_gqa(gm, tuple(plan.mesh_shape))
     cp = _cp_nodes(gm)
     ctx = _balance(gm, cp, tuple(plan.mesh_shape)) if cp else None
     layout = "balanced" if ctx else "contiguous"
-    changed = False
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SEQUENCE_OPS:
             changed |= _lower_sequence_op(node, plan)

@@ -368,6 +368,20 @@ def context_attention(q, k, v, axis: int, strategy: str, is_causal: bool, scale:
     return STRATEGIES[strategy](q, k, v, axis, is_causal, scale, layout, attn_mask)
 
 
+def kv_heads_for_rank(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """The one K/V head (dim 1 of ``x``, the K/V heads this rank holds whole on mesh axis ``axis``) that this
+    rank's query heads share when grouped-query attention splits its heads over more devices of the axis than
+    ``x`` has heads (``strategy.context.gqa_split``): devices ``c·n/hk ... (c+1)·n/hk - 1`` of the axis use head
+    ``c``. Its gradient is zero on the other heads; the conversion before it sums the axis' gradients."""
+    hk, ax = x.shape[1], C.Ax(axis)
+    if hk == 1:
+        return x
+    if ax.n % hk:
+        raise ValueError(f"grouped-query attention: {hk} K/V heads held whole over {ax.n} devices of mesh axis "
+                         f"{axis}; the split needs the devices to divide by the heads (a plan from another mesh?)")
+    return x.narrow(1, ax.coord // (ax.n // hk), 1)
+
+
 def sequence_positions(s: int, n: int, dtype=None, device=None, **_) -> torch.Tensor:
     """What ``arange(s)`` becomes in a balanced program: the positions of the permuted global sequence."""
     return balanced_permutation(s, n, device).to(dtype or torch.int64)

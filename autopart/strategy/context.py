@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
-from autopart.placement import Shard
-from autopart.strategy.registry import NodeInfo, OpOption
+from autopart.placement import Replicate, Shard
+from autopart.strategy.registry import COMBO_CHECKS, NodeInfo, OpOption, tensor_inputs
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -64,6 +65,71 @@ def _sdpa_args(node: fx.Node) -> dict:
     out.update(dict(zip(names, node.args)))
     out.update(node.kwargs)
     return out
+
+
+class GqaSplit(NamedTuple):
+    """``gqa_split``'s answer: the mesh axis, the K/V heads a device holds whole there (it reads one), and the
+    indices of K and V among the node's tensor inputs."""
+
+    axis: int
+    kv_heads: int
+    key: int
+    value: int
+
+
+def _heads_split(p) -> bool:
+    return isinstance(p, Shard) and p.dim % 4 == 1
+
+
+def gqa_split(node: fx.Node, inputs: list[fx.Node], specs: tuple, mesh_shape: tuple[int, ...]):
+    """Grouped-query attention's heads split over more devices than it has K/V heads.
+
+    With H query heads and ``hk`` K/V heads (``enable_gqa``), query head i attends with K/V head i // (H / hk).
+    Splitting the heads over an axis of n devices splits K and V alike only where hk divides by n. Where instead n
+    divides by the K/V heads a device has (``hk_l``: hk less what earlier axes split off), each device's H_l / n
+    query heads share one K/V head, number ``coord // (n / hk_l)`` of its ``hk_l``: K and V stay whole on that axis
+    (``Replicate``) and each device reads its one head (``runtime.context.kv_heads_for_rank``; their gradients
+    are summed over the axis, the table's "R -> R, split user"). This is how vLLM runs tensor parallelism wider
+    than the K/V heads (each K/V head replicated over n / hk devices). Only the last axis splitting the heads may
+    do this, and only one: a later axis would cut the query heads of a group against K/V heads it does not hold.
+
+    ``specs``: the option's input placements, one per tensor input (a placement per mesh axis). Returns ``None``
+    where no axis does this, a ``GqaSplit`` where one does legally, ``False`` where the combination is illegal (the
+    option must be dropped: ``gqa_combo_ok``)."""
+    a = _sdpa_args(node)
+    if not a["enable_gqa"]:
+        return None
+    try:
+        qi, ki, vi = (inputs.index(a[k]) for k in ("query", "key", "value"))
+    except ValueError:  # q, k or v not a distinct tensor input (k is v): no such split
+        return None
+    if node.meta["val"].dim() != 4 or inputs[ki].meta["val"].dim() != 4:
+        return None
+    hq, hk = node.meta["val"].shape[1], inputs[ki].meta["val"].shape[1]
+    if not 1 < hk < hq:
+        return None
+    found = None
+    for i, n in enumerate(mesh_shape):
+        if n == 1:
+            continue
+        q, k, v = specs[qi][i], specs[ki][i], specs[vi][i]
+        if found is not None and (_heads_split(q) or _heads_split(k) or _heads_split(v)):
+            return False
+        if _heads_split(q) and not _heads_split(k):
+            if not (isinstance(k, Replicate) and isinstance(v, Replicate)) or n % hk or hk % n == 0 or hq % n:
+                return False
+            found = GqaSplit(i, hk, ki, vi)
+        elif _heads_split(q):
+            hq, hk = hq // n, hk // n
+    return found
+
+
+def gqa_combo_ok(node: fx.Node, inputs: list[fx.Node], specs: tuple, mesh_shape: tuple[int, ...]) -> bool:
+    """``registry.COMBO_CHECKS`` of SDPA: a grouped-query heads split with K/V whole (``gqa_split``) is legal."""
+    return gqa_split(node, inputs, specs, mesh_shape) is not False
+
+
+COMBO_CHECKS[SDPA] = gqa_combo_ok
 
 
 def sequence_split_ok(info: NodeInfo) -> bool:
@@ -194,8 +260,9 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     q, k, v = (x.meta["val"] for x in (a["query"], a["key"], a["value"]))
     split = math.prod(n for i, n in enumerate(mesh) if any(not _is_rep(s[i]) for s in option.inputs))
     kv_spec = option.inputs[1]
+    gqa = gqa_split(node, tensor_inputs(node), option.inputs, tuple(mesh))  # K/V whole there: one head passed on
     local = (k.numel() + v.numel()) * k.element_size() / math.prod(
-        n for i, n in enumerate(mesh) if isinstance(kv_spec[i], Shard))
+        n for i, n in enumerate(mesh) if isinstance(kv_spec[i], Shard)) / (gqa.kv_heads if gqa else 1)
     link = cluster.link(axis)
     flops = node_flops(SDPA, (q, k, v), {}, node.meta["val"])  # the whole attention, no causal halving
     rank = flops / split

@@ -104,11 +104,16 @@ def _sdpa(info: NodeInfo, n: int) -> list[Option1D]:
     """Batch (dim 0) or heads (dim 1) split; grouped-query attention needs kv heads divisible too (checked by
     the caller's evenness filter). A mask follows where it is not broadcast.
 
+    Grouped-query attention whose heads split wider than its K/V heads: q (and a per-head mask) ``Shard(1)``, K and
+    V whole, each device attending with the one K/V head its query heads share (``strategy.context.gqa_split``).
+
     Sequence (dim 2) split, context parallelism: q, k, v and the output ``Shard(2)`` (a boolean mask on its query rows),
     for self-attention without dropout (``strategy.context.sequence_split_ok``). Running the op on the shards would be
     wrong (local queries need every key): the planner turns this option into its two tagged strategies
     (``autopart.strategy.context``: ring, all-gather of K/V) and ``autopart.passes.context`` lowers it to
     ``autopart.runtime.context``."""
+    from autopart.strategy.context import _sdpa_args, sequence_split_inputs, sequence_split_ok
+
     k = len(info.inputs)
     opts = [Option1D(tuple(R for _ in range(k)), R)]
     for d in (0, 1):
@@ -120,8 +125,15 @@ def _sdpa(info: NodeInfo, n: int) -> list[Option1D]:
             di = d - (4 - len(s))
             ins.append(R if di < 0 or s[di] == 1 else Shard(di))
         opts.append(Option1D(tuple(ins), Shard(d)))
-    from autopart.strategy.context import sequence_split_inputs, sequence_split_ok
-
+    a = _sdpa_args(info.node)
+    qi, ki, vi = (info.index(a[key]) for key in ("query", "key", "value"))
+    if a["enable_gqa"] and opts[-1].output == Shard(1) and None not in (qi, ki, vi) and len({qi, ki, vi}) == 3 \
+            and len(info.shape(qi)) == len(info.shape(ki)) == 4 and 1 < info.shape(ki)[1] < info.shape(qi)[1]:
+        # grouped-query heads split wider than the K/V heads: the heads split above with K and V whole, each device
+        # reading the one K/V head its query heads share (``strategy.context.gqa_split`` keeps the combinations
+        # where that holds)
+        heads = opts[-1]
+        opts.append(Option1D(tuple(R if i in (ki, vi) else p for i, p in enumerate(heads.inputs)), Shard(1)))
     if sequence_split_ok(info):
         opts.append(Option1D(sequence_split_inputs(info), Shard(2)))
     return opts

@@ -176,6 +176,10 @@ def _divisible(shape: tuple[int, ...] | None, placements: list[Placement], sizes
 # per op: node -> the indices (into its distinct tensor inputs) that may be split on one dim over several mesh
 # axes (a token-local node's stacked expert weights: ``autopart.strategy.moe``)
 NESTED_INPUTS: dict[Any, Callable[[fx.Node, list[fx.Node]], set[int]]] = {}
+# per op: (node, its distinct tensor inputs, the option's input specs (one per input, a placement per axis), mesh
+# shape) -> whether the per-axis options combine into a legal mesh-wide one, for ops where that depends on more than
+# each axis' evenness (grouped-query attention's K/V heads kept whole over an axis: ``strategy.context.gqa_split``)
+COMBO_CHECKS: dict[Any, Callable[[fx.Node, list[fx.Node], tuple, tuple[int, ...]], bool]] = {}
 
 
 def _sig(v: Any) -> Any:
@@ -269,6 +273,9 @@ def _options_for(node: fx.Node, inputs: list[fx.Node], mesh_shape: tuple[int, ..
                 continue
             output = tuple(c.output for c in combo)
         inputs = tuple(tuple(c.inputs[i] for c in combo) for i in range(len(info.inputs)))
+        if node.target in COMBO_CHECKS and not COMBO_CHECKS[node.target](node, info.inputs, inputs,
+                                                                         tuple(mesh_shape)):
+            continue
         options.append(OpOption(inputs, output))
     if not options:  # every sharded option was uneven: replicate is always legal
         base = replicate_only(info, 1)[0]

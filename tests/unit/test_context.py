@@ -203,3 +203,23 @@ def test_saved_activations_shrink_by_c() -> None:
     assert whole.nodes[sdpa]["memory_bytes"] > 0
     for p in (plan, plan_ag):
         assert p.nodes[sdpa]["memory_bytes"] == pytest.approx(whole.nodes[sdpa]["memory_bytes"] / 2)
+
+
+def test_cpu_flash_kernel_takes_a_strided_last_dim() -> None:
+    """The CPU flash kernel read a query whose last dim is strided as if it were contiguous (a query after a
+    reduce-scatter along the features: stride 32 there), garbage out; ``_torch_private`` hands it contiguous
+    copies, forward and backward, as the public ``scaled_dot_product_attention`` does."""
+    from autopart import _torch_private as P
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 4, 1, 4, generator=g).permute(1, 2, 3, 0)  # [4, 1, 4, 8], stride(-1) = 16
+    k, v = (torch.randn(4, 1, 4, 8, generator=g) for _ in range(2))
+    assert q.stride(-1) != 1
+    out, lse = P.flash_attention_cpu(q, k, v, True, None, 8 ** -0.5)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    do = torch.randn(out.shape, generator=g).transpose(-1, -2).contiguous().transpose(-1, -2)
+    dq, dk, dv = P.flash_attention_cpu_backward(do, q, k, v, out, lse, True, None, 8 ** -0.5)
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    F.scaled_dot_product_attention(qr, kr, vr, is_causal=True).backward(do)
+    for a, b in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        torch.testing.assert_close(a, b)

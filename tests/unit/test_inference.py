@@ -39,6 +39,27 @@ def test_frozen_model_plans_forward_only_with_a_kv_cache():
     assert short.predicted["memory_bytes"]["kv_cache"] == pytest.approx(expect * 64 / ctx, rel=0.01)
 
 
+def test_decoding_with_fewer_kv_heads_than_devices_reads_one_kv_head_each():
+    """8 query heads on 8 devices, decoding one token over a 4096-token cache. With 8 K/V heads each device holds
+    and reads one. With 2, the heads cannot split alike: each device holds both K/V heads (replicated, as vLLM
+    keeps them) but attends with the one its query head uses, so the attention reads what the 8-head model's does
+    and holds twice its cache (``strategy.context.gqa_split``)."""
+    ids = torch.randint(0, 256, (1, 1))
+
+    def attention(kv: int):
+        torch.manual_seed(0)
+        m = Llama(LlamaConfig(**{**CFG, "n_kv_head": kv})).eval().requires_grad_(False)
+        p = autopart.plan(m, autopart.mesh((8,), ("tp",)), (ids,), roles={"tp": "tp"}, kv_cache_tokens=4096)
+        rec = next(r for r in p.nodes.values() if r["op"] == "aten.scaled_dot_product_attention.default")
+        return p, rec
+
+    p8, a8 = attention(8)
+    p2, a2 = attention(2)
+    assert a8["inputs"] == ["S(1)"] * 3 and a2["inputs"] == ["S(1)", "R", "R"], (a8, a2)
+    assert a2["compute_s"] == pytest.approx(a8["compute_s"], rel=1e-9)
+    assert p2.predicted["memory_bytes"]["kv_cache"] == pytest.approx(2 * p8.predicted["memory_bytes"]["kv_cache"])
+
+
 def test_inference_is_cheaper_than_training_and_partly_frozen_models_train_the_rest():
     ids = torch.randint(0, 256, (2, 64))
     mesh = autopart.mesh((2,), ("dp",))

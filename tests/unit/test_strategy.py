@@ -72,13 +72,49 @@ def test_uneven_heads_option_excluded():
     assert options_for(sdpa, (2,))[0] and any(o.output == (Shard(1),) for o in options_for(sdpa, (2,))[0])
 
 
-def test_gqa_heads_need_kv_heads_divisible():
-    ids = torch.randint(0, 64, (2, 8))
-    t = trace(Llama(LlamaConfig(vocab_size=64, max_seq_len=8, n_layer=1, n_head=4, n_kv_head=2, d_model=32,
-                                d_ff=64)), (ids,), {"labels": ids})
-    sdpa = _node(t, aten.scaled_dot_product_attention.default)
-    assert any(o.output == (Shard(1),) for o in options_for(sdpa, (2,))[0])
-    assert not any(o.output == (Shard(1),) for o in options_for(sdpa, (4,))[0])  # 2 kv heads on 4
+def _gqa_sdpa(heads: int, kv: int, batch: int = 2):
+    ids = torch.randint(0, 64, (batch, 8))
+    t = trace(Llama(LlamaConfig(vocab_size=64, max_seq_len=8, n_layer=1, n_head=heads, n_kv_head=kv,
+                                d_model=8 * heads, d_ff=64)), (ids,), {"labels": ids})
+    return _node(t, aten.scaled_dot_product_attention.default)
+
+
+def _heads_splits(sdpa, mesh) -> set[tuple[str, ...]]:
+    """The input specs (q, k, v) of the options that split the heads on the last axis."""
+    return {tuple(spec_str(p) for p in o.inputs) for o in options_for(sdpa, mesh)[0]
+            if o.output[-1] == Shard(1)}
+
+
+def test_gqa_heads_split_wider_than_kv_heads_keeps_kv_whole():
+    """4 query heads, 2 K/V heads: on 2 devices both split alike; on 4 only the query heads split, K and V whole
+    (each device reads the head its query head uses: ``strategy.context.gqa_split``); 8 devices have no query
+    head each. 12 query heads and 4 K/V heads on 6 devices: a device's 2 query heads would straddle two K/V heads
+    (groups of 3), so no heads split at all; on 8 (16 heads, 4 K/V) one K/V head per pair of devices."""
+    sdpa = _gqa_sdpa(4, 2)
+    assert _heads_splits(sdpa, (2,)) == {("S(1)", "S(1)", "S(1)")}
+    assert _heads_splits(sdpa, (4,)) == {("S(1)", "R", "R")}
+    assert _heads_splits(sdpa, (8,)) == set()
+    assert _heads_splits(_gqa_sdpa(12, 4), (6,)) == set()
+    assert _heads_splits(_gqa_sdpa(16, 4), (8,)) == {("S(1)", "R", "R")}
+    # with the batch split on a first axis
+    assert ("S(0)S(1)", "S(0)R", "S(0)R") in _heads_splits(sdpa, (2, 4))
+
+
+def test_gqa_split_only_on_the_last_axis_splitting_heads():
+    """``gqa_split`` on hand-made specs (16 query heads, 4 K/V heads, mesh (2, 4)): K/V split on the first axis
+    (2 heads each) then whole on the second (each device reads one of its 2); the other way round a later axis
+    would cut a group's query heads against K/V heads the device does not hold: refused."""
+    from autopart.strategy import tensor_inputs
+    from autopart.strategy.context import gqa_split
+
+    sdpa = _gqa_sdpa(16, 4)
+    ins = tensor_inputs(sdpa)
+    S1, R_ = Shard(1), Replicate()
+    got = gqa_split(sdpa, ins, ((S1, S1), (S1, R_), (S1, R_)), (2, 4))
+    assert got and (got.axis, got.kv_heads, got.key, got.value) == (1, 2, 1, 2)
+    assert gqa_split(sdpa, ins, ((S1, S1), (R_, S1), (R_, S1)), (2, 4)) is False
+    assert gqa_split(sdpa, ins, ((S1, S1), (S1, S1), (S1, S1)), (2, 2)) is None  # alike: no K/V held whole
+    assert gqa_split(sdpa, ins, ((S1,), (R_,), (R_,)), (2,)) is False  # 4 K/V heads split 2 ways: alike only
 
 
 def test_cross_entropy_batch_split_is_partial(gpt_graph):
