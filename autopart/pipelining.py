@@ -59,6 +59,7 @@ from autopart.solver.pipeline import (
     SCHEDULES,
     CoreSharing,
     LayerCost,
+    StageMemoryError,
     best_pipeline,
     gather_exposed,
     reduction_tail,
@@ -568,6 +569,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
             except ValueError as e:
                 if log:
                     errors.append(f"p={p} m={m}: {str(e).splitlines()[-1].strip()}")
+                    _keep_least(state, e)
                 continue
             tail = reduction_tail(pl, layer_costs, [u.reduce_s for u in units], cluster.device.comm_overlap,
                                   [u.gather_s for u in units], after_schedule=not OVERLAP_IN_PIPELINE,
@@ -644,7 +646,18 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
             raise AssertionError(f"pipeline candidate p={p} fits on the 2-block graph but not on the whole graph")
         final.ranked_on = f"2 of {reduced[1]} blocks (virtual_layers), winner re-solved on the whole graph"
         best = final
-    return best, tried, errors
+    return best, tried, errors, (state.get("least") or (None, None))[1]
+
+
+def _keep_least(state: dict, e: Exception) -> None:
+    """Keep in ``state["least"]`` the failure closest to fitting: a pipeline no partition of which fits
+    (``StageMemoryError``, its least per-device peak) or a stage mesh no sharding of which fits (``NoPlanFits``, its
+    smallest peak); ``search`` returns it for the error's figures."""
+    from autopart.planner import NoPlanFits
+
+    need = e.need if isinstance(e, StageMemoryError) else e.min_memory if isinstance(e, NoPlanFits) else math.nan
+    if math.isfinite(need) and (state.get("least") is None or need < state["least"][0]):
+        state["least"] = (need, e)
 
 
 def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpoint, best_over_m, state, errors):
@@ -673,6 +686,7 @@ def _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpo
             except ValueError as e:
                 errors.append(f"p={p} on {axis_names[axis]}{' (recipe roles)' if recipe else ''}: stage sharding: "
                               f"{e}")
+                _keep_least(state, e)
                 break
             if reduced is not None:
                 units = expand_units(block_units(sub, reduced[0], stage_mesh, stage_cluster)[0], reduced[1])

@@ -2851,8 +2851,8 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         return _shared_sharding_plan(traced, stage_cluster, axis_names, o)
 
     t0 = time.perf_counter()
-    cand, tried, errors = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
-                                            allow_checkpoint=allow)
+    cand, tried, errors, least = pipelining.search(traced, cluster, axis_names, opts, solve_stage, limit, forced,
+                                                   allow_checkpoint=allow)
     wall = time.perf_counter() - t0
     base, base_err, base_bound, cand_note = None, None, None, ""
     no_pp = dataclasses.replace(opts, pipeline="off")
@@ -2920,9 +2920,28 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         return base
     detail = "\n".join(f"  {e}" for e in list(dict.fromkeys(errors))[-12:])  # a line once (stage solves repeat)
     without = base_err if base_err is not None else f"not planned ({not_planned})"
-    raise NoPlanFits(f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
-                     f"with pipeline stages:\n{detail}",
-                     without=base_err if isinstance(base_err, NoPlanFits) else None)
+    message = (f"no plan fits {cluster.name} mesh {cluster.mesh_shape}: without pipeline: {without}\n"
+               f"with pipeline stages:\n{detail}")
+    if isinstance(base_err, NoPlanFits) or least is None:
+        raise NoPlanFits(message, without=base_err if isinstance(base_err, NoPlanFits) else None)
+    # no plan without stages to describe (stages forced, a 'pp' axis): the figures of the pipeline closest to fitting
+    raise _stage_figures(message, least, any(fqn not in traced.frozen for fqn in traced.params.values()))
+
+
+def _stage_figures(message: str, least: Exception, training: bool) -> NoPlanFits:
+    """``NoPlanFits`` with the figures of a pipelined search's failure closest to fitting (``pipelining.search``'s
+    ``least``): a stage mesh no sharding of which fits (its own figures), or a pipeline no partition of which fits,
+    its binding stage's model states and activations in flight."""
+    if isinstance(least, NoPlanFits):
+        return NoPlanFits(message, least.min_memory, least.limit, f"a pipeline stage's sharding: {least.binding}",
+                          least.terms)
+    first, last = least.layers
+    where = f"blocks {first}..{last}" if first != last else f"block {first}"
+    states = "model states (parameter, gradient, optimizer)" if training else "weights"
+    return NoPlanFits(message, least.need, least.limit,
+                      f"pipeline {least.where} ({where}; every allowed block checkpointed)",
+                      [(states, where, least.states), ("activations", f"{where}, micro-batches in flight",
+                                                       least.activations)])
 
 
 def _accumulated_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions,

@@ -495,6 +495,20 @@ def partition(layers: Sequence[LayerCost], opts: PipelineOptions, memory_limit: 
                         tuple(times), tuple(mems), opts)
 
 
+class StageMemoryError(ValueError):
+    """No partition of the layers into stages fits the memory limit. Beside the message, what callers read without
+    parsing it: ``need`` the least per-device peak a partition reaches (every allowed layer checkpointed), ``limit``,
+    ``where`` its binding stage ("stage k" or "chunk k (rank r)"), ``layers`` that stage's (first, last) layer,
+    ``states`` its model states' bytes and ``activations`` the rest of its peak (what its micro-batches in flight
+    keep, and the transients; ``stage_peak``)."""
+
+    def __init__(self, message: str, need: float, limit: float, where: str, layers: tuple[int, int],
+                 states: float, activations: float):
+        super().__init__(message)
+        self.need, self.limit, self.where, self.layers = need, limit, where, layers
+        self.states, self.activations = states, activations
+
+
 def _raise_infeasible(ar: _Arrays, opts: PipelineOptions, flights: list[int], limit: float, n: int) -> None:
     """Find the partition of least peak memory (full checkpointing) and report its binding stage."""
     gpipe = opts.schedule == "gpipe"
@@ -506,14 +520,14 @@ def _raise_infeasible(ar: _Arrays, opts: PipelineOptions, flights: list[int], li
     i, j = bounds[k], ends[k]
     act = float(ar.A[i, j] - ar.SAVE[i, j])
     where = f"stage {k}" if opts.virtual == 1 else f"chunk {k} (rank {k % opts.stages})"
-    raise ValueError(
+    raise StageMemoryError(
         f"no partition of {n} layers into {opts} fits memory_limit={limit:.4g} bytes per device: even the "
         f"least-memory partition, with every allowed layer checkpointed, needs {need:.4g} bytes on {where} "
         f"(layers {i}..{j - 1}: states {float(ar.S[i, j]):.4g} + activations {act:.4g} x {flights[k]} micro-batches "
         f"in flight). Fix: raise memory_limit to >= {need:.4g}, use more stages or devices per stage (shard states), "
         f"more micro-batches of a smaller size, the 1f1b schedule (fewer in flight than gpipe), or allow "
-        f"checkpointing (recompute_act_bytes)."
-    )
+        f"checkpointing (recompute_act_bytes).",
+        float(need), float(limit), where, (int(i), int(j - 1)), float(ar.S[i, j]), max(0.0, float(need - ar.S[i, j])))
 
 
 def best_pipeline(
@@ -533,7 +547,7 @@ def best_pipeline(
     sharing a host's cores (``CoreSharing``), ``stage_ranks`` per stage. ``steady``: decoding served continuously,
     the pipeline kept full (``PipelineOptions.steady``).
     """
-    best, errors = None, []
+    best, errors, least, least_line = None, [], None, ""
     for p, m, sch in itertools.product(list(stage_counts), list(micro_batch_counts), list(schedules)):
         name, v = (sch, 1) if isinstance(sch, str) else sch
         if name == "interleaved" and isinstance(sch, str):
@@ -543,12 +557,18 @@ def best_pipeline(
             plan = partition(layers, opts, memory_limit)
         except ValueError as e:
             errors.append(f"  {opts}: {e}")
+            if isinstance(e, StageMemoryError) and (least is None or e.need < least.need):
+                least, least_line = e, f"  closest: {opts}: {e}"
             continue
         key = (plan.step_s / m, max(plan.stage_memory))
         if best is None or key < (best.step_s / best.options.micro_batches, max(best.stage_memory)):
             best = plan
     if best is None:
-        raise ValueError("no pipeline configuration fits:\n" + "\n".join(errors))
+        message = "no pipeline configuration fits:\n" + "\n".join(errors)
+        if least is not None:  # the figures of the configuration closest to fitting, its line last
+            raise StageMemoryError(message + "\n" + least_line, least.need, least.limit, least.where, least.layers, least.states,
+                                   least.activations)
+        raise ValueError(message)
     return best
 
 

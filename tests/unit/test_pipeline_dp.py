@@ -261,11 +261,32 @@ def test_infeasible_names_stage_and_limit():
 
 
 def test_best_pipeline_prefers_throughput_and_skips_infeasible():
+    from autopart.solver.pipeline import StageMemoryError
+
     layers = [LayerCost(1, 2, 10, 5, 2)] * 8
     plan = best_pipeline(layers, 200, [1, 2, 4], [1, 4, 8], ["gpipe", "1f1b", ("interleaved", 2)])
     assert max(plan.stage_memory) <= 200
     with pytest.raises(ValueError, match="no pipeline configuration fits"):
         best_pipeline(layers, 1, [2], [4], ["1f1b"])
+    # the figures of the configuration closest to fitting (4 stages of 2 layers: 22 bytes, states 10; 2 stages
+    # need 35, the test above), its line last in the message
+    with pytest.raises(StageMemoryError) as err:
+        best_pipeline(layers, 1, [2, 4], [4], ["1f1b"])
+    e = err.value
+    assert (e.need, e.limit, e.states) == (min(partition_need(layers, p) for p in (2, 4)), 1, 10)
+    assert e.need == e.states + e.activations and e.where.startswith("stage ") and e.layers[1] - e.layers[0] == 1
+    assert str(e).splitlines()[-1].startswith("  closest: 1f1b(p=4, m=4)") and "needs 22 bytes" in str(e)
+
+
+def partition_need(layers, p: int) -> float:
+    """The least per-device peak ``partition`` reports for ``p`` stages of 1F1B with 4 micro-batches."""
+    from autopart.solver.pipeline import StageMemoryError
+
+    try:
+        partition(layers, PipelineOptions(p, 4, "1f1b"), 1)
+    except StageMemoryError as e:
+        return e.need
+    raise AssertionError("fits")
 
 
 def test_reduction_tail_overlaps_the_last_backward():

@@ -3,6 +3,8 @@ that, run one after another in one process, compute what the whole program compu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -373,6 +375,29 @@ def test_forward_only_refuses_recompute_and_activation_offload():
         autopart.plan(model, mesh, (ids,), {}, cluster="h100-80gb", checkpoint="full", kv_cache_tokens=64)
     with pytest.raises(ValueError, match="offload='activations' on a forward-only graph"):
         autopart.plan(model, mesh, (ids,), {}, cluster="h100-80gb", offload="activations", kv_cache_tokens=64)
+
+
+def test_forced_stages_that_do_not_fit_carry_the_closest_pipelines_figures():
+    """With the stages forced there is no plan without stages to describe; the error carries the figures of the
+    pipeline closest to fitting (its least per-device peak, the limit, the binding stage and its terms), which
+    ``advise`` reads as it reads a plan without stages' (``Advice.no_fit``)."""
+    from autopart.advise import no_fit_record
+
+    model = _model()
+    with pytest.raises(autopart.NoPlanFits) as err:
+        autopart.plan(model, autopart.mesh((4,), ("x",)), (IDS,), {"labels": IDS}, memory_budget=100_000,
+                      pipeline={"stages": 2})
+    e = err.value.figures
+    assert e is err.value and "not planned (pipeline stages=2 forced)" in str(e)
+    assert e.limit == pytest.approx(100_000 * 0.9) and e.min_memory > e.limit
+    assert e.binding.startswith("pipeline stage ") and "checkpointed" in e.binding
+    kinds = [k for k, _, _ in e.terms]
+    assert kinds == ["model states (parameter, gradient, optimizer)", "activations"]
+    assert sum(b for _, _, b in e.terms) == pytest.approx(e.min_memory)
+    # the least of the peaks the message lists for each configuration tried
+    needs = [float(m) for m in re.findall(r"needs ([0-9.e+]+) bytes", str(e))]
+    assert needs and e.min_memory == pytest.approx(min(needs), rel=1e-3)
+    assert no_fit_record(err.value)["smallest_peak_bytes"] == e.min_memory
 
 
 def test_1f1b_needs_as_many_micro_batches_as_stages():
