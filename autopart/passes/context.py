@@ -94,9 +94,7 @@ def _lower_gqa(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> bool:
         specs = node.meta.get("autopart.inputs")
         if node.op != "call_function" or node.target != SDPA or specs is None:
             continue
-        inputs = tensor_inputs(node)
-        # the traced shapes: the arguments are the conversions' outputs now, which carry no value
-        split = gqa_split(node, [_traced(a) for a in inputs], specs, mesh_shape)
+        split = gqa_split(node, tensor_inputs(node), specs, mesh_shape)  # conversions carry the traced value
         if not split:
             continue
         a = _sdpa_args(node)
@@ -108,13 +106,6 @@ def _lower_gqa(gm: fx.GraphModule, mesh_shape: tuple[int, ...]) -> bool:
             node.replace_input_with(x, y)
         changed = True
     return changed
-
-
-def _traced(a: fx.Node) -> fx.Node:
-    """The traced value behind ``a``: back through the conversions ``insert_collectives`` inserted."""
-    while "val" not in a.meta and a.meta.get("autopart.collective") and a.args and isinstance(a.args[0], fx.Node):
-        a = a.args[0]
-    return a
 
 
 def context_parallel(gm: fx.GraphModule, plan) -> tuple[fx.GraphModule, bool]:

@@ -566,8 +566,8 @@ def best_pipeline(
     if best is None:
         message = "no pipeline configuration fits:\n" + "\n".join(errors)
         if least is not None:  # the figures of the configuration closest to fitting, its line last
-            raise StageMemoryError(message + "\n" + least_line, least.need, least.limit, least.where, least.layers, least.states,
-                                   least.activations)
+            raise StageMemoryError(message + "\n" + least_line, least.need, least.limit, least.where, least.layers,
+                                   least.states, least.activations)
         raise ValueError(message)
     return best
 
