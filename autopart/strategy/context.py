@@ -259,8 +259,9 @@ def cp_comm_time(node: fx.Node, option: OpOption, cluster) -> float:
     a = _sdpa_args(node)
     q, k, v = (x.meta["val"] for x in (a["query"], a["key"], a["value"]))
     split = math.prod(n for i, n in enumerate(mesh) if any(not _is_rep(s[i]) for s in option.inputs))
-    kv_spec = option.inputs[1]
-    gqa = gqa_split(node, tensor_inputs(node), option.inputs, tuple(mesh))  # K/V whole there: one head passed on
+    ins = tensor_inputs(node)
+    kv_spec = option.inputs[ins.index(a["key"])]  # K's spec (the query may be the same node: sdpa(x, x, x))
+    gqa = gqa_split(node, ins, option.inputs, tuple(mesh))  # K/V whole there: one head passed on
     local = (k.numel() + v.numel()) * k.element_size() / math.prod(
         n for i, n in enumerate(mesh) if isinstance(kv_spec[i], Shard)) / (gqa.kv_heads if gqa else 1)
     link = cluster.link(axis)
