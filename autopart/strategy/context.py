@@ -90,8 +90,10 @@ def gqa_split(node: fx.Node, inputs: list[fx.Node], specs: tuple, mesh_shape: tu
     query heads share one K/V head, number ``coord // (n / hk_l)`` of its ``hk_l``: K and V stay whole on that axis
     (``Replicate``) and each device reads its one head (``runtime.context.kv_heads_for_rank``; their gradients
     are summed over the axis, the table's "R -> R, split user"). This is how vLLM runs tensor parallelism wider
-    than the K/V heads (each K/V head replicated over n / hk devices). Only the last axis splitting the heads may
-    do this, and only one: a later axis would cut the query heads of a group against K/V heads it does not hold.
+    than the K/V heads (each K/V head replicated over n / hk devices). One axis reads one head so: a later axis may
+    split the query heads further with K/V whole (a device's query heads still share its head), not K/V too (the
+    heads read would not be those held). Where earlier axes leave one K/V head (``hk_l`` 1), the query heads split
+    with K/V whole is the plain rule.
 
     ``specs``: the option's input placements, one per tensor input (a placement per mesh axis). Returns ``None``
     where no axis does this, a ``GqaSplit`` where one does legally, ``False`` where the combination is illegal (the
@@ -101,26 +103,31 @@ def gqa_split(node: fx.Node, inputs: list[fx.Node], specs: tuple, mesh_shape: tu
         return None
     try:
         qi, ki, vi = (inputs.index(a[k]) for k in ("query", "key", "value"))
-    except ValueError:  # q, k or v not a distinct tensor input (k is v): no such split
+    except ValueError:  # q, k or v not a tensor input: no such split
         return None
     if node.meta["val"].dim() != 4 or inputs[ki].meta["val"].dim() != 4:
         return None
     hq, hk = node.meta["val"].shape[1], inputs[ki].meta["val"].shape[1]
-    if not 1 < hk < hq:
-        return None
     found = None
     for i, n in enumerate(mesh_shape):
-        if n == 1:
-            continue
         q, k, v = specs[qi][i], specs[ki][i], specs[vi][i]
-        if found is not None and (_heads_split(q) or _heads_split(k) or _heads_split(v)):
-            return False
-        if _heads_split(q) and not _heads_split(k):
-            if not (isinstance(k, Replicate) and isinstance(v, Replicate)) or n % hk or hk % n == 0 or hq % n:
+        if n == 1 or not (_heads_split(q) or _heads_split(k) or _heads_split(v)):
+            continue
+        if _heads_split(q) and _heads_split(k) and _heads_split(v):  # split alike: groups stay whole
+            if found is not None or hq % n or hk % n:  # after K/V were read one head each: not the heads held
+                return False
+            hq, hk = hq // n, hk // n
+        elif not (_heads_split(q) and isinstance(k, Replicate) and isinstance(v, Replicate)):
+            return False  # K or V split without the query heads (or one without the other)
+        elif hk > 1 and found is None:  # (one K/V head left, or read already: a device's query heads share it)
+            if n % hk or hk % n == 0 or hq % n:
                 return False
             found = GqaSplit(i, hk, ki, vi)
-        elif _heads_split(q):
-            hq, hk = hq // n, hk // n
+            hq //= n
+        elif hq % n:
+            return False
+        else:
+            hq //= n
     return found
 
 
