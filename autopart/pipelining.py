@@ -305,11 +305,15 @@ def block_units(plan, traced: Traced, mesh: tuple[int, ...], cluster: Cluster) -
 _REDUCED: dict = {}
 
 
-def reduce_blocks(traced: Traced, keep: int = 2) -> tuple[Traced, int] | None:
+def reduce_blocks(traced: Traced, keep: int = 2, pins: dict | None = None) -> tuple[Traced, int] | None:
     """``_reduce_blocks`` memoised for the last few graphs: one reduction serves the search, its candidates and the
-    recipes, so the solves on it share one graph (and ``planner._Session`` finds them by it)."""
+    recipes, so the solves on it share one graph (and ``planner._Session`` finds them by it). None where ``pins``
+    (``PlanOptions.pins``) name a node or parameter of a block: the kept blocks stand for every block alike, and
+    a dropped block's names are not in the reduced graph (a pin on ``blocks.3`` was refused as no such name)."""
     import weakref
 
+    if pins and _pins_a_block(traced, pins):
+        return None
     key = (id(traced.gm), keep)
     hit = _REDUCED.get(key)
     if hit is None or hit[0]() is not traced.gm:  # the same object, not a new one at a reused address
@@ -318,6 +322,18 @@ def reduce_blocks(traced: Traced, keep: int = 2) -> tuple[Traced, int] | None:
             _REDUCED.pop(next(iter(_REDUCED)))
         _REDUCED[key] = hit
     return hit[1]
+
+
+def _pins_a_block(traced: Traced, pins: dict) -> bool:
+    """Whether a pin names (by node name, parameter FQN or a tied alias) a node or parameter inside a block."""
+    from autopart.planner import _layer_of
+
+    by_name = {n.name: n for n in traced.graph.nodes}
+    names = {fqn: n for n, fqn in traced.params.items()}
+    for fqn, others in traced.aliases.items():
+        for o in others:
+            names.setdefault(o, next((n for n, f in traced.params.items() if f == fqn), o))
+    return any(_layer_of(by_name[n], traced) for n in (names.get(k, k) for k in pins) if n in by_name)
 
 
 def _reduce_blocks(traced: Traced, keep: int = 2) -> tuple[Traced, int] | None:
@@ -585,7 +601,7 @@ def search(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts, 
     state = {"best": None, "n_blocks": math.inf}
     run = _stage_search(traced, cluster, axis_names, solve_stage, limit, allow_checkpoint, best_over_m, state, errors)
 
-    reduced = reduce_blocks(traced)
+    reduced = reduce_blocks(traced, pins=opts.pins)
 
     def stage_candidate(stage_cluster, stage_mesh, axis, p, recipe, warm=None):
         pipe = run(stage_cluster, stage_mesh, axis, p, recipe, reduced, warm=warm)

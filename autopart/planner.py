@@ -2749,7 +2749,7 @@ def _make_plan_with_recipes(traced: Traced, cluster: Cluster, axis_names: tuple[
     from autopart import recipes
     from autopart.pipelining import reduce_blocks
 
-    reduced = reduce_blocks(traced)
+    reduced = reduce_blocks(traced, pins=opts.pins)
     t0 = time.perf_counter()
     rows = recipes.score(traced, cluster, axis_names, opts, _make_plan, reduced, pipelined=False)
     warm = min((r for r in rows if r.get("fits")), key=lambda r: r["step_time_s"], default=None)
@@ -2861,7 +2861,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
         # bounds that plan's step time from below, and the (slow) memory-bounded solve runs only if the pipeline
         # does not already beat the bound. Solved on the 2-block reduction when the model has one (the same ILP;
         # its objective is the bound), and skipped when even its cheapest-options floor loses to the pipeline
-        reduced = pipelining.reduce_blocks(traced)
+        reduced = pipelining.reduce_blocks(traced, pins=opts.pins)
         cutoff = cand.step_s * OBJECTIVE_OVER_RECORD if cand is not None else None  # an objective against a step
         try:  # warm-started from opts.warm_start (make_plan: the best recipe without stages, on the reduction)
             if reduced is not None:

@@ -464,3 +464,16 @@ def test_a_buffer_updated_in_one_stage_and_used_on_another_rank_is_refused(chunk
     no_seen = {k: v for k, v in t.buffers.items() if v != "seen"}
     used = buffer_chunks(t.gm, no_seen, t.tied, stage_of, ranks, layer_of)
     assert used and all(len(cs) == 1 and fqn.startswith("norms.") for fqn, cs in used.items())  # a stage holds them
+
+
+def test_pins_on_a_later_block_with_stages_searched():
+    """The pipeline search and the recipes rank on the graph reduced to two blocks; a pin naming a node or
+    parameter of a later block (absent there) made the default plan raise 'no parameter or graph node has that
+    name'. Such pins now plan on the whole graph, and the plan keeps them."""
+    model = _model()
+    t = trace(model, (IDS,), {"labels": IDS})
+    sdpa = [n.name for n in t.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    pins = {"blocks.3.attn.q.weight": "S(0)", sdpa[3]: "S(1)"}
+    p = autopart.plan(model, autopart.mesh((4,), ("x",)), (IDS,), {"labels": IDS}, traced=t, pins=pins)
+    assert p.nodes["p_blocks_3_attn_q_weight"]["output"].startswith("S(0)"), p.nodes["p_blocks_3_attn_q_weight"]
+    assert p.nodes[sdpa[3]]["output"] == "S(1)", p.nodes[sdpa[3]]
