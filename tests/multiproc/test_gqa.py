@@ -62,3 +62,31 @@ def test_llama_gqa_heads_wider_than_kv_heads_parity(cp: bool) -> None:
     for r in results:  # K and V through the head picker on the tp axis, in both attentions (inside the ring's call)
         assert r[5].count("kv_heads_for_rank(") == 4 and r[5].count(f", {axis})") >= 4, r[5]
         assert r[5].count("context_attention(") == (2 if cp else 0), r[5]
+
+
+def _run_pipelined():
+    from autopart.trace import trace
+    from tests.multiproc.parity import OPT, batches, forward_only_kwargs, logits_of, train
+
+    model, ids0 = make_model("llama", 4), batches()[0]
+    graph = trace(model, (ids0,), {"labels": ids0}).graph
+    pins = {n.name: "RS(1)" for n in graph.nodes if n.target == SDPA}  # pins on every block: planned whole
+    pm = autopart.parallelize(model, autopart.mesh((2, 4), ("pp", "tp")), (ids0,), {"labels": ids0},
+                              roles={"pp": "pp", "tp": "tp"}, pipeline={"schedule": "1f1b", "micro_batches": 2},
+                              pins=pins)
+    losses, full = train(pm, torch.optim.AdamW(pm.parameters(), **OPT))
+    logits = logits_of(pm(ids0, **forward_only_kwargs("llama", ids0)))
+    return losses, full, str(pm.plan), pm.plan.to_json(), logits.detach()
+
+
+def test_llama_gqa_heads_wider_than_kv_heads_in_pipeline_stages() -> None:
+    """Two 1F1B stages of two blocks, each stage tensor parallel 4 with K/V whole (8 ranks), pinned on all four
+    attentions (a pin on a block past the second used to be refused by the pipeline search's two-block graph)."""
+    from autopart.plan import Plan
+
+    results = run_ranks(8, _run_pipelined)
+    check("llama gqa pp2 x tp4", results, reference("llama", 4))
+    plan = Plan.from_json(results[0][3])
+    assert plan.pipeline["degree"] == 2 and plan.pipeline["micro_batches"] == 2
+    sdpa = [r for r in plan.nodes.values() if r["op"] == "aten.scaled_dot_product_attention.default"]
+    assert len(sdpa) == 4 and all(r["inputs"] == ["RS(1)", "RR", "RR"] for r in sdpa), sdpa
