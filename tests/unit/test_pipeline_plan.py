@@ -477,3 +477,6 @@ def test_pins_on_a_later_block_with_stages_searched():
     p = autopart.plan(model, autopart.mesh((4,), ("x",)), (IDS,), {"labels": IDS}, traced=t, pins=pins)
     assert p.nodes["p_blocks_3_attn_q_weight"]["output"].startswith("S(0)"), p.nodes["p_blocks_3_attn_q_weight"]
     assert p.nodes[sdpa[3]]["output"] == "S(1)", p.nodes[sdpa[3]]
+    with pytest.raises(autopart.PlanInputError, match="did you mean 'blocks.3.attn.q.weight'"):  # a typo: named
+        autopart.plan(model, autopart.mesh((4,), ("x",)), (IDS,), {"labels": IDS}, traced=t,
+                      pins={"blocks.3.attn.q.weigth": "S(0)"})
