@@ -84,8 +84,13 @@ The memory row is what makes problems hard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import logging
 import math
+import os
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -94,6 +99,7 @@ from datetime import timedelta
 import numpy as np
 
 BACKENDS = ("highs", "cp-sat", "scip", "auto")
+_log = logging.getLogger("autopart.solver")
 _GIB = float(1 << 30)
 _TINY = 1e-30
 _MIP_MAX_COEF = 1e3
@@ -833,6 +839,46 @@ def _skip_highs_presolve(mip: _Mip, red: _Reduced) -> bool:
     return mip.num_vars >= HIGHS_PRESOLVE_OFF_VARS
 
 
+@contextmanager
+def _native_stdout_logged():
+    """Run a native solver with the process' stdout (fd 1) sent to a temporary file, its text logged at DEBUG
+    (``autopart.solver``). HiGHS prints debugging lines with ``printf`` (OR-Tools 9.12-9.14:
+    "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" on some warm-started MIPs), which
+    went into ``autopart advise --json``'s standard output ahead of the JSON. The C library's buffers are flushed
+    before fd 1 is given back, so nothing it printed reaches stdout later."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no fd 1 to redirect
+        yield
+        return
+    flush = _c_fflush()
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1)
+        try:
+            yield
+        finally:
+            flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace").strip()
+            if text:
+                _log.debug("native solver output: %s", text)
+
+
+@functools.lru_cache(maxsize=1)
+def _c_fflush():
+    """``fflush(NULL)`` of the C library (all its output streams), or a no-op where ctypes cannot reach it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        return lambda: libc.fflush(None)
+    except (OSError, AttributeError, TypeError):
+        return lambda: None
+
+
 def _run_mathopt(
     mip: _Mip, red: _Reduced, backend: str, options: SolverOptions, time_left: float, hint: np.ndarray | None
 ) -> tuple[_RawResult, float]:
@@ -887,8 +933,9 @@ def _run_mathopt(
         lp_params = mathopt.SolveParameters(
             time_limit=timedelta(seconds=max(time_left, 0.01)), presolve=mathopt.Emphasis.OFF,
             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX)
-        result = core_solver.solve(model, solver_type.value, init, lp_params.to_proto(),
-                                   model_parameters_pb2.ModelSolveParametersProto(), None, callbacks, None, None)
+        with _native_stdout_logged():
+            result = core_solver.solve(model, solver_type.value, init, lp_params.to_proto(),
+                                       model_parameters_pb2.ModelSolveParametersProto(), None, callbacks, None, None)
         values = values_of(result) \
             if mathopt.TerminationReason(result.termination.reason) == mathopt.TerminationReason.OPTIMAL else None
         if values is not None and np.all(np.abs(values[integer] - np.round(values[integer])) <= LP_INTEGRAL_TOL):
@@ -915,8 +962,9 @@ def _run_mathopt(
         sol = model_params.solution_hints.add()
         sol.variable_values.ids.extend(range(mip.num_vars))
         sol.variable_values.values.extend(hint.tolist())
-    result = core_solver.solve(model, solver_type.value, init, params.to_proto(), model_params, None, callbacks, None,
-                               None)
+    with _native_stdout_logged():
+        result = core_solver.solve(model, solver_type.value, init, params.to_proto(), model_params, None, callbacks,
+                                   None, None)
     reason = mathopt.TerminationReason(result.termination.reason)
     values = values_of(result)
     infeasible = reason in (mathopt.TerminationReason.INFEASIBLE, mathopt.TerminationReason.INFEASIBLE_OR_UNBOUNDED)

@@ -604,3 +604,29 @@ def test_lp_relaxation_first_keeps_the_optimum(monkeypatch) -> None:
     tie = Problem([f"t{i}" for i in range(n)], [np.ones(3) for _ in range(n)], [np.zeros(3) for _ in range(n)],
                   [(i, (i + 1) % n, np.full((3, 3), 0.5)) for i in range(n)], hint=[1, 2, 0, 2, 1, 1])
     assert list(solve(tie, lp_only).choice) == tie.hint and paths[-1]
+
+
+def test_native_solver_output_stays_off_stdout():
+    """What a native solver prints to fd 1 (HiGHS's stray debugging printf) is logged at DEBUG, not written to the
+    process' standard output, which ``autopart advise --json`` fills with JSON. In a child process whose stdout is a
+    pipe and C stdio buffered (no PYTHONUNBUFFERED), so that the C library's buffer is flushed in time."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import ctypes, logging, os, sys
+        logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format="%(name)s: %(message)s")
+        from autopart.solver.ilp import _native_stdout_logged
+        print("before", flush=True)
+        with _native_stdout_logged():
+            os.write(1, b"raw write\\n")
+            ctypes.CDLL(None).printf(b"buffered printf %d", 7)
+        print("after", flush=True)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "before\nafter\n", run.stdout
+    assert "raw write" in run.stderr and "buffered printf 7" in run.stderr, run.stderr
