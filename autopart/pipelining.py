@@ -327,13 +327,10 @@ def reduce_blocks(traced: Traced, keep: int = 2, pins: dict | None = None) -> tu
 def _pins_a_block(traced: Traced, pins: dict) -> bool:
     """Whether a pin names (by node name, parameter FQN or a tied alias) a node or parameter inside a block, or
     nothing in the graph (refused by the whole graph's names, whose suggestions include every block's)."""
-    from autopart.planner import _layer_of
+    from autopart.planner import _layer_of, pin_names
 
     by_name = {n.name: n for n in traced.graph.nodes}
-    names = {fqn: n for n, fqn in traced.params.items()}
-    for fqn, others in traced.aliases.items():
-        for o in others:
-            names.setdefault(o, next((n for n, f in traced.params.items() if f == fqn), o))
+    names = pin_names(traced)
     return any(n not in by_name or _layer_of(by_name[n], traced) for n in (names.get(k, k) for k in pins))
 
 

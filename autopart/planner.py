@@ -2203,6 +2203,15 @@ def _edge_prices(val, a: fx.Node, idx: int | None, j: int, uopts: list[OpOption]
     return mat, shard_b, gathered_b
 
 
+def pin_names(traced: Traced) -> dict[str, str]:
+    """Parameter FQN (a tied alias too) -> its placeholder's name: what a pin may name besides a graph node."""
+    names = {fqn: n for n, fqn in traced.params.items()}
+    for fqn, others in traced.aliases.items():
+        for o in others:
+            names.setdefault(o, next(n for n, f in traced.params.items() if f == fqn))
+    return names
+
+
 def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], opts: PlanOptions) -> Problem:
     mesh = cluster.mesh_shape
     info = _analyzed(traced, tuple(mesh))
@@ -2211,10 +2220,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
         if name not in axis_names:
             raise ValueError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
         roles[axis_names.index(name)] = role
-    fqn_to_node = {fqn: n for n, fqn in traced.params.items()}
-    for fqn, others in traced.aliases.items():
-        for o in others:
-            fqn_to_node.setdefault(o, next(n for n, f in traced.params.items() if f == fqn))
+    fqn_to_node = pin_names(traced)
     for key, pin in opts.pins.items():
         name = fqn_to_node.get(key, key)
         if name not in info.options:

@@ -113,21 +113,18 @@ def gqa_split(node: fx.Node, inputs: list[fx.Node], specs: tuple, mesh_shape: tu
         q, k, v = specs[qi][i], specs[ki][i], specs[vi][i]
         if n == 1 or not (_heads_split(q) or _heads_split(k) or _heads_split(v)):
             continue
-        if _heads_split(q) and _heads_split(k) and _heads_split(v):  # split alike: groups stay whole
-            if found is not None or hq % n or hk % n:  # after K/V were read one head each: not the heads held
-                return False
-            hq, hk = hq // n, hk // n
-        elif not (_heads_split(q) and isinstance(k, Replicate) and isinstance(v, Replicate)):
+        alike = _heads_split(q) and _heads_split(k) and _heads_split(v)  # groups stay whole
+        if not alike and not (_heads_split(q) and isinstance(k, Replicate) and isinstance(v, Replicate)):
             return False  # K or V split without the query heads (or one without the other)
+        if hq % n or (alike and (found is not None or hk % n)):  # K/V read one head each: not the heads held
+            return False
+        if alike:
+            hk //= n
         elif hk > 1 and found is None:  # (one K/V head left, or read already: a device's query heads share it)
-            if n % hk or hk % n == 0 or hq % n:
+            if n % hk or hk % n == 0:
                 return False
             found = GqaSplit(i, hk, ki, vi)
-            hq //= n
-        elif hq % n:
-            return False
-        else:
-            hq //= n
+        hq //= n
     return found
 
 
