@@ -853,6 +853,7 @@ def _native_stdout_logged():
         yield
         return
     flush = _c_fflush()
+    flush()  # what C stdio holds from before goes to stdout, not into the log
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 1)
         try:
