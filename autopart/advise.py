@@ -3,8 +3,9 @@ have, and read the plan as the numbers practitioners compare -- step time, token
 memory per GPU by kind, communication by kind -- plus the design-guide sweep (model size x GPU count -> which
 strategy wins, checked against published practice).
 
-Everything runs on the ``meta`` device in one process: no weights are allocated and no process group is needed
-(planning reads shapes only; ``autopart.plan`` never communicates).
+Everything runs on the ``meta`` device: no weights are allocated and no process group is needed (planning reads
+shapes only; ``autopart.plan`` never communicates). The mesh views of one ``advise`` are planned side by side in
+forked processes, one per core (``jobs``; ``autopart.forked``).
 
 Definitions (shared/REFERENCE.md):
 
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopart import forked
 from autopart.cost import Cluster
 from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
@@ -972,7 +974,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
            time_limit_s: float = 30.0, max_plan_s: float | None = None, built: tuple | None = None,
            traced=None, recipes: bool = True, views: bool = True, reduce_dtype: str | torch.dtype | None = None,
            grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP,
-           inference: bool = False, kv_cache_tokens: int = 0, **overrides: int | None) -> Advice:
+           inference: bool = False, kv_cache_tokens: int = 0, jobs: int | None = None,
+           **overrides: int | None) -> Advice:
     """Plan a model for ``nodes x gpus_per_node`` devices of ``cluster`` (a preset, a JSON/TOML file, or a
     ``Cluster``) on the ``meta`` device and read the plan (``Advice``). The model is ``model``/``size`` (a family
     ``gpt``/``llama``/``moe``/``mamba`` and a named size, or ``"llama:70b"``) with overrides ``layers``, ``hidden``,
@@ -989,7 +992,10 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     keep the fastest, each listed in ``Advice.views``; False: the ``(nodes, gpus_per_node)`` mesh alone. Views apply to
     presets (and cluster files); a ``Cluster`` given directly is planned on its own mesh. Views whose axes have
     the same sizes and links in another order (one node's (4, 2) and (2, 4): NVLink both) are the same problem with
-    its axes renamed: planned once, the other listed with its step time (``same_as``). ``relative_gap``: each ILP
+    its axes renamed: planned once, the other listed with its step time (``same_as``). ``jobs``: processes the
+    views are planned in side by side (``autopart.forked``: forked, so nothing is pickled on the way in; None: one
+    per core, at most one per view; 1: one after another in this process); the result is the same whatever it is.
+    ``relative_gap``: each ILP
     stops once its plan is proven within this fraction of the best (``ADVISE_GAP``, 1%: what-if planning reads
     step times the cost model predicts to ~10%; ``autopart.plan`` solves to 0.1%).
 
@@ -1007,6 +1013,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     from autopart.trace import trace
 
     PlanOptions(relative_gap=relative_gap)  # bad input raises here, not per mesh view as a plan that does not fit
+    forked.jobs_for(1, jobs)  # likewise
     gpus_per_node = devices_per_node(cluster, gpus_per_node)
     cl = _mesh_cluster(cluster, nodes, gpus_per_node)
     gpus = cl.world_size
@@ -1070,39 +1077,61 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     t0 = time.perf_counter()
     shapes = (mesh_views(*cl.mesh_shape) if views and len(cl.mesh_shape) == 2 and cl.name in PRESETS
               else [(tuple(cl.mesh_shape), ("node", "gpu")[:len(cl.mesh_shape)])])
+    # one problem per set of views whose axes have the same (size, link) multiset: the others are it renamed
+    todo, key_of, first = [], [], {}
+    for shape, names in shapes:
+        view_cluster = cl.with_mesh(shape)
+        key = tuple(sorted(zip(shape, view_cluster.links), key=repr))
+        if key not in first:
+            first[key] = len(todo)
+            todo.append((shape, names, view_cluster))
+        key_of.append(key)
+
+    def plan_view(j: int):
+        shape, names, view_cluster = todo[j]
+        return autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs, cluster=view_cluster,
+                             traced=traced, time_limit_s=time_limit_s,
+                             optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
+                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
+                             kv_cache_tokens=kv_cache_tokens)
+
+    done: dict[int, Any] = {}  # view planned -> its plan, or why it has none (this mesh does not fit, or timed out)
+    stopped = None
+    n_jobs = forked.jobs_for(len(todo), jobs)
+    try:  # the cap: an alarm in this process, a deadline on the forked ones
+        with _Cap(max_plan_s if n_jobs == 1 else None):
+            for j, ok, value in forked.run(plan_view, len(todo), n_jobs, timeout=max_plan_s or None):
+                if not ok and not isinstance(value, (ValueError, SolverTimeout)):
+                    raise value
+                done[j] = value
+    except (PlanTimeout, forked.Timeout) as e:
+        stopped = e
     best, tried, err = None, [], None
-    planned: dict[tuple, dict] = {}  # axes (size, link) as a multiset -> the view that was planned
-    try:
-        with _Cap(max_plan_s):
-            for shape, names in shapes:
-                view_cluster = cl.with_mesh(shape)
-                key = tuple(sorted(zip(shape, view_cluster.links), key=repr))
-                if key in planned:  # the same axes in another order: the same problem, its axes renamed
-                    same = planned[key]
-                    tried.append({"mesh": list(shape), "step_time_s": same["step_time_s"], "why": same["why"],
-                                  "same_as": same["mesh"]})
-                    continue
-                try:
-                    plan = autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs,
-                                         cluster=view_cluster, traced=traced, time_limit_s=time_limit_s,
-                                         optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
-                                         reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
-                                         kv_cache_tokens=kv_cache_tokens)
-                except (ValueError, SolverTimeout) as e:  # this mesh does not fit, or was not solved in time
-                    err = e if err is None or isinstance(err, SolverTimeout) else err
-                    tried.append({"mesh": list(shape), "step_time_s": None, "why": str(e).strip().splitlines()[0]})
-                    planned[key] = tried[-1]
-                    continue
-                step = plan.predicted["step_time_s"]
-                tried.append({"mesh": list(shape), "step_time_s": step, "why": ""})
-                planned[key] = tried[-1]
-                if best is None or step < best.predicted["step_time_s"]:
-                    best = plan
-    except PlanTimeout as e:
+    listed: dict[tuple, dict] = {}
+    for (shape, _), key in zip(shapes, key_of):
+        j = first[key]
+        if j not in done:
+            continue
+        if key in listed:  # the same axes in another order: the same problem, its axes renamed
+            same = listed[key]
+            tried.append({"mesh": list(shape), "step_time_s": same["step_time_s"], "why": same["why"],
+                          "same_as": same["mesh"]})
+            continue
+        value = done[j]
+        if isinstance(value, Exception):
+            err = value if err is None or isinstance(err, SolverTimeout) else err
+            tried.append({"mesh": list(shape), "step_time_s": None, "why": str(value).strip().splitlines()[0]})
+        else:
+            step = value.predicted["step_time_s"]
+            tried.append({"mesh": list(shape), "step_time_s": step, "why": ""})
+            if best is None or step < best.predicted["step_time_s"]:
+                best = value
+        listed[key] = tried[-1]
+    if stopped is not None:
         if best is None:
-            return Advice(fits=False, binding=f"not planned: {e} (raise max_plan_s)",
+            return Advice(fits=False, binding=f"not planned: {stopped} (raise max_plan_s)",
                           plan_s=time.perf_counter() - t0, views=tried, **base)
-        tried.append({"mesh": None, "step_time_s": None, "why": f"the other meshes not planned: {e}"})
+        tried.append({"mesh": None, "step_time_s": None, "why": f"the other meshes not planned: {stopped}"})
     if best is None:
         if isinstance(err, SolverTimeout):
             return Advice(fits=False, binding=f"not planned: {err}", plan_s=time.perf_counter() - t0, views=tried,
@@ -1367,7 +1396,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
           time_limit_s: float = 20.0, max_plan_s: float | None = 120.0, optimizer_bytes_per_param: float = 12.0,
           views: bool = True, log: Callable[[str], None] | None = None,
           reduce_dtype: str | torch.dtype | None = None,
-          grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP) -> list[dict[str, Any]]:
+          grad_dtype: str | torch.dtype | None = None, relative_gap: float = ADVISE_GAP,
+          jobs: int | None = None) -> list[dict[str, Any]]:
     """The design-guide study: every model size x GPU count planned (global batch ``batch_per_gpu`` sequences per
     GPU), the winner named, and compared with published practice (``practice``). ``sizes``: "family:size"
     strings, or dicts of ``build`` arguments (``{"model": "llama", "size": "70b", "layers": 20, "label": "x"}``).
@@ -1375,7 +1405,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``).
     ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients', for the plans and practice's recipes
     alike (``autopart.plan``); ``relative_gap``: the ILPs' (``advise``). ``gpus_per_node``: None takes the
-    cluster's devices per node (``advise``)."""
+    cluster's devices per node (``advise``); ``jobs``: processes each cell's mesh views are planned in (``advise``)."""
     from autopart.trace import trace
 
     gpus_per_node = devices_per_node(cluster, gpus_per_node)
@@ -1425,7 +1455,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                 adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
                              built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
                              optimizer_bytes_per_param=optimizer_bytes_per_param, views=views,
-                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap)
+                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
+                             jobs=jobs)
             row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
             shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
             rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,

@@ -304,7 +304,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                              views=not args.physical_mesh,
                              log=None if args.json else lambda line: console.print(line, highlight=False),
                              reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
-                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap)
+                             grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap, jobs=args.jobs)
         md = adv_mod.sweep_markdown(rows)
         diff = adv_mod.sweep_diff_markdown(rows)
         if diff:
@@ -338,7 +338,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
             args.model or ("llama" if not args.factory else None), args.size, factory=args.factory,
             cluster=cluster, nodes=args.nodes or 1, gpus_per_node=args.gpus_per_node, seq=args.seq, dtype=dtype,
             time_limit_s=args.time_limit, max_plan_s=args.max_plan_s, views=not args.physical_mesh,
-            relative_gap=gap, kv_cache_tokens=args.context,
+            relative_gap=gap, kv_cache_tokens=args.context, jobs=args.jobs,
             max_batch=1024 if args.max_batch is None else args.max_batch,
             max_latency_s=args.max_latency_ms / 1e3 if args.max_latency_ms is not None else None,
             log=None if args.json else lambda line: console.print(line, highlight=False), **overrides)
@@ -361,7 +361,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
                        max_plan_s=args.max_plan_s, views=not args.physical_mesh,
                        reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
                        grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap, inference=args.inference,
-                       kv_cache_tokens=args.context, **overrides)
+                       kv_cache_tokens=args.context, jobs=args.jobs, **overrides)
     if args.json:
         print(json.dumps(a.to_json(), indent=1))
     else:
@@ -448,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            "fraction of the best (default: advise's ADVISE_GAP, 0.01; "
                                                            "autopart.plan: 0.001)")
     a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
+    a.add_argument("--jobs", type=int, default=None, help="processes the mesh views are planned in side by side "
+                                                           "(default: one per core; 1: one after another)")
     a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "
                                                                  "also on its logical views (tensor parallel 1, 2, "
                                                                  "4 inside a node; one axis over all GPUs)")

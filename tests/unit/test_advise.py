@@ -3,9 +3,11 @@ process group). Small models only: every plan here takes about a second."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
+import multiprocessing
 
 import pytest
 import torch
@@ -274,9 +276,11 @@ def test_practice_recipes() -> None:
     assert adv.practice(1e12, 128, 25600, 8, 8, budget, 8, 4096) is None
 
 
-def test_plan_cap_reports_instead_of_hanging() -> None:
-    a = adv.advise("gpt", "125m", layers=2, seq=128, max_plan_s=1e-3)
+@pytest.mark.parametrize("jobs", [1, 2])  # an alarm in this process; a deadline on forked ones
+def test_plan_cap_reports_instead_of_hanging(jobs) -> None:
+    a = adv.advise("gpt", "125m", layers=2, seq=128, max_plan_s=1e-3, jobs=jobs)
     assert not a.fits and "not planned" in a.binding and math.isnan(a.step_time_s)
+    assert not multiprocessing.active_children()
 
 
 def test_moe_and_mamba_families_when_present() -> None:
@@ -320,7 +324,8 @@ def test_diff_table_is_recipe_minus_plan() -> None:
     assert adv.sweep_diff_markdown([{**row, "comparison": {"detail": "x"}}]) == ""
 
 
-def test_a_mesh_the_solver_does_not_finish_is_skipped(monkeypatch) -> None:
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_mesh_the_solver_does_not_finish_is_skipped(monkeypatch, jobs) -> None:
     """One logical mesh whose ILP times out is recorded as not planned; the others still are, the fastest kept."""
     from autopart.solver.ilp import SolverTimeout
 
@@ -332,14 +337,37 @@ def test_a_mesh_the_solver_does_not_finish_is_skipped(monkeypatch) -> None:
         return real(module, mesh, *args, **kwargs)
 
     monkeypatch.setattr(autopart, "plan", plan)
-    a = adv.advise("gpt", "125m", layers=2, seq=128)  # 8 GPUs: meshes 8, 4x2, 2x4
+    a = adv.advise("gpt", "125m", layers=2, seq=128, jobs=jobs)  # 8 GPUs: meshes 8, 4x2, 2x4
     views = {tuple(v["mesh"]): v for v in a.views}
     assert set(views) == {(8,), (4, 2), (2, 4)}
     assert views[(4, 2)]["step_time_s"] is None and "no solution within 1 s" in views[(4, 2)]["why"]
     assert a.fits and a.step_time_s == min(v["step_time_s"] for v in a.views if v["step_time_s"] is not None)
     monkeypatch.setattr(autopart, "plan", lambda *a, **k: (_ for _ in ()).throw(SolverTimeout("no solution")))
-    b = adv.advise("gpt", "125m", layers=2, seq=128)
+    b = adv.advise("gpt", "125m", layers=2, seq=128, jobs=jobs)
     assert not b.fits and b.binding.startswith("not planned: no solution")
+    # a fault that is not "this mesh does not fit" stops advise, with the forked call's traceback as its cause
+    monkeypatch.setattr(autopart, "plan", lambda *a, **k: {}["no such key"])
+    with pytest.raises(KeyError) as e:
+        adv.advise("gpt", "125m", layers=2, seq=128, jobs=jobs)
+    assert jobs == 1 or "no such key" in str(e.value.__cause__)
+
+
+def test_views_planned_in_processes_give_the_same_advice() -> None:
+    """Planned side by side in forked processes (jobs=3) or one after another here (jobs=1), advise returns the same
+    views, plan and figures: two nodes of 4 GPUs, views 2x4, 8 and 4x2 (each its own problem)."""
+    from autopart.trace import trace
+
+    built = adv.build("gpt", "125m", batch=8, seq=128, layers=2, hidden=256, heads=4)
+    traced = trace(*built[1:4])
+    one, three = (adv.advise(nodes=2, gpus_per_node=4, built=built, traced=traced, jobs=j) for j in (1, 3))
+    assert [v["mesh"] for v in three.views] == [[2, 4], [8], [4, 2]]
+    assert all(v["step_time_s"] and not v.get("same_as") for v in three.views)
+    a, b = (dataclasses.asdict(x.plan) for x in (one, three))
+    a.pop("solver"), b.pop("solver")  # the solves' own times and counts (a process reuses its earlier solves)
+    assert a == b
+    a, b = one.to_json(), three.to_json()
+    a.pop("plan_s"), b.pop("plan_s")
+    assert a == b
 
 
 def test_accumulated_plan_reads_consistently() -> None:
@@ -429,7 +457,8 @@ def test_isomorphic_mesh_views_are_planned_once(monkeypatch) -> None:
         return real(module, mesh, *args, **kwargs)
 
     monkeypatch.setattr(autopart, "plan", plan)
-    a = adv.advise("gpt", "125m", layers=2, seq=128)  # 8 GPUs in one node: meshes 8, 4x2, 2x4
+    # jobs=1: planned in this process, where the patched plan sees each call
+    a = adv.advise("gpt", "125m", layers=2, seq=128, jobs=1)  # 8 GPUs in one node: meshes 8, 4x2, 2x4
     assert seen == [((8,), adv.ADVISE_GAP), ((4, 2), adv.ADVISE_GAP)]
     views = {tuple(v["mesh"]): v for v in a.views}
     assert views[(2, 4)]["same_as"] == [4, 2] and views[(2, 4)]["step_time_s"] == views[(4, 2)]["step_time_s"]
@@ -441,7 +470,7 @@ def test_isomorphic_mesh_views_are_planned_once(monkeypatch) -> None:
                  optimizer_bytes_per_param=12.0, relative_gap=adv.ADVISE_GAP)
     assert alone.predicted["step_time_s"] == pytest.approx(views[(4, 2)]["step_time_s"], rel=1.5 * adv.ADVISE_GAP)
     seen.clear()
-    adv.advise("gpt", "125m", layers=2, seq=128, nodes=2, gpus_per_node=4)  # the node axis crosses InfiniBand
+    adv.advise("gpt", "125m", layers=2, seq=128, nodes=2, gpus_per_node=4, jobs=1)  # the node axis: InfiniBand
     assert [s for s, _ in seen] == [(2, 4), (8,), (4, 2)]
 
 

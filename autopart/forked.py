@@ -1,0 +1,134 @@
+"""Run independent planning calls in forked processes, several at a time (``advise``'s mesh views).
+
+A plan is CPU-bound Python and solver work on shapes alone, so on a machine with several cores the views of one
+``advise`` run side by side. The children are *forked*: they start with the parent's traced graph, model and
+caches, nothing pickled on the way in (a factory given as a lambda works), and send back one pickled result each.
+Where the platform has no ``fork`` start method (Windows; macOS keeps it), or one core is all there is, the calls
+run one after another in this process, which is also what ``jobs=1`` asks for.
+
+What comes back is each call's return value or the exception it raised, with the child's traceback as its
+``__cause__`` (as ``concurrent.futures`` reports a worker's). A child that dies without answering (killed for
+memory, a crash in native code) reports a ``ChildDied``; a call still running when the caller stops listening (a
+time cap, Ctrl-C) has its process killed, so no child outlives the loop.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import wait
+from typing import Any
+
+
+class ChildDied(RuntimeError):
+    """A forked call's process ended without sending its result (its exit code in the message)."""
+
+
+class Timeout(TimeoutError):
+    """The forked calls ran past ``run``'s ``timeout`` (those still running were killed)."""
+
+
+class ChildTraceback(Exception):
+    """The traceback of an exception raised in a forked call, as text (set as that exception's ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return "\n" + self.args[0]
+
+
+def can_fork() -> bool:
+    """Whether this platform starts processes by ``fork`` (Linux, macOS; not Windows)."""
+    return "fork" in mp.get_all_start_methods()
+
+
+def cpus() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def jobs_for(tasks: int, jobs: int | None) -> int:
+    """How many processes run ``tasks`` calls: ``jobs`` (None: one per core, at most one per call), or 1 where the
+    platform cannot fork. Bad ``jobs`` raise ``ValueError``."""
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs={jobs!r}: give a whole number >= 1 of processes to plan in (1: one after another "
+                         "in this process), or None for one per core")
+    if not can_fork():
+        return 1
+    return max(1, min(tasks, cpus() if jobs is None else jobs))
+
+
+def _child(conn, fn: Callable[[int], Any], i: int) -> None:
+    try:
+        out = ("ok", fn(i), "")
+    except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent, which decides
+        out = ("err", e, traceback.format_exc())
+    try:
+        data = pickle.dumps(out)
+        pickle.loads(data)  # an exception that pickles but does not rebuild goes back as its text
+    except Exception as e:  # noqa: BLE001
+        what = out[1] if out[0] == "err" else f"the result of type {type(out[1]).__name__}"
+        data = pickle.dumps(("err", RuntimeError(f"{what!r} could not be sent back from the forked process: {e}"),
+                             out[2]))
+    conn.send_bytes(data)
+    conn.close()
+
+
+def run(fn: Callable[[int], Any], tasks: int, jobs: int,
+        timeout: float | None = None) -> Iterator[tuple[int, bool, Any]]:
+    """Call ``fn(i)`` for i in ``range(tasks)``, ``jobs`` at a time, each in a forked process (``jobs`` 1, or no
+    ``fork`` here: in this process, in order). Yields ``(i, ok, value)`` as each call ends: ``ok`` True with its
+    return value, False with the exception it raised. Leaving the loop early (break, an exception in the consumer
+    or a signal handler) kills the calls still running. ``timeout``: seconds from the first call after which the
+    forked calls still running are killed and ``Timeout`` raised (after the calls that ended were yielded); in
+    this process it is not applied (a caller's ``signal.alarm`` can)."""
+    if jobs <= 1 or not can_fork():
+        for i in range(tasks):
+            try:
+                value = fn(i)
+            except Exception as e:  # noqa: BLE001 -- handed to the caller, as the forked path does
+                yield i, False, e
+            else:
+                yield i, True, value
+        return
+    ctx = mp.get_context("fork")
+    pending, live = list(range(tasks)), {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while pending or live:
+            while pending and len(live) < jobs:
+                i = pending.pop(0)
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_child, args=(send, fn, i), name=f"autopart-plan-{i}", daemon=True)
+                proc.start()
+                send.close()
+                live[recv] = (i, proc)
+            left = None if deadline is None else deadline - time.monotonic()
+            ready = wait(list(live), timeout=left if left is None else max(0.0, left))
+            if not ready:  # only a deadline ends a wait with nothing ready
+                raise Timeout(f"planning took more than {timeout:g} s")
+            for recv in ready:
+                i, proc = live.pop(recv)
+                try:
+                    status, value, tb = pickle.loads(recv.recv_bytes())
+                except EOFError:
+                    proc.join()
+                    status, value, tb = "err", ChildDied(
+                        f"the process planning task {i} ended without a result (exit code {proc.exitcode}; a "
+                        "negative code is the signal that ended it, -9 often the kernel's out-of-memory killer): "
+                        "run with jobs=1 to plan in this process and see the error"), ""
+                recv.close()
+                proc.join()
+                if status == "err" and tb:
+                    value.__cause__ = ChildTraceback(tb)
+                yield i, status == "ok", value
+    finally:
+        for recv, (_, proc) in live.items():
+            proc.kill()
+            proc.join()
+            recv.close()

@@ -1,0 +1,90 @@
+"""``autopart.forked``: calls run side by side in forked processes, their results, errors, deaths and time cap."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from autopart import forked
+
+pytestmark = pytest.mark.skipif(not forked.can_fork(), reason="no fork start method on this platform")
+
+
+class NeedsTwo(Exception):  # pickles, but its pickle does not rebuild: __init__ takes two arguments
+    def __init__(self, a, b):
+        super().__init__(f"{a} {b}")
+
+
+def _task(i: int):
+    if i == 2:
+        raise ValueError(f"task {i} refused")
+    if i == 3:
+        raise NeedsTwo("x", "y")
+    return i * i, os.getpid()
+
+
+def test_results_and_errors_come_back_from_each_process() -> None:
+    got = {i: (ok, v) for i, ok, v in forked.run(_task, 5, jobs=2)}
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for i in (0, 1, 4):
+        ok, (square, pid) = got[i]
+        assert ok and square == i * i and pid != os.getpid()
+    ok, e = got[2]
+    assert not ok and isinstance(e, ValueError) and str(e) == "task 2 refused"
+    assert isinstance(e.__cause__, forked.ChildTraceback) and "in _task" in str(e.__cause__)
+    ok, e = got[3]  # an exception that does not rebuild from its pickle comes back as its text
+    assert not ok and isinstance(e, RuntimeError) and "NeedsTwo" in str(e) and "could not be sent back" in str(e)
+    assert not multiprocessing.active_children()
+
+
+def test_in_process_gives_the_same_results_in_order() -> None:
+    got = list(forked.run(_task, 5, jobs=1))
+    assert [i for i, _, _ in got] == [0, 1, 2, 3, 4]
+    assert got[1][2] == (1, os.getpid()) and isinstance(got[3][2], NeedsTwo)
+
+
+def _die(i: int):
+    if i == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
+def test_a_process_that_dies_is_reported() -> None:
+    got = {i: (ok, v) for i, ok, v in forked.run(_die, 3, jobs=3)}
+    assert got[0] == (True, 0) and got[2] == (True, 2)
+    ok, e = got[1]
+    assert not ok and isinstance(e, forked.ChildDied) and "exit code -9" in str(e)
+
+
+def _slow(i: int):
+    if i:
+        time.sleep(60)
+    return i
+
+
+def test_the_time_cap_kills_the_calls_still_running() -> None:
+    t0, seen = time.monotonic(), []
+    with pytest.raises(forked.Timeout, match="more than 2 s"):
+        for i, ok, v in forked.run(_slow, 3, jobs=3, timeout=2.0):
+            seen.append((i, ok, v))
+    assert seen == [(0, True, 0)] and time.monotonic() - t0 < 30
+    assert not multiprocessing.active_children()
+
+
+def test_leaving_the_loop_early_kills_the_calls_still_running() -> None:
+    for i, _, _ in forked.run(_slow, 4, jobs=2):
+        assert i == 0
+        break
+    assert not multiprocessing.active_children()
+
+
+def test_jobs() -> None:
+    assert forked.jobs_for(3, 1) == 1 and forked.jobs_for(3, 8) == 3
+    assert forked.jobs_for(64, None) == min(64, forked.cpus())
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="whole number >= 1"):
+            forked.jobs_for(3, bad)
