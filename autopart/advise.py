@@ -754,7 +754,8 @@ class Advice:
     terms: dict = field(default_factory=dict)
     trace_s: float = 0.0
     plan_s: float = 0.0
-    # the logical meshes planned (``mesh_views``): {"mesh": [...], "step_time_s": s or None, "why": "" or the error}
+    # the logical meshes planned (``mesh_views``): {"mesh": [...], "step_time_s": s or None, "why": "" or the error,
+    # "plan_s": the view's own planning time where it was planned; "same_as": [...] where it is another renamed}
     views: list = field(default_factory=list)
     # forward-only (serving): ``step_time_s`` is the latency of one batch through the model, ``tokens_per_s`` the
     # tokens it processes over that (batch x seq; a decoding step, seq 1, makes one token per sequence), with the
@@ -1089,18 +1090,21 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
 
     def plan_view(j: int):
         shape, names, view_cluster = todo[j]
+        t = time.perf_counter()
         return autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs, cluster=view_cluster,
                              traced=traced, time_limit_s=time_limit_s,
                              optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
                              reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
-                             kv_cache_tokens=kv_cache_tokens)
+                             kv_cache_tokens=kv_cache_tokens), time.perf_counter() - t
 
     done: dict[int, Any] = {}  # view planned -> its plan, or why it has none (this mesh does not fit, or timed out)
     stopped = None
     n_jobs = forked.jobs_for(len(todo), jobs)
     try:  # the cap: an alarm in this process, a deadline on the forked ones
         with _Cap(max_plan_s if n_jobs == 1 else None):
-            for j, ok, value in forked.run(plan_view, len(todo), n_jobs, timeout=max_plan_s or None):
+            # one axis over every GPU plans fastest (no stage meshes nor tensor parallelism to weigh): started last
+            for j, ok, value in forked.run(plan_view, len(todo), n_jobs, timeout=max_plan_s or None,
+                                           first=lambda j: len(todo[j][0]) == 1):
                 if not ok and not isinstance(value, (ValueError, SolverTimeout)):
                     raise value
                 done[j] = value
@@ -1122,8 +1126,9 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
             err = value if err is None or isinstance(err, SolverTimeout) else err
             tried.append({"mesh": list(shape), "step_time_s": None, "why": str(value).strip().splitlines()[0]})
         else:
+            value, seconds = value
             step = value.predicted["step_time_s"]
-            tried.append({"mesh": list(shape), "step_time_s": step, "why": ""})
+            tried.append({"mesh": list(shape), "step_time_s": step, "why": "", "plan_s": seconds})
             if best is None or step < best.predicted["step_time_s"]:
                 best = value
         listed[key] = tried[-1]

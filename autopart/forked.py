@@ -79,14 +79,16 @@ def _child(conn, fn: Callable[[int], Any], i: int) -> None:
     conn.close()
 
 
-def run(fn: Callable[[int], Any], tasks: int, jobs: int,
-        timeout: float | None = None) -> Iterator[tuple[int, bool, Any]]:
+def run(fn: Callable[[int], Any], tasks: int, jobs: int, timeout: float | None = None,
+        first: Callable[[int], Any] | None = None) -> Iterator[tuple[int, bool, Any]]:
     """Call ``fn(i)`` for i in ``range(tasks)``, ``jobs`` at a time, each in a forked process (``jobs`` 1, or no
     ``fork`` here: in this process, in order). Yields ``(i, ok, value)`` as each call ends: ``ok`` True with its
     return value, False with the exception it raised. Leaving the loop early (break, an exception in the consumer
     or a signal handler) kills the calls still running. ``timeout``: seconds from the first call after which the
     forked calls still running are killed and ``Timeout`` raised (after the calls that ended were yielded); in
-    this process it is not applied (a caller's ``signal.alarm`` can)."""
+    this process it is not applied (a caller's ``signal.alarm`` can). ``first``: a sort key; forked calls start in
+    its order (the longest expected first keeps the cores busy to the end), in this process they run in index
+    order."""
     if jobs <= 1 or not can_fork():
         for i in range(tasks):
             try:
@@ -97,7 +99,7 @@ def run(fn: Callable[[int], Any], tasks: int, jobs: int,
                 yield i, True, value
         return
     ctx = mp.get_context("fork")
-    pending, live = list(range(tasks)), {}
+    pending, live = sorted(range(tasks), key=first) if first is not None else list(range(tasks)), {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while pending or live:

@@ -88,3 +88,18 @@ def test_jobs() -> None:
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="whole number >= 1"):
             forked.jobs_for(3, bad)
+
+
+def _started(i: int):
+    t = time.monotonic()
+    time.sleep(0.5)
+    return t
+
+
+def test_first_orders_the_forked_starts() -> None:
+    assert [i for i, _, _ in forked.run(_started, 3, jobs=1, first=lambda i: -i)] == [0, 1, 2]  # here: in order
+    # two processes, started in first's order (2, 1, then 0 once one of them has ended)
+    start = {i: t for i, _, t in forked.run(_started, 3, jobs=2, first=lambda i: -i)}
+    assert start[0] > max(start[1], start[2])
+    start = {i: t for i, _, t in forked.run(_started, 3, jobs=2)}
+    assert start[2] > max(start[0], start[1])
