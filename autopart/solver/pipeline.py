@@ -463,16 +463,29 @@ def partition(layers: Sequence[LayerCost], opts: PipelineOptions, memory_limit: 
         for i, j in zip(*np.nonzero(hard)):
             todo.setdefault(int(i), set()).add(int(j))
         exact[f] = c
+    # the front of layers i..j-1 depends only on their (fwd, save) items in order: segments whose layers repeat
+    # (a Transformer's identical blocks, from any start) share theirs, each front built once, from its prefix's
+    fronts: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(1), np.zeros(1))]
+    ids: dict[tuple[int, float, float], int] = {}
+    fwd, save = ar.fwd.tolist(), ar.save.tolist()
     for i, js in todo.items():
-        t, s = np.zeros(1), np.zeros(1)
+        fid = 0
+        t, s = fronts[0]
         jmax = max(js)
         for j in range(i + 1, jmax + 1):
-            if ar.save[j - 1] > 0:
-                t, s, _ = _front_add(t, s, ar.fwd[j - 1], ar.save[j - 1])
+            if save[j - 1] > 0:
+                key = (fid, fwd[j - 1], save[j - 1])
+                fid = ids.get(key, -1)
+                if fid < 0:
+                    t, s, _ = _front_add(t, s, fwd[j - 1], save[j - 1])
+                    fid = ids[key] = len(fronts)
+                    fronts.append((t, s))
+                else:
+                    t, s = fronts[fid]
             if j in js:
                 for f, c in exact.items():
                     if fits_full[f][i, j] and not fits_plain[f][i, j]:
-                        idx = int(np.searchsorted(s, need[f][i, j], side="left"))
+                        idx = int(s.searchsorted(need[f][i, j]))  # side "left"
                         if idx < len(s):
                             c[i, j] = ar.T[i, j] + t[idx] + p2p
     best, bounds = _bottleneck_dp([exact[f] for f in flights])

@@ -53,12 +53,16 @@ def _random_layers(rng, n, ckpt):
     return out
 
 
+@pytest.mark.parametrize("repeated", [False, True])
 @pytest.mark.parametrize("seed", range(30))
-def test_dp_matches_brute_force(seed):
+def test_dp_matches_brute_force(seed, repeated):
+    """``repeated``: the layers drawn from two (a model's identical blocks), whose segments share their fronts."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(2, 9))
-    ckpt = bool(seed % 2)
+    ckpt = bool(seed % 2) or repeated
     layers = _random_layers(rng, n, ckpt)
+    if repeated:
+        layers = [layers[0]] + [layers[int(rng.integers(1, min(3, n)))] for _ in range(n - 2)] + [layers[-1]]
     sched = ["gpipe", "1f1b", "interleaved"][seed % 3]
     v = 2 if sched == "interleaved" else 1
     p = int(rng.integers(1, min(4, n // v) + 1))
@@ -388,3 +392,39 @@ def test_reduction_tail_interleaved_chunks_share_their_rank_clock():
     assert reduction_tail(pl, layers, red, True, [0.0, 0.0, 4.0, 0.0], after_schedule=True) == pytest.approx(4.0)
     # and behind chunk 0's gather (1 s) first: chunk 0 from 3, chunk 2 reached at 5, its gather done at 7
     assert reduction_tail(pl, layers, red, True, [1.0, 0.0, 4.0, 0.0], after_schedule=True) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "alternating"])
+def test_shared_fronts_give_each_segment_its_exact_cost(pattern):
+    """Segments of repeated layers share their checkpoint fronts (``partition``); the least bottleneck is still the
+    one of every segment priced on its own by the exact knapsack: 40 layers, an embedding and a head apart, blocks
+    all alike or alternating two kinds (a hybrid Mamba/attention model), memory tight enough that most stages
+    recompute."""
+    from autopart.solver import pipeline as pl
+
+    rng = np.random.default_rng(7)
+    kinds = _random_layers(rng, 4, True)
+    blocks = [kinds[1] if pattern == "uniform" or i % 2 == 0 else kinds[2] for i in range(38)]
+    layers = [kinds[0], *blocks, kinds[3]]
+    opts = PipelineOptions(4, 8, "1f1b", p2p_s=0.05)
+    ar = pl._Arrays(layers)
+    flights = [opts.in_flight(k) for k in range(opts.chunks)]
+    checked = 0
+    for share in (0.1, 0.15, 0.2, 0.25):
+        limit = sum(x.state_bytes + x.act_bytes for x in layers) * opts.micro_batches * share / opts.stages
+        lim = limit / opts.virtual * (1 + pl._RTOL)
+        costs = []
+        for f in flights:
+            need = ar.A - ar.allowed_act(f, lim, False)
+            c = np.full(ar.T.shape, np.inf)
+            for i, j in zip(*np.nonzero(ar.valid)):
+                extra = 0.0 if need[i, j] <= 0 else pl._knapsack(ar.fwd[i:j], ar.save[i:j], need[i, j])[0]
+                c[i, j] = ar.T[i, j] + extra + opts.p2p_s
+            costs.append(c)
+        want, _ = pl._bottleneck_dp(costs)
+        if not math.isfinite(want):
+            continue
+        plan = partition(layers, opts, limit)
+        assert max(plan.stage_time_s) == pytest.approx(want, rel=1e-12)
+        checked += any(plan.checkpointed)
+    assert checked >= 3
