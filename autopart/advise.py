@@ -28,6 +28,7 @@ Definitions (shared/REFERENCE.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import math
@@ -1099,7 +1100,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
 
     done: dict[int, Any] = {}  # view planned -> its plan, or why it has none (this mesh does not fit, or timed out)
     stopped = None
-    n_jobs = forked.jobs_for(len(todo), jobs)
+    # forked even for one view: the solver's threads then stay out of this process, which can go on forking
+    n_jobs = forked.jobs_for(max(len(todo), 2), jobs)
     try:  # the cap: an alarm in this process, a deadline on the forked ones
         with _Cap(max_plan_s if n_jobs == 1 else None):
             # one axis over every GPU plans fastest (no stage meshes nor tensor parallelism to weigh): started last
@@ -1482,11 +1484,12 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
             else:
                 row["agrees"] = agrees(rec, adv.strategy)
                 if not row["agrees"]:
-                    rec_adv = evaluate_recipe(rec, built, traced, cl, {k: getattr(adv, k) for k in (
+                    base = {k: getattr(adv, k) for k in (
                         "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
-                        "kernel_flops_per_step",
-                        "memory_budget", "peak_tflops_per_gpu", "trace_s")}, time_limit_s,
-                        optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype)
+                        "kernel_flops_per_step", "memory_budget", "peak_tflops_per_gpu", "trace_s")}
+                    rec_adv = forked.call(functools.partial(
+                        evaluate_recipe, rec, built, traced, cl, base, time_limit_s, optimizer_bytes_per_param,
+                        max_plan_s, reduce_dtype, grad_dtype), jobs)
                     row["comparison"] = compare(adv, rec_adv)
                     gain = row["comparison"].get("recipe_step_s", math.inf) - adv.step_time_s
                     if 0 <= gain <= TIE * adv.step_time_s:  # practice's recipe is as fast: its conclusion stands

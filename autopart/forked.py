@@ -6,6 +6,13 @@ caches, nothing pickled on the way in (a factory given as a lambda works), and s
 Where the platform has no ``fork`` start method (Windows; macOS keeps it), or one core is all there is, the calls
 run one after another in this process, which is also what ``jobs=1`` asks for.
 
+Forking is unsafe once a native library has started worker threads of its own that a child would need: HiGHS
+keeps a process-wide pool (half the cores; none on 2 cores), and a child forked after it ran hangs in its first
+solve (measured here: a parent solve with 4 HiGHS threads, then 4 forked solves, stuck past 300 s; 41 s without
+the parent's). So the solver's calls run under ``watch``, which notes when they leave more native threads than
+they found (on Linux; elsewhere every such call counts), and from then on ``jobs_for`` plans in this process.
+torch's own thread pools are fork-safe (its DataLoader forks after them).
+
 What comes back is each call's return value or the exception it raised, with the child's traceback as its
 ``__cause__`` (as ``concurrent.futures`` reports a worker's). A child that dies without answering (killed for
 memory, a crash in native code) reports a ``ChildDied``; a call still running when the caller stops listening (a
@@ -14,12 +21,14 @@ time cap, Ctrl-C) has its process killed, so no child outlives the loop.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -39,6 +48,30 @@ class ChildTraceback(Exception):
         return "\n" + self.args[0]
 
 
+_UNSAFE: list[str] = []  # what started native threads in this process (``watch``): forking is not safe after it
+
+
+def native_threads() -> int | None:
+    """This process's OS threads (Python's and native libraries'), where the platform says (Linux); else None."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+@contextmanager
+def watch(what: str) -> Iterator[None]:
+    """Run a native library's call (``what`` names it); if it leaves more OS threads than it found (or they cannot
+    be counted here), later ``jobs_for`` plan in this process: a forked child would wait on threads it lacks."""
+    before = native_threads()
+    try:
+        yield
+    finally:
+        after = native_threads()
+        if (before is None or after is None or after > before) and what not in _UNSAFE:
+            _UNSAFE.append(what)
+
+
 def can_fork() -> bool:
     """Whether this platform starts processes by ``fork`` (Linux, macOS; not Windows)."""
     return "fork" in mp.get_all_start_methods()
@@ -54,11 +87,17 @@ def cpus() -> int:
 
 def jobs_for(tasks: int, jobs: int | None) -> int:
     """How many processes run ``tasks`` calls: ``jobs`` (None: one per core, at most one per call), or 1 where the
-    platform cannot fork. Bad ``jobs`` raise ``ValueError``."""
+    platform cannot fork or a native library has started threads here (``watch``). Bad ``jobs`` raise
+    ``ValueError``."""
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs={jobs!r}: give a whole number >= 1 of processes to plan in (1: one after another "
                          "in this process), or None for one per core")
     if not can_fork():
+        return 1
+    if _UNSAFE and (jobs is None or jobs > 1) and tasks > 1:
+        logging.getLogger(__name__).info(
+            "planning in this process, not in %s forked ones: %s started threads here that a forked child would "
+            "wait on (plan in a fresh process to plan side by side)", jobs or "per-core", " and ".join(_UNSAFE))
         return 1
     return max(1, min(tasks, cpus() if jobs is None else jobs))
 
@@ -134,3 +173,13 @@ def run(fn: Callable[[int], Any], tasks: int, jobs: int, timeout: float | None =
             proc.kill()
             proc.join()
             recv.close()
+
+
+def call(fn: Callable[[], Any], jobs: int | None = None) -> Any:
+    """``fn()`` in one forked child where this process may fork (``jobs_for(2, jobs) > 1``), so that the native
+    threads its solves start stay out of this process, which can then go on forking; else here. Returns what it
+    returns, raises what it raises."""
+    for _, ok, value in run(lambda _: fn(), 1, jobs_for(2, jobs)):
+        if not ok:
+            raise value
+        return value

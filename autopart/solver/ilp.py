@@ -98,6 +98,8 @@ from datetime import timedelta
 
 import numpy as np
 
+from autopart import forked
+
 BACKENDS = ("highs", "cp-sat", "scip", "auto")
 _log = logging.getLogger("autopart.solver")
 _GIB = float(1 << 30)
@@ -934,7 +936,7 @@ def _run_mathopt(
         lp_params = mathopt.SolveParameters(
             time_limit=timedelta(seconds=max(time_left, 0.01)), presolve=mathopt.Emphasis.OFF,
             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX)
-        with _native_stdout_logged():
+        with _native_stdout_logged(), forked.watch(backend):
             result = core_solver.solve(model, solver_type.value, init, lp_params.to_proto(),
                                        model_parameters_pb2.ModelSolveParametersProto(), None, callbacks, None, None)
         values = values_of(result) \
@@ -963,7 +965,7 @@ def _run_mathopt(
         sol = model_params.solution_hints.add()
         sol.variable_values.ids.extend(range(mip.num_vars))
         sol.variable_values.values.extend(hint.tolist())
-    with _native_stdout_logged():
+    with _native_stdout_logged(), forked.watch(backend):
         result = core_solver.solve(model, solver_type.value, init, params.to_proto(), model_params, None, callbacks,
                                    None, None)
     reason = mathopt.TerminationReason(result.termination.reason)

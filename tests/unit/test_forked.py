@@ -103,3 +103,90 @@ def test_first_orders_the_forked_starts() -> None:
     assert start[0] > max(start[1], start[2])
     start = {i: t for i, _, t in forked.run(_started, 3, jobs=2)}
     assert start[2] > max(start[0], start[1])
+
+
+_HIGHS_THEN_FORK = """
+import datetime, random, sys
+from ortools.math_opt.python import mathopt
+from ortools.math_opt.solvers import highs_pb2
+from autopart import forked
+
+def solve(seed):
+    random.seed(seed)
+    m = mathopt.Model()
+    xs = [m.add_binary_variable() for _ in range(300)]
+    for _ in range(150):
+        m.add_linear_constraint(sum(random.random() * xs[k] for k in random.sample(range(300), 12)) >= 1.7)
+    m.minimize(sum(random.random() * x for x in xs))
+    params = mathopt.SolveParameters(time_limit=datetime.timedelta(seconds=2),
+                                     highs=highs_pb2.HighsOptionsProto(int_options={"threads": 4}))
+    with forked.watch("HiGHS"):  # as autopart.solver.ilp runs it
+        return mathopt.solve(m, mathopt.SolverType.HIGHS, params=params).objective_value()
+
+solve(0)  # HiGHS starts its process-wide pool of 4 threads here
+jobs = forked.jobs_for(2, None)
+got = [ok for _, ok, _ in forked.run(solve, 2, jobs, timeout=60)]  # forked after the pool: the children hang
+print(jobs, got, forked._UNSAFE)
+"""
+
+
+@pytest.mark.skipif(forked.native_threads() is None, reason="threads are counted on Linux only")
+def test_no_fork_after_the_solver_started_its_threads() -> None:
+    """A process whose HiGHS started worker threads plans in itself: forked, its children would hang in their first
+    solve (without the guard this script's two forked solves time out)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HIGHS_THEN_FORK], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "1 [True, True] ['HiGHS']"
+
+
+@pytest.mark.skipif(forked.native_threads() is None, reason="threads are counted on Linux only")
+def test_watch_notes_only_calls_that_start_threads(monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setattr(forked, "_UNSAFE", [])
+    with forked.watch("nothing"):
+        sum(range(1000))
+    assert forked._UNSAFE == [] and forked.jobs_for(2, None) == min(2, forked.cpus())
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    try:
+        with forked.watch("a pool"):
+            worker.start()
+        assert forked._UNSAFE == ["a pool"] and forked.jobs_for(2, None) == 1 and forked.jobs_for(2, 2) == 1
+    finally:
+        stop.set()
+        worker.join()
+
+
+def test_call_runs_in_a_child_and_hands_back_its_value_or_error() -> None:
+    assert forked.call(os.getpid) != os.getpid() or forked.jobs_for(2, None) == 1
+    assert forked.call(os.getpid, jobs=1) == os.getpid()
+    with pytest.raises(ValueError, match="task 2 refused") as e:
+        forked.call(lambda: _task(2))
+    assert forked.jobs_for(2, None) == 1 or isinstance(e.value.__cause__, forked.ChildTraceback)
+
+
+@pytest.mark.skipif(forked.cpus() < 2, reason="one core: advise plans in its own process")
+def test_advise_solves_nothing_in_its_own_process(monkeypatch) -> None:
+    """Forked, advise leaves the solves (and the threads a solver starts) to its children, even with one view, so
+    the process can go on forking; ``jobs=1`` solves here."""
+    import importlib
+    from contextlib import contextmanager
+
+    adv = importlib.import_module("autopart.advise")  # the module (``autopart.advise`` is the function)
+    here = []
+
+    @contextmanager
+    def watch(what):
+        here.append(what)
+        yield
+
+    monkeypatch.setattr(forked, "_UNSAFE", [])
+    monkeypatch.setattr(forked, "watch", watch)
+    a = adv.advise("gpt", "125m", layers=2, seq=128, views=False)
+    assert a.fits and here == []
+    adv.advise("gpt", "125m", layers=2, seq=128, views=False, jobs=1)
+    assert here and set(here) <= {"highs", "scip"}
