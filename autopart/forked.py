@@ -27,6 +27,7 @@ import os
 import pickle
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import wait
@@ -146,7 +147,10 @@ def run(fn: Callable[[int], Any], tasks: int, jobs: int, timeout: float | None =
                 i = pending.pop(0)
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_child, args=(send, fn, i), name=f"autopart-plan-{i}", daemon=True)
-                proc.start()
+                with warnings.catch_warnings():  # Python >= 3.12 warns of any thread; ``watch`` judged the ones here
+                    warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
+                                            category=DeprecationWarning)
+                    proc.start()
                 send.close()
                 live[recv] = (i, proc)
             left = None if deadline is None else deadline - time.monotonic()
