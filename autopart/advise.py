@@ -1080,12 +1080,12 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     shapes = (mesh_views(*cl.mesh_shape) if views and len(cl.mesh_shape) == 2 and cl.name in PRESETS
               else [(tuple(cl.mesh_shape), ("node", "gpu")[:len(cl.mesh_shape)])])
     # one problem per set of views whose axes have the same (size, link) multiset: the others are it renamed
-    todo, key_of, first = [], [], {}
+    todo, key_of, problem_of = [], [], {}  # the problems to plan; each view's key; key -> its problem in todo
     for shape, names in shapes:
         view_cluster = cl.with_mesh(shape)
         key = tuple(sorted(zip(shape, view_cluster.links), key=repr))
-        if key not in first:
-            first[key] = len(todo)
+        if key not in problem_of:
+            problem_of[key] = len(todo)
             todo.append((shape, names, view_cluster))
         key_of.append(key)
 
@@ -1115,7 +1115,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     best, tried, err = None, [], None
     listed: dict[tuple, dict] = {}
     for (shape, _), key in zip(shapes, key_of):
-        j = first[key]
+        j = problem_of[key]
         if j not in done:
             continue
         if key in listed:  # the same axes in another order: the same problem, its axes renamed

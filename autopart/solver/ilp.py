@@ -882,11 +882,19 @@ def _c_fflush():
         return lambda: None
 
 
+def _native_solve(backend: str, *args):
+    """``core_solver.solve(*args)`` (OR-Tools MathOpt's) with what the native solver prints logged
+    (``_native_stdout_logged``) and the threads it starts noted (``forked.watch``: no fork after them)."""
+    from ortools.math_opt.core.python import solver as core_solver
+
+    with _native_stdout_logged(), forked.watch(backend):
+        return core_solver.solve(*args)
+
+
 def _run_mathopt(
     mip: _Mip, red: _Reduced, backend: str, options: SolverOptions, time_left: float, hint: np.ndarray | None
 ) -> tuple[_RawResult, float]:
     from ortools.math_opt import model_parameters_pb2, model_pb2
-    from ortools.math_opt.core.python import solver as core_solver
     from ortools.math_opt.python import mathopt
 
     cost_scale, memory_scale = _scales(red, integer=False)
@@ -936,9 +944,8 @@ def _run_mathopt(
         lp_params = mathopt.SolveParameters(
             time_limit=timedelta(seconds=max(time_left, 0.01)), presolve=mathopt.Emphasis.OFF,
             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX)
-        with _native_stdout_logged(), forked.watch(backend):
-            result = core_solver.solve(model, solver_type.value, init, lp_params.to_proto(),
-                                       model_parameters_pb2.ModelSolveParametersProto(), None, callbacks, None, None)
+        result = _native_solve(backend, model, solver_type.value, init, lp_params.to_proto(),
+                               model_parameters_pb2.ModelSolveParametersProto(), None, callbacks, None, None)
         values = values_of(result) \
             if mathopt.TerminationReason(result.termination.reason) == mathopt.TerminationReason.OPTIMAL else None
         if values is not None and np.all(np.abs(values[integer] - np.round(values[integer])) <= LP_INTEGRAL_TOL):
@@ -965,9 +972,8 @@ def _run_mathopt(
         sol = model_params.solution_hints.add()
         sol.variable_values.ids.extend(range(mip.num_vars))
         sol.variable_values.values.extend(hint.tolist())
-    with _native_stdout_logged(), forked.watch(backend):
-        result = core_solver.solve(model, solver_type.value, init, params.to_proto(), model_params, None, callbacks,
-                                   None, None)
+    result = _native_solve(backend, model, solver_type.value, init, params.to_proto(), model_params, None, callbacks,
+                           None, None)
     reason = mathopt.TerminationReason(result.termination.reason)
     values = values_of(result)
     infeasible = reason in (mathopt.TerminationReason.INFEASIBLE, mathopt.TerminationReason.INFEASIBLE_OR_UNBOUNDED)
