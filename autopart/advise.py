@@ -100,6 +100,9 @@ OVERRIDES = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "kv_he
 SWEEP_SIZES = ("llama:1b", "llama:8b", "llama:70b", "llama:405b", "gpt:1t") + (
     ("mamba:1.4b", "mamba:2.8b") if importlib.util.find_spec("autopart.models.mamba") else ())
 SWEEP_GPUS = (8, 64, 512, 4096)
+# memory one sweep cell may take, tracing and planning in its own process: Llama-405B on 64 H100 nodes, the default
+# grid's largest graph, peaked at 1.16 GB resident planned in one process (its mesh views one after another)
+SWEEP_CELL_BYTES = 2 * 2**30
 # what-if planning's ILP gap (``advise``, ``sweep``): a plan proven within 1% of the best its model allows. At 0.1%
 # (``autopart.plan``'s) HiGHS spent most of Llama-8B's and Llama-70B's advise closing the last fraction of a percent
 # after it already held the plan it returned (benchmarks/README.md, "What-if planning")
@@ -1412,9 +1415,14 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     deciding cost term reported. ``views``: plan each cell on the logical meshes of its nodes (``advise``).
     ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients', for the plans and practice's recipes
     alike (``autopart.plan``); ``relative_gap``: the ILPs' (``advise``). ``gpus_per_node``: None takes the
-    cluster's devices per node (``advise``); ``jobs``: processes each cell's mesh views are planned in (``advise``)."""
-    from autopart.trace import trace
+    cluster's devices per node (``advise``).
 
+    ``jobs``: processes the cells are planned in (None: one per core, fewer where memory is short; 1: one after
+    another in this process, each cell's mesh views too). The cells run side by side in forked processes
+    (``autopart.forked``), the largest models first, each tracing its model and planning its views one after
+    another; when there are fewer cells than processes, each cell plans its views side by side with its share. The
+    rows come back in grid order (sizes, then GPU counts) whatever ``jobs`` is; ``log`` hears each as it ends.
+    ``max_plan_s`` caps each cell's planning (``advise``)."""
     gpus_per_node = devices_per_node(cluster, gpus_per_node)
     gpu_counts, sizes = tuple(gpu_counts), tuple(sizes)
     if not sizes or not gpu_counts:
@@ -1433,73 +1441,120 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s={time_limit_s!r}: the solver's limit per ILP must be a positive number of "
                          "seconds")
+    PlanOptions(relative_gap=relative_gap)  # bad input raises here, not in every cell
+    forked.jobs_for(1, jobs)  # likewise
 
-    rows = []
+    # every size built once here (on meta: a second or less), so that a bad one fails before any cell is planned
+    # and the cells can start largest first
+    params = []
     for spec in sizes:
+        kw = dict(spec) if isinstance(spec, dict) else {"model": spec}
+        kw.pop("label", None)
+        _, module, _, _, _ = build(batch=batch_per_gpu, seq=seq, **kw)
+        params.append((sum(p.numel() for p in module.parameters()), next(module.parameters()).dtype.itemsize))
+    rows: dict[int, dict] = {}
+    todo = []  # (cell index, size index, gpus) of the cells whose model states can fit: traced and planned
+    for s, spec in enumerate(sizes):
         for gpus in gpu_counts:
+            i = s * len(gpu_counts) + gpu_counts.index(gpus)
             nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
             cl = _mesh_cluster(cluster, nodes, per_node)
-            batch = batch_per_gpu * gpus
-            kw = dict(spec) if isinstance(spec, dict) else {"model": spec}
-            label = kw.pop("label", None)
-            built = build(batch=batch, seq=seq, **kw)
-            label = label or built[0]
-            _, module, inputs, kwargs, cfg = built
-            n_params = sum(p.numel() for p in module.parameters())
-            itemsize = next(module.parameters()).dtype.itemsize  # the weights' (build's dtype: bf16)
+            n_params, itemsize = params[s]  # the weights' (build's dtype: bf16)
             states = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
             floor = state_floor(n_params, gpus, states, optimizer_bytes_per_param)
-            if floor > cl.memory_budget:  # skip the trace: no plan can fit
-                adv = Advice(model=built[0], params=n_params, cluster=cl.name, gpus=gpus, mesh=cl.mesh_shape,
-                             batch=batch, seq=seq, fits=False, memory_budget=float(cl.memory_budget),
-                             binding=f"model states: {floor / 2**30:.0f} GiB per GPU even fully sharded with the "
-                                     f"optimizer offloaded > {cl.memory_budget / 2**30:.0f} GiB")
-                traced = None
-            else:
-                t0 = time.perf_counter()
-                traced = trace(module, inputs, kwargs)
-                traced.export_seconds = time.perf_counter() - t0
-                adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq,
-                             built=built, traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
-                             optimizer_bytes_per_param=optimizer_bytes_per_param, views=views,
-                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
-                             jobs=jobs)
-            row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
-            shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
-            rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq,
-                           states) if all(shape) else None
-            row["practice"] = rec
-            if not all(shape):
-                row["agrees"] = None
-                row["comparison"] = {"decided_by": "", "detail": "no layer count / hidden size to apply practice to"}
-            elif rec is None:  # None: practice has no recipe; autopart went beyond it (offload, full recompute)
-                row["agrees"] = True if not adv.fits else None
-                row["comparison"] = {"decided_by": "memory", "detail": (
-                    f"no in-GPU recipe of practice fits; autopart fits with {adv.strategy['layout']}" if adv.fits
-                    else "practice has no recipe that fits either")}
-            elif not adv.fits:
-                row["agrees"] = False
-                row["comparison"] = {"decided_by": "memory", "detail": f"practice suggests {rec}; autopart found "
-                                                                       f"no plan: {adv.binding}"}
-            else:
-                row["agrees"] = agrees(rec, adv.strategy)
-                if not row["agrees"]:
-                    base = {k: getattr(adv, k) for k in (
-                        "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
-                        "kernel_flops_per_step", "memory_budget", "peak_tflops_per_gpu", "trace_s")}
-                    rec_adv = forked.call(functools.partial(
-                        evaluate_recipe, rec, built, traced, cl, base, time_limit_s, optimizer_bytes_per_param,
-                        max_plan_s, reduce_dtype, grad_dtype), jobs)
-                    row["comparison"] = compare(adv, rec_adv)
-                    gain = row["comparison"].get("recipe_step_s", math.inf) - adv.step_time_s
-                    if 0 <= gain <= TIE * adv.step_time_s:  # practice's recipe is as fast: its conclusion stands
-                        row["agrees"] = "tie"
-                        row["comparison"]["detail"] = (f"a tie: practice's recipe is within {TIE:.0%} of the plan "
-                                                       f"({row['comparison']['detail']})")
-            rows.append(row)
+            if floor <= cl.memory_budget:
+                todo.append((i, s, gpus))
+                continue
+            # no plan can fit: no trace, no process
+            kw = dict(spec) if isinstance(spec, dict) else {"model": spec}
+            label = kw.pop("label", None)
+            built = build(batch=batch_per_gpu * gpus, seq=seq, **kw)
+            adv = Advice(model=built[0], params=n_params, cluster=cl.name, gpus=gpus, mesh=cl.mesh_shape,
+                         batch=batch_per_gpu * gpus, seq=seq, fits=False, memory_budget=float(cl.memory_budget),
+                         binding=f"model states: {floor / 2**30:.0f} GiB per GPU even fully sharded with the "
+                                 f"optimizer offloaded > {cl.memory_budget / 2**30:.0f} GiB")
+            rows[i] = _sweep_row(label or built[0], built, None, adv, cl, per_node, batch_per_gpu * gpus, seq,
+                                 states, time_limit_s, optimizer_bytes_per_param, max_plan_s, reduce_dtype,
+                                 grad_dtype, jobs)
             if log:
-                log(sweep_line(row))
-    return rows
+                log(sweep_line(rows[i]))
+
+    def cell(k: int, inner: int | None) -> dict:
+        from autopart.trace import trace
+
+        i, s, gpus = todo[k]
+        nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
+        cl = _mesh_cluster(cluster, nodes, per_node)
+        batch = batch_per_gpu * gpus
+        kw = dict(sizes[s]) if isinstance(sizes[s], dict) else {"model": sizes[s]}
+        label = kw.pop("label", None)
+        built = build(batch=batch, seq=seq, **kw)
+        _, module, inputs, kwargs, _ = built
+        t0 = time.perf_counter()
+        traced = trace(module, inputs, kwargs)
+        traced.export_seconds = time.perf_counter() - t0
+        adv = advise(cluster=cl, nodes=nodes, gpus_per_node=per_node, batch=batch, seq=seq, built=built,
+                     traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
+                     optimizer_bytes_per_param=optimizer_bytes_per_param, views=views, reduce_dtype=reduce_dtype,
+                     grad_dtype=grad_dtype, relative_gap=relative_gap, jobs=inner)
+        n_params, itemsize = params[s]
+        states = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
+        return _sweep_row(label or built[0], built, traced, adv, cl, per_node, batch, seq, states, time_limit_s,
+                          optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype, inner)
+
+    n = forked.jobs_for(len(todo), jobs, task_bytes=SWEEP_CELL_BYTES)
+    # fewer cells than processes: each cell plans its views side by side with its share of them
+    inner = jobs if n == 1 else max(1, (forked.cpus() if jobs is None else jobs) // n)
+    # the largest models (the longest to trace and plan) first, then the most GPUs (the most mesh views), so that
+    # no long cell starts last while the other processes idle
+    for k, ok, value in forked.run(lambda k: cell(k, inner), len(todo), n,
+                                   first=lambda k: (-params[todo[k][1]][0], -todo[k][2])):
+        if not ok:
+            raise value
+        rows[todo[k][0]] = value
+        if log:
+            log(sweep_line(value))
+    return [rows[i] for i in sorted(rows)]
+
+
+def _sweep_row(label: str, built: tuple, traced, adv: Advice, cl: Cluster, per_node: int, batch: int, seq: int,
+               states: float, time_limit_s: float, optimizer_bytes_per_param: float, max_plan_s: float | None,
+               reduce_dtype, grad_dtype, jobs: int | None) -> dict[str, Any]:
+    """One cell of ``sweep``: its advice beside published practice (``practice``), and where they differ,
+    practice's recipe scored (``evaluate_recipe``) and the deciding cost term named (``compare``)."""
+    n_params, gpus, cfg = adv.params, adv.gpus, built[4]
+    row = {"model": label, "params": n_params, "gpus": gpus, "advice": adv}
+    shape = (getattr(cfg, "n_layer", None), getattr(cfg, "d_model", None))
+    rec = practice(n_params, *shape, gpus, per_node, cl.memory_budget, batch, seq, states) if all(shape) else None
+    row["practice"] = rec
+    if not all(shape):
+        row["agrees"] = None
+        row["comparison"] = {"decided_by": "", "detail": "no layer count / hidden size to apply practice to"}
+    elif rec is None:  # None: practice has no recipe; autopart went beyond it (offload, full recompute)
+        row["agrees"] = True if not adv.fits else None
+        row["comparison"] = {"decided_by": "memory", "detail": (
+            f"no in-GPU recipe of practice fits; autopart fits with {adv.strategy['layout']}" if adv.fits
+            else "practice has no recipe that fits either")}
+    elif not adv.fits:
+        row["agrees"] = False
+        row["comparison"] = {"decided_by": "memory", "detail": f"practice suggests {rec}; autopart found "
+                                                               f"no plan: {adv.binding}"}
+    else:
+        row["agrees"] = agrees(rec, adv.strategy)
+        if not row["agrees"]:
+            base = {k: getattr(adv, k) for k in (
+                "model", "params", "cluster", "gpus", "mesh", "batch", "seq", "model_flops_per_step",
+                "kernel_flops_per_step", "memory_budget", "peak_tflops_per_gpu", "trace_s")}
+            rec_adv = forked.call(functools.partial(
+                evaluate_recipe, rec, built, traced, cl, base, time_limit_s, optimizer_bytes_per_param,
+                max_plan_s, reduce_dtype, grad_dtype), jobs)
+            row["comparison"] = compare(adv, rec_adv)
+            gain = row["comparison"].get("recipe_step_s", math.inf) - adv.step_time_s
+            if 0 <= gain <= TIE * adv.step_time_s:  # practice's recipe is as fast: its conclusion stands
+                row["agrees"] = "tie"
+                row["comparison"]["detail"] = (f"a tie: practice's recipe is within {TIE:.0%} of the plan "
+                                               f"({row['comparison']['detail']})")
+    return row
 
 
 def sweep_line(row: dict) -> str:

@@ -86,8 +86,22 @@ def cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def jobs_for(tasks: int, jobs: int | None) -> int:
-    """How many processes run ``tasks`` calls: ``jobs`` (None: one per core, at most one per call), or 1 where the
+def available_memory() -> int | None:
+    """Bytes of memory the system can give new processes without swapping (Linux's MemAvailable); None where the
+    platform does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def jobs_for(tasks: int, jobs: int | None, task_bytes: int | None = None) -> int:
+    """How many processes run ``tasks`` calls: ``jobs`` (None: one per core, at most one per call, and with
+    ``task_bytes`` -- the memory one call may take -- no more than the available memory holds), or 1 where the
     platform cannot fork or a native library has started threads here (``watch``). Bad ``jobs`` raise
     ``ValueError``."""
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
@@ -100,7 +114,15 @@ def jobs_for(tasks: int, jobs: int | None) -> int:
             "planning in this process, not in %s forked ones: %s started threads here that a forked child would "
             "wait on (plan in a fresh process to plan side by side)", jobs or "per-core", " and ".join(_UNSAFE))
         return 1
-    return max(1, min(tasks, cpus() if jobs is None else jobs))
+    n = cpus() if jobs is None else jobs
+    if jobs is None and task_bytes:
+        free = available_memory()
+        if free is not None and free < n * task_bytes:
+            logging.getLogger(__name__).info(
+                "planning in %d processes, not one per core (%d): %.1f GiB of memory is available and each may take "
+                "%.1f GiB (jobs= sets the count)", max(1, free // task_bytes), n, free / 2**30, task_bytes / 2**30)
+            n = free // task_bytes
+    return max(1, min(tasks, n))
 
 
 def _child(conn, fn: Callable[[int], Any], i: int) -> None:
@@ -146,7 +168,9 @@ def run(fn: Callable[[int], Any], tasks: int, jobs: int, timeout: float | None =
             while pending and len(live) < jobs:
                 i = pending.pop(0)
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_child, args=(send, fn, i), name=f"autopart-plan-{i}", daemon=True)
+                # not a daemon, so that it may fork calls of its own (a sweep's cell its mesh views); the loop below
+                # kills what still runs when it ends (return, exception, Ctrl-C)
+                proc = ctx.Process(target=_child, args=(send, fn, i), name=f"autopart-plan-{i}")
                 with warnings.catch_warnings():  # Python >= 3.12 warns of any thread; ``watch`` judged the ones here
                     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
                                             category=DeprecationWarning)

@@ -373,6 +373,61 @@ def test_views_planned_in_processes_give_the_same_advice() -> None:
     assert a == b
 
 
+def test_sweep_cells_planned_in_processes_give_the_same_rows(tmp_path, monkeypatch) -> None:
+    """The sweep's cells run side by side in forked processes (jobs=4, 2 cells: each cell forks its 2 mesh views
+    with its 2 processes) or one after another here (jobs=1): the same rows, in grid order, and every plan of the
+    forked run made in a process of its own, none in this one."""
+    import os
+
+    import autopart.trace
+
+    where, traced_in = tmp_path / "pids", tmp_path / "traced"
+
+    def noting(real, path):
+        def call(*args, **kwargs):
+            with open(path, "a") as f:  # a forked child inherits the patch and appends its pid
+                f.write(f"{os.getpid()}\n")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(autopart, "plan", noting(autopart.plan, where))
+    monkeypatch.setattr(autopart.trace, "trace", noting(autopart.trace.trace, traced_in))
+    sizes = ({"model": "gpt", "size": "125m", "layers": 3, "hidden": 256, "heads": 4, "label": "gpt-3L"},
+             {"model": "llama", "size": "1b", "layers": 2, "hidden": 256, "heads": 4, "kv_heads": 2, "ffn": 512,
+              "label": "llama-2L"})
+    out, heard = {}, {}
+    for jobs in (1, 4):
+        where.write_text(""), traced_in.write_text("")
+        heard[jobs] = []
+        out[jobs] = adv.sweep(sizes, (4,), seq=128, jobs=jobs, log=heard[jobs].append)
+        pids, traces = ([int(p) for p in f.read_text().split()] for f in (where, traced_in))
+        assert len(traces) == 2
+        if jobs == 1:
+            assert set(pids) == set(traces) == {os.getpid()}
+        else:  # each cell traced in its own process, each view planned in one of its own
+            assert os.getpid() not in pids and len(set(pids)) == len(pids) >= 4, pids
+            assert os.getpid() not in traces and len(set(traces)) == 2 and not set(traces) & set(pids)
+    for jobs, rows in out.items():
+        assert [(r["model"], r["gpus"]) for r in rows] == [("gpt-3L", 4), ("llama-2L", 4)]
+        assert sorted(heard[jobs]) == sorted(adv.sweep_line(r) for r in rows)
+    timing = ("plan_s", "trace_s")
+    a, b = (adv.sweep_json(out[j]) for j in (1, 4))
+    for x in a + b:
+        for k in timing:
+            x["advice"].pop(k)
+        for v in x["advice"]["views"]:
+            v.pop("plan_s", None)
+        for k in timing:
+            x.get("comparison", {}).get("recipe", {}).pop(k, None)
+    assert a == b
+
+
+def test_sweep_checks_every_size_before_planning_any(monkeypatch) -> None:
+    monkeypatch.setattr(adv, "advise", lambda **kw: pytest.fail("a cell was planned"))
+    with pytest.raises(ValueError, match="unknown llama size 'huge'"):
+        adv.sweep(("gpt:125m", "llama:huge"), (8,))
+
+
 def test_accumulated_plan_reads_consistently() -> None:
     """Gradient accumulation over 2 micro-batches with ZeRO-3: the parameters' gathers run once per micro-batch, so
     the communication by kind counts them twice and the terms still sum to the step with nothing left over."""

@@ -90,6 +90,42 @@ def test_jobs() -> None:
             forked.jobs_for(3, bad)
 
 
+def test_jobs_fit_the_available_memory(monkeypatch) -> None:
+    """One per core asked (jobs=None) with the memory each call may take: no more calls than the memory holds;
+    jobs given is kept (the user decided); memory not known: one per core."""
+    monkeypatch.setattr(forked, "cpus", lambda: 16)
+    monkeypatch.setattr(forked, "available_memory", lambda: 5 * 2**30)
+    assert forked.jobs_for(64, None, task_bytes=2**30) == 5
+    assert forked.jobs_for(64, None, task_bytes=8 * 2**30) == 1
+    assert forked.jobs_for(64, None) == 16 and forked.jobs_for(64, 12, task_bytes=2**30) == 12
+    monkeypatch.setattr(forked, "available_memory", lambda: None)
+    assert forked.jobs_for(64, None, task_bytes=2**30) == 16
+
+
+def test_available_memory_is_read_where_the_platform_says() -> None:
+    free = forked.available_memory()
+    if os.path.exists("/proc/meminfo"):
+        assert free is not None and 0 < free <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _nested(i: int):
+    return i, os.getpid(), [(j, pid) for j, ok, (j, pid) in forked.run(lambda j: (j, os.getpid()), 2, jobs=2)]
+
+
+def test_a_forked_call_may_fork_its_own() -> None:
+    """A sweep's cell, planned in a forked process, forks its mesh views: the children are not daemons (which may
+    not have children), and each level's results come back."""
+    out = {i: v for i, ok, v in forked.run(_nested, 2, jobs=2)}
+    pids = {os.getpid()}
+    for i, (k, pid, inner) in out.items():
+        assert k == i and pid not in pids and [j for j, _ in inner] == [0, 1]
+        pids.add(pid)
+        for _, p in inner:
+            assert p not in pids
+            pids.add(p)
+    assert len(pids) == 1 + 2 + 4
+
+
 def _started(i: int):
     t = time.monotonic()
     time.sleep(0.5)
