@@ -103,6 +103,9 @@ SWEEP_GPUS = (8, 64, 512, 4096)
 # memory one sweep cell may take, tracing and planning in its own process: Llama-405B on 64 H100 nodes, the default
 # grid's largest graph, peaked at 1.16 GB resident planned in one process (its mesh views one after another)
 SWEEP_CELL_BYTES = 2 * 2**30
+# memory one mesh view may take planned in a forked process (beside the trace it shares with this one): the largest
+# of Llama-405B's four views on 64 nodes peaked at 0.68 GB resident, shared pages included
+VIEW_BYTES = 2**30
 # what-if planning's ILP gap (``advise``, ``sweep``): a plan proven within 1% of the best its model allows. At 0.1%
 # (``autopart.plan``'s) HiGHS spent most of Llama-8B's and Llama-70B's advise closing the last fraction of a percent
 # after it already held the plan it returned (benchmarks/README.md, "What-if planning")
@@ -999,10 +1002,10 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     the same sizes and links in another order (one node's (4, 2) and (2, 4): NVLink both) are the same problem with
     its axes renamed: planned once, the other listed with its step time (``same_as``). ``jobs``: processes the
     views are planned in side by side (``autopart.forked``: forked, so nothing is pickled on the way in; None: one
-    per core, at most one per view; 1: one after another in this process); the result is the same whatever it is.
-    ``relative_gap``: each ILP
-    stops once its plan is proven within this fraction of the best (``ADVISE_GAP``, 1%: what-if planning reads
-    step times the cost model predicts to ~10%; ``autopart.plan`` solves to 0.1%).
+    per core, at most one per view, fewer where memory is short (``VIEW_BYTES`` each); 1: one after another in this
+    process); the result is the same whatever it is. ``relative_gap``: each ILP stops once its plan is proven
+    within this fraction of the best (``ADVISE_GAP``, 1%: what-if planning reads step times the cost model
+    predicts to ~10%; ``autopart.plan`` solves to 0.1%).
 
     ``inference``: serving, planned forward-only (``autopart.plan`` of the frozen model: no gradients, no
     optimizer states, the weights alone as model state); the step is the latency of one batch of ``batch``
@@ -1104,7 +1107,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     done: dict[int, Any] = {}  # view planned -> its plan, or why it has none (this mesh does not fit, or timed out)
     stopped = None
     # forked even for one view: the solver's threads then stay out of this process, which can go on forking
-    n_jobs = forked.jobs_for(max(len(todo), 2), jobs)
+    n_jobs = forked.jobs_for(max(len(todo), 2), jobs, task_bytes=VIEW_BYTES)
     try:  # the cap: an alarm in this process, a deadline on the forked ones
         with _Cap(max_plan_s if n_jobs == 1 else None):
             # one axis over every GPU plans fastest (no stage meshes nor tensor parallelism to weigh): started last
