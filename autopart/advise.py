@@ -1424,7 +1424,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     another in this process, each cell's mesh views too). The cells run side by side in forked processes
     (``autopart.forked``), the largest models first, each tracing its model and planning its views one after
     another; when there are fewer cells than processes, each cell plans its views side by side with its share. The
-    rows come back in grid order (sizes, then GPU counts) whatever ``jobs`` is; ``log`` hears each as it ends.
+    rows come back in grid order (sizes, then GPU counts) whatever ``jobs`` is; ``log`` hears each as it ends. A
+    cell whose process dies without an answer (killed for memory) is planned again alone after the others.
     ``max_plan_s`` caps each cell's planning (``advise``)."""
     gpus_per_node = devices_per_node(cluster, gpus_per_node)
     gpu_counts, sizes = tuple(gpu_counts), tuple(sizes)
@@ -1510,11 +1511,25 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     inner = jobs if n == 1 else max(1, (forked.cpus() if jobs is None else jobs) // n)
     # the largest models (the longest to trace and plan) first, then the most GPUs (the most mesh views), so that
     # no long cell starts last while the other processes idle
+    died = []
     for k, ok, value in forked.run(lambda k: cell(k, inner), len(todo), n,
                                    first=lambda k: (-params[todo[k][1]][0], -todo[k][2])):
+        if not ok and isinstance(value, forked.ChildDied) and n > 1:
+            # killed (the kernel's out-of-memory killer, most often, with the other cells beside it): planned
+            # again alone once they are done, rather than losing the sweep
+            died.append(k)
+            if log:
+                spec = sizes[todo[k][1]]
+                log(f"{spec.get('label', spec) if isinstance(spec, dict) else spec} on {todo[k][2]} GPUs: its "
+                    f"process died ({value}); planned again alone after the other cells")
+            continue
         if not ok:
             raise value
         rows[todo[k][0]] = value
+        if log:
+            log(sweep_line(value))
+    for k in died:  # alone now, with every process for its views; dying again raises ``ChildDied``
+        rows[todo[k][0]] = value = forked.call(functools.partial(cell, k, jobs), jobs)
         if log:
             log(sweep_line(value))
     return [rows[i] for i in sorted(rows)]

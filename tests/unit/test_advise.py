@@ -422,6 +422,33 @@ def test_sweep_cells_planned_in_processes_give_the_same_rows(tmp_path, monkeypat
     assert a == b
 
 
+def test_a_sweep_cell_whose_process_dies_is_planned_again_alone(tmp_path, monkeypatch) -> None:
+    """A cell's process killed (as the out-of-memory killer would) does not lose the sweep: the cell is planned
+    again alone once the others are done, and its row comes back in its place."""
+    import os
+
+    real, tries = adv.advise, tmp_path / "tries"
+
+    def dying(**kw):
+        if kw["built"][0].startswith("gpt"):
+            with open(tries, "a") as f:
+                f.write("x")
+            if len(tries.read_text()) == 1:
+                os._exit(9)  # the first try dies without an answer
+        return real(**kw)
+
+    monkeypatch.setattr(adv, "advise", dying)
+    heard = []
+    small = {"layers": 2, "hidden": 256, "heads": 4}
+    rows = adv.sweep(({"model": "gpt", "size": "125m", **small}, {"model": "llama", "size": "1b", **small,
+                                                                   "kv_heads": 2, "ffn": 512}),
+                     (4,), seq=128, views=False, jobs=2, log=heard.append)
+    assert tries.read_text() == "xx"
+    assert [r["model"].split()[0] for r in rows] == ["gpt:125m", "llama:1b"] and all(r["advice"].fits for r in rows)
+    assert any("its process died" in line and "exit code 9" in line for line in heard), heard
+    assert heard[-1] == adv.sweep_line(rows[0])
+
+
 def test_sweep_checks_every_size_before_planning_any(monkeypatch) -> None:
     monkeypatch.setattr(adv, "advise", lambda **kw: pytest.fail("a cell was planned"))
     with pytest.raises(ValueError, match="unknown llama size 'huge'"):
