@@ -1507,8 +1507,14 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                           optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype, inner)
 
     n = forked.jobs_for(len(todo), jobs, task_bytes=SWEEP_CELL_BYTES)
-    # fewer cells than processes: each cell plans its views side by side with its share of them
-    inner = jobs if n == 1 else max(1, (forked.cpus() if jobs is None else jobs) // n)
+    inner = jobs  # in this process: each cell's views as asked
+    if n > 1 and n < len(todo):  # every process holds a cell, more are waiting: views one after another
+        inner = 1
+    elif n > 1:  # fewer cells than processes: each cell plans its views side by side with its share of them
+        inner = max(1, (forked.cpus() if jobs is None else jobs) // n)
+        free = forked.available_memory() if jobs is None else None
+        if free is not None:  # and of the memory
+            inner = max(1, min(inner, free // n // VIEW_BYTES))
     # the largest models (the longest to trace and plan) first, then the most GPUs (the most mesh views), so that
     # no long cell starts last while the other processes idle
     died = []

@@ -3861,7 +3861,7 @@ def repair_to_budget(choice: list[int], cost: list[np.ndarray], mem: list[np.nda
                 continue
             local = _local_costs(g, cost, adj, choice)
             for a in better:
-                dt = float(local[a] - local[choice[g]])
+                dt = float(local[a]) - float(local[choice[g]])  # inf - inf: nan, skipped below (no numpy warning)
                 if not math.isfinite(dt):
                     continue
                 ratio = max(dt, 0.0) / gain[a]
