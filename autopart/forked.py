@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import time
 import traceback
 import warnings
@@ -125,7 +126,22 @@ def jobs_for(tasks: int, jobs: int | None, task_bytes: int | None = None) -> int
     return max(1, min(tasks, n))
 
 
-def _child(conn, fn: Callable[[int], Any], i: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Where Linux's ``prctl`` is (``PR_SET_PDEATHSIG``), have this forked process killed when the process that
+    forked it ends, however it ends: a child killed at a time cap (or the main process killed) takes its own forked
+    calls with it instead of leaving them planning on as orphans. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux (macOS has no prctl)
+        return
+    if prctl(1, signal.SIGKILL, 0, 0, 0) == 0 and os.getppid() != parent:  # 1: PR_SET_PDEATHSIG
+        os._exit(1)  # the parent ended before the request took hold
+
+
+def _child(conn, fn: Callable[[int], Any], i: int, parent: int) -> None:
+    _die_with_parent(parent)
     try:
         out = ("ok", fn(i), "")
     except BaseException as e:  # noqa: BLE001 -- every failure goes back to the parent, which decides
@@ -169,8 +185,9 @@ def run(fn: Callable[[int], Any], tasks: int, jobs: int, timeout: float | None =
                 i = pending.pop(0)
                 recv, send = ctx.Pipe(duplex=False)
                 # not a daemon, so that it may fork calls of its own (a sweep's cell its mesh views); the loop below
-                # kills what still runs when it ends (return, exception, Ctrl-C)
-                proc = ctx.Process(target=_child, args=(send, fn, i), name=f"autopart-plan-{i}")
+                # kills what still runs when it ends (return, exception, Ctrl-C), and what those forked dies
+                # with them (``_die_with_parent``)
+                proc = ctx.Process(target=_child, args=(send, fn, i, os.getpid()), name=f"autopart-plan-{i}")
                 with warnings.catch_warnings():  # Python >= 3.12 warns of any thread; ``watch`` judged the ones here
                     warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
                                             category=DeprecationWarning)

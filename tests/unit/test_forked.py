@@ -126,6 +126,39 @@ def test_a_forked_call_may_fork_its_own() -> None:
     assert len(pids) == 1 + 2 + 4
 
 
+def _forks_a_sleeper(path: str):
+    def sleeper(_):
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(60)
+
+    for _ in forked.run(sleeper, 1, jobs=2):
+        pass
+
+
+def _gone(pid: int) -> bool:  # ended: no such process, or a zombie its new parent has not reaped
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_a_killed_call_takes_the_calls_it_forked_with_it(tmp_path) -> None:
+    """The time cap kills a call that had forked one of its own (a sweep cell's mesh view): that one dies too
+    instead of planning on as an orphan."""
+    path = str(tmp_path / "grandchild")
+    with pytest.raises(forked.Timeout):
+        for _ in forked.run(lambda _: _forks_a_sleeper(path), 1, jobs=2, timeout=3):
+            pass
+    pid = int(open(path).read())
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
+
+
 def _started(i: int):
     t = time.monotonic()
     time.sleep(0.5)
