@@ -993,9 +993,10 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     the global batch in sequences (default one per GPU). Weights in ``dtype`` with ``optimizer_bytes_per_param``
     optimizer bytes (12: Adam with an fp32 master copy, 16 bytes of model state per parameter as in ZeRO);
     ``reduce_dtype``: the gradient reduction's, ``grad_dtype`` the gradients' ("float32": 18 bytes per
-    parameter, as Megatron-LM's fp32 ``main_grad``; ``autopart.plan``). ``max_plan_s`` caps the planning time
-    (the solver's own limit is ``time_limit_s``); a plan that does not fit, or runs past the cap,
-    returns ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
+    parameter, as Megatron-LM's fp32 ``main_grad``; ``autopart.plan``). ``max_plan_s`` caps each mesh view's planning
+    time, planned here or in a process of its own (the solver's own limit is ``time_limit_s``): a view past it is
+    listed as not planned, and the fastest of the others kept; with no plan (none fits, or none within the cap)
+    ``fits=False`` with the reason in ``binding``. ``views``: plan on every logical mesh of the nodes
     (``mesh_views``: tensor parallelism of any divisor of the node, data parallelism over all GPUs as one axis) and
     keep the fastest, each listed in ``Advice.views``; False: the ``(nodes, gpus_per_node)`` mesh alone. Views apply to
     presets (and cluster files); a ``Cluster`` given directly is planned on its own mesh. Views whose axes have
@@ -1098,26 +1099,21 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     def plan_view(j: int):
         shape, names, view_cluster = todo[j]
         t = time.perf_counter()
-        return autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs, cluster=view_cluster,
-                             traced=traced, time_limit_s=time_limit_s,
-                             optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
-                             reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
-                             kv_cache_tokens=kv_cache_tokens), time.perf_counter() - t
+        with _Cap(max_plan_s):  # each view its own cap, planned here or in a process of its own
+            return autopart.plan(module, autopart.mesh(shape, names), inputs, kwargs, cluster=view_cluster,
+                                 traced=traced, time_limit_s=time_limit_s,
+                                 optimizer_bytes_per_param=optimizer_bytes_per_param, recipes=recipes,
+                                 reduce_dtype=reduce_dtype, grad_dtype=grad_dtype, relative_gap=relative_gap,
+                                 kv_cache_tokens=kv_cache_tokens), time.perf_counter() - t
 
-    done: dict[int, Any] = {}  # view planned -> its plan, or why it has none (this mesh does not fit, or timed out)
-    stopped = None
+    done: dict[int, Any] = {}  # view -> its plan, or why it has none (this mesh does not fit, or ran past the cap)
     # forked even for one view: the solver's threads then stay out of this process, which can go on forking
     n_jobs = forked.jobs_for(max(len(todo), 2), jobs, task_bytes=VIEW_BYTES)
-    try:  # the cap: an alarm in this process, a deadline on the forked ones
-        with _Cap(max_plan_s if n_jobs == 1 else None):
-            # one axis over every GPU plans fastest (no stage meshes nor tensor parallelism to weigh): started last
-            for j, ok, value in forked.run(plan_view, len(todo), n_jobs, timeout=max_plan_s or None,
-                                           first=lambda j: len(todo[j][0]) == 1):
-                if not ok and not isinstance(value, (ValueError, SolverTimeout)):
-                    raise value
-                done[j] = value
-    except (PlanTimeout, forked.Timeout) as e:
-        stopped = e
+    # one axis over every GPU plans fastest (no stage meshes nor tensor parallelism to weigh): started last
+    for j, ok, value in forked.run(plan_view, len(todo), n_jobs, first=lambda j: len(todo[j][0]) == 1):
+        if not ok and not isinstance(value, (ValueError, SolverTimeout, PlanTimeout)):
+            raise value
+        done[j] = value
     best, tried, err = None, [], None
     listed: dict[tuple, dict] = {}
     for (shape, _), key in zip(shapes, key_of):
@@ -1130,8 +1126,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                           "same_as": same["mesh"]})
             continue
         value = done[j]
-        if isinstance(value, Exception):
-            err = value if err is None or isinstance(err, SolverTimeout) else err
+        if isinstance(value, Exception):  # a mesh that does not fit says more than one that ran out of time
+            err = value if err is None or isinstance(err, (SolverTimeout, PlanTimeout)) else err
             tried.append({"mesh": list(shape), "step_time_s": None, "why": str(value).strip().splitlines()[0]})
         else:
             value, seconds = value
@@ -1140,15 +1136,11 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
             if best is None or step < best.predicted["step_time_s"]:
                 best = value
         listed[key] = tried[-1]
-    if stopped is not None:
-        if best is None:
-            return Advice(fits=False, binding=f"not planned: {stopped} (raise max_plan_s)",
-                          plan_s=time.perf_counter() - t0, views=tried, **base)
-        tried.append({"mesh": None, "step_time_s": None, "why": f"the other meshes not planned: {stopped}"})
     if best is None:
-        if isinstance(err, SolverTimeout):
-            return Advice(fits=False, binding=f"not planned: {err}", plan_s=time.perf_counter() - t0, views=tried,
-                          **base)
+        if isinstance(err, (SolverTimeout, PlanTimeout)):
+            return Advice(fits=False, binding=f"not planned: {err}" + (
+                " (raise max_plan_s)" if isinstance(err, PlanTimeout) else ""), plan_s=time.perf_counter() - t0,
+                views=tried, **base)
         return Advice(fits=False, binding=_binding(err, n_params, gpus, cl, state_bytes, inference),
                       no_fit=no_fit_record(err),
                       plan_s=time.perf_counter() - t0, views=tried, **base)
@@ -1426,7 +1418,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     another; when there are fewer cells than processes, each cell plans its views side by side with its share. The
     rows come back in grid order (sizes, then GPU counts) whatever ``jobs`` is; ``log`` hears each as it ends. A
     cell whose process dies without an answer (killed for memory) is planned again alone after the others.
-    ``max_plan_s`` caps each cell's planning (``advise``)."""
+    ``max_plan_s`` caps each mesh view's planning (``advise``)."""
     gpus_per_node = devices_per_node(cluster, gpus_per_node)
     gpu_counts, sizes = tuple(gpu_counts), tuple(sizes)
     if not sizes or not gpu_counts:

@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--gap", type=float, default=None, help="each ILP stops once its plan is proven within this "
                                                            "fraction of the best (default: advise's ADVISE_GAP, 0.01; "
                                                            "autopart.plan: 0.001)")
-    a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time, seconds")
+    a.add_argument("--max-plan-s", type=float, default=300.0, help="cap on one plan's time (each mesh view's), "
+                   "seconds")
     a.add_argument("--jobs", type=int, default=None, help="processes the mesh views (with --sweep: the cells) are "
                    "planned in side by side (default: one per core; 1: one after another in this process)")
     a.add_argument("--physical-mesh", action="store_true", help="plan on the (nodes, gpus-per-node) mesh only, not "

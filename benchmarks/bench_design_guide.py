@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--gpus", default=",".join(str(g) for g in advise.SWEEP_GPUS))
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch-per-gpu", type=int, default=1)
-    ap.add_argument("--max-plan-s", type=float, default=240.0, help="cap on one plan's time")
+    ap.add_argument("--max-plan-s", type=float, default=240.0, help="cap on one plan's time (each mesh view's)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -283,6 +283,39 @@ def test_plan_cap_reports_instead_of_hanging(jobs) -> None:
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_plan_cap_is_each_views(monkeypatch, jobs) -> None:
+    """``max_plan_s`` caps each mesh view, one after another here or side by side: two views of 1 s each under a
+    1.8 s cap are both planned, together past it; a view that runs past it alone is listed as not planned and the
+    other kept. (Each view's plan is made beforehand, in a child: the views here take their waits alone.)"""
+    import time as time_
+
+    from autopart import forked
+
+    real, made = autopart.plan, {}
+
+    def making(module, mesh, *args, **kwargs):
+        made[tuple(mesh.shape)] = p = real(module, mesh, *args, **kwargs)
+        return p
+
+    def slow(module, mesh, *args, **kwargs):
+        time_.sleep(3.0 if tuple(mesh.shape) == (4, 2) and slow.over else 1.0)
+        return plans[tuple(mesh.shape)]
+
+    kw = dict(layers=2, seq=128)  # 8 GPUs: meshes 8, 4x2 (and 2x4 as it)
+    monkeypatch.setattr(autopart, "plan", making)
+    plans = forked.call(lambda: (adv.advise("gpt", "125m", **kw, jobs=1), made)[1], jobs=2)
+    monkeypatch.setattr(autopart, "plan", slow)
+    slow.over = False
+    a = adv.advise("gpt", "125m", **kw, max_plan_s=1.8, jobs=jobs)
+    assert a.fits and all(v["step_time_s"] for v in a.views), a.views
+    slow.over = True
+    b = adv.advise("gpt", "125m", **kw, max_plan_s=1.8, jobs=jobs)
+    views = {tuple(v["mesh"]): v for v in b.views}
+    assert views[(4, 2)]["step_time_s"] is None and "more than 1.8 s" in views[(4, 2)]["why"]
+    assert b.fits and b.step_time_s == views[(8,)]["step_time_s"] > 0
+
+
 def test_moe_and_mamba_families_when_present() -> None:
     """moe/mamba are planned when their modules exist; 6 N T counts MoE's active parameters (top_k of n_expert)."""
     pytest.importorskip("autopart.models.moe")
