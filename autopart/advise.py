@@ -1451,8 +1451,8 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     rows: dict[int, dict] = {}
     todo = []  # (cell index, size index, gpus) of the cells whose model states can fit: traced and planned
     for s, spec in enumerate(sizes):
-        for gpus in gpu_counts:
-            i = s * len(gpu_counts) + gpu_counts.index(gpus)
+        for g, gpus in enumerate(gpu_counts):
+            i = s * len(gpu_counts) + g
             nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
             cl = _mesh_cluster(cluster, nodes, per_node)
             n_params, itemsize = params[s]  # the weights' (build's dtype: bf16)
