@@ -137,15 +137,17 @@ def _batch_arg(text: str) -> int | str:
 
 
 def _rich_advice(adv, console) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from autopart.advise import INSIDE_OPS, KINDS
 
-    console.print(f"[bold]{adv.model}[/bold] ({adv.params / 1e9:.2f}B parameters) on {adv.gpus} x {adv.cluster} "
-                  f"(mesh {'x'.join(map(str, adv.mesh))}), global batch {adv.batch} x {adv.seq} tokens"
+    console.print(f"[bold]{escape(adv.model)}[/bold] ({adv.params / 1e9:.2f}B parameters) on {adv.gpus} x "
+                  f"{escape(adv.cluster)} (mesh {'x'.join(map(str, adv.mesh))}), global batch {adv.batch} x "
+                  f"{adv.seq} tokens"
                   + (f", inference (forward only){adv.cache_text()}" if adv.inference else ""))
     if not adv.fits:
-        console.print(f"[red]does not fit[/red]: {adv.binding}")
+        console.print(f"[red]does not fit[/red]: {escape(adv.binding)}")
         return
     s = adv.strategy
     t = Table(title="plan", show_header=False)
@@ -205,7 +207,7 @@ def _rich_advice(adv, console) -> None:
     terms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in adv.terms.items() if abs(v) > 1e-7)
     console.print(f"step = {terms}")
     if adv.flops_note():
-        console.print(f"note: {adv.flops_note()}", highlight=False)
+        console.print(f"note: {adv.flops_note()}", highlight=False, markup=False)
 
 
 def _sizes_arg(text: str) -> tuple:
@@ -296,13 +298,20 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.sweep:
         sizes = _sizes_arg(args.sizes) if args.sizes else adv_mod.SWEEP_SIZES
         gpus = _gpus_arg(args.gpus) if args.gpus else adv_mod.SWEEP_GPUS
+        cells, done = len(sizes) * len(gpus), []
+
+        def progress(line: str) -> None:  # the cells end in any order (side by side): say how many are done
+            if "planned again alone" not in line:
+                done.append(line)
+            console.print(f"[{len(done)}/{cells}] {line}", highlight=False, markup=False)
+
         rows = adv_mod.sweep(sizes, gpus, cluster=cluster, gpus_per_node=args.gpus_per_node,
                              seq=4096 if args.seq is None else args.seq,
                              batch_per_gpu=1 if args.batch_per_gpu is None else args.batch_per_gpu,
                              time_limit_s=args.time_limit,
                              max_plan_s=args.max_plan_s, optimizer_bytes_per_param=args.optimizer_bytes,
                              views=not args.physical_mesh,
-                             log=None if args.json else lambda line: console.print(line, highlight=False),
+                             log=None if args.json else progress,
                              reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype],
                              grad_dtype=_REDUCE_DTYPES[args.grad_dtype], relative_gap=gap, jobs=args.jobs)
         md = adv_mod.sweep_markdown(rows)
@@ -312,7 +321,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(adv_mod.sweep_json(rows), indent=1))
         else:
-            console.print(md, highlight=False, soft_wrap=True)
+            console.print(md, highlight=False, soft_wrap=True, markup=False)
         if args.out:
             import os
 
@@ -341,11 +350,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
             relative_gap=gap, kv_cache_tokens=args.context, jobs=args.jobs,
             max_batch=1024 if args.max_batch is None else args.max_batch,
             max_latency_s=args.max_latency_ms / 1e3 if args.max_latency_ms is not None else None,
-            log=None if args.json else lambda line: console.print(line, highlight=False), **overrides)
+            log=None if args.json else lambda line: console.print(line, highlight=False, markup=False), **overrides)
         if args.json:
             print(json.dumps(srv.to_json(), indent=1))
         else:
-            console.print(str(srv), highlight=False, soft_wrap=True)
+            console.print(str(srv), highlight=False, soft_wrap=True, markup=False)
             if srv.best is not None:
                 console.print()
                 _rich_advice(srv.best, console)

@@ -345,7 +345,10 @@ def test_cli_sweep_writes_table_json_and_chart(tmp_path, capsys) -> None:
     md = (tmp_path / "design_guide.md").read_text()
     assert md.splitlines()[2].startswith("| gpt:125m | 0.1B | 2 |")
     assert (tmp_path / "design_guide.png").read_bytes()[:4] == b"\x89PNG"
-    assert "gpt:125m" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[1/1] gpt:125m (0.1B) on 2 GPUs: " in out and "[node=" not in out.split("[1/1]")[0]
+    strategy = rows[0]["advice"]["strategy"]
+    assert f"[{strategy['layout']}]" in out  # the layout's brackets printed as they are (no rich markup)
 
 
 def test_diff_table_is_recipe_minus_plan() -> None:
