@@ -777,6 +777,21 @@ class Advice:
         d["flops_note"] = self.flops_note()
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
 
+    def without_timings(self) -> dict[str, Any]:
+        """``to_json`` with the plan (``dataclasses.asdict``), less what measures the planning rather than the
+        advice: tracing and planning seconds (the views' too), the solver's own times and counts, the stage search's
+        seconds. Equal for the same advice however it was planned: views side by side or one after another, a
+        sweep's cells in processes of their own or here."""
+        d = self.to_json()
+        d.pop("plan_s"), d.pop("trace_s")
+        for v in d["views"]:
+            v.pop("plan_s", None)
+        if self.plan is not None:
+            d["plan"] = dataclasses.asdict(self.plan)
+            d["plan"].pop("solver")
+            (d["plan"].get("pipeline") or {}).pop("search_s", None)
+        return d
+
     def flops_note(self) -> str:
         """One line when MFU (the published convention) and ``kernel_mfu`` differ by more than 10%, else ""."""
         if not (self.fits and self.kernel_mfu > 0) or self.mfu <= 1.1 * self.kernel_mfu:
