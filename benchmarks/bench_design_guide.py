@@ -33,12 +33,14 @@ def main() -> None:
     ap.add_argument("--batch-per-gpu", type=int, default=1)
     ap.add_argument("--max-plan-s", type=float, default=240.0, help="cap on one plan's time (each mesh view's)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--jobs", type=int, default=None, help="processes the cells are planned in (default: one per "
+                    "core; 1: one after another in this process)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     rows = advise.sweep(tuple(args.sizes.split(",")), tuple(int(g) for g in args.gpus.split(",")),
                         cluster=advise.resolve_cluster(args.cluster), seq=args.seq,
                         batch_per_gpu=args.batch_per_gpu, max_plan_s=args.max_plan_s,
-                        log=lambda line: print(line, flush=True))
+                        log=lambda line: print(line, flush=True), jobs=args.jobs)
     total = time.perf_counter() - t0
     md = advise.sweep_markdown(rows)
     diff = advise.sweep_diff_markdown(rows)
