@@ -1,4 +1,5 @@
-"""Run independent planning calls in forked processes, several at a time (``advise``'s mesh views).
+"""Run independent planning calls in forked processes, several at a time (``advise``'s mesh views, ``sweep``'s
+cells, which may fork their views in turn).
 
 A plan is CPU-bound Python and solver work on shapes alone, so on a machine with several cores the views of one
 ``advise`` run side by side. The children are *forked*: they start with the parent's traced graph, model and
@@ -16,7 +17,9 @@ torch's own thread pools are fork-safe (its DataLoader forks after them).
 What comes back is each call's return value or the exception it raised, with the child's traceback as its
 ``__cause__`` (as ``concurrent.futures`` reports a worker's). A child that dies without answering (killed for
 memory, a crash in native code) reports a ``ChildDied``; a call still running when the caller stops listening (a
-time cap, Ctrl-C) has its process killed, so no child outlives the loop.
+time cap, Ctrl-C) has its process killed, so no child outlives the loop; on Linux what that process forked in turn
+dies with it (``_die_with_parent``). How many run at once: ``jobs_for`` (one per core by default, no more than the
+available memory holds where the caller says what one call may take).
 """
 
 from __future__ import annotations
