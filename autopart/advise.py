@@ -839,9 +839,14 @@ class Advice:
                 + (" (none held: the model has no attention)" if self.fits and not attention and not ssm else ""))
 
     def views_text(self) -> str:
-        """The logical meshes planned and each one's predicted step (``views``), on one line."""
-        return ", ".join("x".join(map(str, v["mesh"])) + (f" {v['step_time_s']:.4g} s" if v["step_time_s"] is not None
-                                                          else " not planned")
+        """The logical meshes planned and each one's predicted step (``views``), on one line; a mesh without a plan
+        says whether it ran out of time (and which limit) or does not fit."""
+        def outcome(v: dict) -> str:
+            if v["step_time_s"] is not None:
+                return f" {v['step_time_s']:.4g} s"
+            return f" not planned ({v['why']})" if v.get("timed_out") else " does not fit"
+
+        return ", ".join("x".join(map(str, v["mesh"])) + outcome(v)
                          + (f" (as {'x'.join(map(str, v['same_as']))})" if v.get("same_as") else "")
                          for v in self.views if v["mesh"])
 
@@ -1143,7 +1148,8 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
         value = done[j]
         if isinstance(value, Exception):  # a mesh that does not fit says more than one that ran out of time
             err = value if err is None or isinstance(err, (SolverTimeout, PlanTimeout)) else err
-            tried.append({"mesh": list(shape), "step_time_s": None, "why": str(value).strip().splitlines()[0]})
+            tried.append({"mesh": list(shape), "step_time_s": None, "why": str(value).strip().splitlines()[0],
+                          "timed_out": isinstance(value, (SolverTimeout, PlanTimeout))})
         else:
             value, seconds = value
             step = value.predicted["step_time_s"]

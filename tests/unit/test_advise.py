@@ -313,6 +313,7 @@ def test_the_plan_cap_is_each_views(monkeypatch, jobs) -> None:
     views = {tuple(v["mesh"]): v for v in b.views}
     assert views[(4, 2)]["step_time_s"] is None and "more than 1.8 s" in views[(4, 2)]["why"]
     assert b.fits and b.step_time_s == views[(8,)]["step_time_s"] > 0
+    assert "4x2 not planned (planning took more than 1.8 s)" in b.views_text()
 
 
 def test_moe_and_mamba_families_when_present() -> None:
@@ -376,7 +377,15 @@ def test_a_mesh_the_solver_does_not_finish_is_skipped(monkeypatch, jobs) -> None
     views = {tuple(v["mesh"]): v for v in a.views}
     assert set(views) == {(8,), (4, 2), (2, 4)}
     assert views[(4, 2)]["step_time_s"] is None and "no solution within 1 s" in views[(4, 2)]["why"]
+    assert "4x2 not planned (highs found no solution within 1 s" in a.views_text()
     assert a.fits and a.step_time_s == min(v["step_time_s"] for v in a.views if v["step_time_s"] is not None)
+    def no_fit(module, mesh, *args, **kwargs):
+        if tuple(mesh.shape) == (4, 2):
+            raise ValueError("no plan fits the 75.6 GiB budget")
+        return real(module, mesh, *args, **kwargs)
+
+    monkeypatch.setattr(autopart, "plan", no_fit)
+    assert "4x2 does not fit" in adv.advise("gpt", "125m", layers=2, seq=128, jobs=jobs).views_text()
     monkeypatch.setattr(autopart, "plan", lambda *a, **k: (_ for _ in ()).throw(SolverTimeout("no solution")))
     b = adv.advise("gpt", "125m", layers=2, seq=128, jobs=jobs)
     assert not b.fits and b.binding.startswith("not planned: no solution")
