@@ -103,6 +103,8 @@ SWEEP_GPUS = (8, 64, 512, 4096)
 # memory one sweep cell may take, tracing and planning in its own process: Llama-405B on 64 H100 nodes, the default
 # grid's largest graph, peaked at 1.16 GB resident planned in one process (its mesh views one after another)
 SWEEP_CELL_BYTES = 2 * 2**30
+# how ``sweep`` ends the line it logs for a cell whose process died (that line is not a cell's result)
+RETRIED = "planned again alone after the other cells"
 # memory one mesh view may take planned in a forked process (beside the trace it shares with this one): the largest
 # of Llama-405B's four views on 64 nodes peaked at 0.68 GB resident, shared pages included
 VIEW_BYTES = 2**30
@@ -114,6 +116,10 @@ ADVISE_GAP = 0.01
 
 class PlanTimeout(Exception):
     """Planning ran past the per-plan cap."""
+
+
+# a view without a plan for want of time (the solver's limit, or ``max_plan_s``), not because it does not fit
+_TIMEOUTS = (SolverTimeout, PlanTimeout)
 
 
 # ---- model -----------------------------------------------------------------------------------------------------
@@ -1131,7 +1137,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
     n_jobs = forked.jobs_for(max(len(todo), 2), jobs, task_bytes=VIEW_BYTES)
     # one axis over every GPU plans fastest (no stage meshes nor tensor parallelism to weigh): started last
     for j, ok, value in forked.run(plan_view, len(todo), n_jobs, first=lambda j: len(todo[j][0]) == 1):
-        if not ok and not isinstance(value, (ValueError, SolverTimeout, PlanTimeout)):
+        if not ok and not isinstance(value, (ValueError, *_TIMEOUTS)):
             raise value
         done[j] = value
     best, tried, err = None, [], None
@@ -1147,9 +1153,9 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
             continue
         value = done[j]
         if isinstance(value, Exception):  # a mesh that does not fit says more than one that ran out of time
-            err = value if err is None or isinstance(err, (SolverTimeout, PlanTimeout)) else err
+            err = value if err is None or isinstance(err, _TIMEOUTS) else err
             tried.append({"mesh": list(shape), "step_time_s": None, "why": str(value).strip().splitlines()[0],
-                          "timed_out": isinstance(value, (SolverTimeout, PlanTimeout))})
+                          "timed_out": isinstance(value, _TIMEOUTS)})
         else:
             value, seconds = value
             step = value.predicted["step_time_s"]
@@ -1158,7 +1164,7 @@ def advise(model: str | None = "llama", size: str | None = None, *, factory: str
                 best = value
         listed[key] = tried[-1]
     if best is None:
-        if isinstance(err, (SolverTimeout, PlanTimeout)):
+        if isinstance(err, _TIMEOUTS):
             return Advice(fits=False, binding=f"not planned: {err}" + (
                 " (raise max_plan_s)" if isinstance(err, PlanTimeout) else ""), plan_s=time.perf_counter() - t0,
                 views=tried, **base)
@@ -1461,51 +1467,55 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
     PlanOptions(relative_gap=relative_gap)  # bad input raises here, not in every cell
     forked.jobs_for(1, jobs)  # likewise
 
+    def size_args(s: int) -> tuple[str | None, dict]:  # (the size's label if it has one, its ``build`` arguments)
+        kw = dict(sizes[s]) if isinstance(sizes[s], dict) else {"model": sizes[s]}
+        return kw.pop("label", None), kw
+
     # every size built once here (on meta: a second or less), so that a bad one fails before any cell is planned
-    # and the cells can start largest first
+    # and the cells can start largest first: (parameters, bytes of model state per parameter)
     params = []
-    for spec in sizes:
-        kw = dict(spec) if isinstance(spec, dict) else {"model": spec}
-        kw.pop("label", None)
-        _, module, _, _, _ = build(batch=batch_per_gpu, seq=seq, **kw)
-        params.append((sum(p.numel() for p in module.parameters()), next(module.parameters()).dtype.itemsize))
+    for s in range(len(sizes)):
+        module = build(batch=batch_per_gpu, seq=seq, **size_args(s)[1])[1]
+        itemsize = next(module.parameters()).dtype.itemsize  # the weights' (build's dtype: bf16)
+        params.append((sum(p.numel() for p in module.parameters()),
+                       itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param))
+
+    def place(gpus: int) -> tuple[int, int]:  # a cell's nodes and GPUs per node
+        return (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
+
+    def setup(s: int, gpus: int) -> tuple:  # a cell's nodes, GPUs per node, cluster, batch, label and built model
+        nodes, per_node = place(gpus)
+        label, kw = size_args(s)
+        built = build(batch=batch_per_gpu * gpus, seq=seq, **kw)
+        return nodes, per_node, _mesh_cluster(cluster, nodes, per_node), batch_per_gpu * gpus, label or built[0], built
+
     rows: dict[int, dict] = {}
     todo = []  # (cell index, size index, gpus) of the cells whose model states can fit: traced and planned
-    for s, spec in enumerate(sizes):
+    for s in range(len(sizes)):
         for g, gpus in enumerate(gpu_counts):
             i = s * len(gpu_counts) + g
-            nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
-            cl = _mesh_cluster(cluster, nodes, per_node)
-            n_params, itemsize = params[s]  # the weights' (build's dtype: bf16)
-            states = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
+            n_params, states = params[s]
+            budget = _mesh_cluster(cluster, *place(gpus)).memory_budget
             floor = state_floor(n_params, gpus, states, optimizer_bytes_per_param)
-            if floor <= cl.memory_budget:
+            if floor <= budget:
                 todo.append((i, s, gpus))
                 continue
             # no plan can fit: no trace, no process
-            kw = dict(spec) if isinstance(spec, dict) else {"model": spec}
-            label = kw.pop("label", None)
-            built = build(batch=batch_per_gpu * gpus, seq=seq, **kw)
+            _, per_node, cl, batch, label, built = setup(s, gpus)
             adv = Advice(model=built[0], params=n_params, cluster=cl.name, gpus=gpus, mesh=cl.mesh_shape,
-                         batch=batch_per_gpu * gpus, seq=seq, fits=False, memory_budget=float(cl.memory_budget),
+                         batch=batch, seq=seq, fits=False, memory_budget=float(cl.memory_budget),
                          binding=f"model states: {floor / 2**30:.0f} GiB per GPU even fully sharded with the "
                                  f"optimizer offloaded > {cl.memory_budget / 2**30:.0f} GiB")
-            rows[i] = _sweep_row(label or built[0], built, None, adv, cl, per_node, batch_per_gpu * gpus, seq,
-                                 states, time_limit_s, optimizer_bytes_per_param, max_plan_s, reduce_dtype,
-                                 grad_dtype, jobs)
+            rows[i] = _sweep_row(label, built, None, adv, cl, per_node, batch, seq, states, time_limit_s,
+                                 optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype, jobs)
             if log:
                 log(sweep_line(rows[i]))
 
     def cell(k: int, inner: int | None) -> dict:
         from autopart.trace import trace
 
-        i, s, gpus = todo[k]
-        nodes, per_node = (gpus // gpus_per_node, gpus_per_node) if gpus >= gpus_per_node else (1, gpus)
-        cl = _mesh_cluster(cluster, nodes, per_node)
-        batch = batch_per_gpu * gpus
-        kw = dict(sizes[s]) if isinstance(sizes[s], dict) else {"model": sizes[s]}
-        label = kw.pop("label", None)
-        built = build(batch=batch, seq=seq, **kw)
+        _, s, gpus = todo[k]
+        nodes, per_node, cl, batch, label, built = setup(s, gpus)
         _, module, inputs, kwargs, _ = built
         t0 = time.perf_counter()
         traced = trace(module, inputs, kwargs)
@@ -1514,20 +1524,14 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
                      traced=traced, time_limit_s=time_limit_s, max_plan_s=max_plan_s,
                      optimizer_bytes_per_param=optimizer_bytes_per_param, views=views, reduce_dtype=reduce_dtype,
                      grad_dtype=grad_dtype, relative_gap=relative_gap, jobs=inner)
-        n_params, itemsize = params[s]
-        states = itemsize + _grad_itemsize(itemsize, grad_dtype) + optimizer_bytes_per_param
-        return _sweep_row(label or built[0], built, traced, adv, cl, per_node, batch, seq, states, time_limit_s,
+        return _sweep_row(label, built, traced, adv, cl, per_node, batch, seq, params[s][1], time_limit_s,
                           optimizer_bytes_per_param, max_plan_s, reduce_dtype, grad_dtype, inner)
 
     n = forked.jobs_for(len(todo), jobs, task_bytes=SWEEP_CELL_BYTES)
     inner = jobs  # in this process: each cell's views as asked
-    if n > 1 and n < len(todo):  # every process holds a cell, more are waiting: views one after another
-        inner = 1
-    elif n > 1:  # fewer cells than processes: each cell plans its views side by side with its share of them
-        inner = max(1, (forked.cpus() if jobs is None else jobs) // n)
-        free = forked.available_memory() if jobs is None else None
-        if free is not None:  # and of the memory
-            inner = max(1, min(inner, free // n // VIEW_BYTES))
+    if n > 1:  # every process holds a cell while more wait: views one after another; else the cells share the
+        # processes (and the memory) ``jobs`` allows views
+        inner = 1 if n < len(todo) else max(1, forked.jobs_for(1 << 30, jobs, task_bytes=VIEW_BYTES) // n)
     # the largest models (the longest to trace and plan) first, then the most GPUs (the most mesh views), so that
     # no long cell starts last while the other processes idle
     died = []
@@ -1539,8 +1543,7 @@ def sweep(sizes: tuple[str | dict, ...] = SWEEP_SIZES, gpu_counts: tuple[int, ..
             died.append(k)
             if log:
                 spec = sizes[todo[k][1]]
-                log(f"{spec.get('label', spec) if isinstance(spec, dict) else spec} on {todo[k][2]} GPUs: its "
-                    f"process died ({value}); planned again alone after the other cells")
+                log(f"{size_args(todo[k][1])[0] or spec} on {todo[k][2]} GPUs: its process died ({value}); {RETRIED}")
             continue
         if not ok:
             raise value

@@ -301,7 +301,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         cells, done = len(sizes) * len(gpus), []
 
         def progress(line: str) -> None:  # the cells end in any order (side by side): say how many are done
-            if "planned again alone" not in line:
+            if not line.endswith(adv_mod.RETRIED):
                 done.append(line)
             console.print(f"[{len(done)}/{cells}] {line}", highlight=False, markup=False)
 
