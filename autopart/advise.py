@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from autopart import forked
 from autopart.cost import Cluster
-from autopart.cost.cluster import PRESETS, load_preset
+from autopart.cost.cluster import CALIBRATED, PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
 from autopart.cost.compute import dtype_peak_flops
@@ -167,17 +167,18 @@ def model_config(model: str = "llama", size: str | None = None, seq: int | None 
             cfg = dataclasses.replace(cfg, **SIZES[family][key])
         else:
             names = [key, f"{family}-{key}"]
-            found = None
+            found, why = None, ""
             for n in names:
                 try:
                     found = cfg_cls.preset(n)
                     break
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError) as e:
+                    why = str(e) if isinstance(e, ValueError) else why  # the preset's message lists its names
                     continue
             if found is None:
                 known = sorted(SIZES.get(family, {}))
                 raise ValueError(f"unknown {family} size {size!r}; named sizes are {known}"
-                                 + (" and the presets of its config class" if hasattr(cfg_cls, "preset") else "")
+                                 + (f" ({cfg_cls.__name__}.preset: {why})" if why else "")
                                  + "; or give --layers/--hidden/--heads ... to describe the model")
             cfg = found
     fields = {f.name for f in dataclasses.fields(cfg)}
@@ -861,12 +862,13 @@ def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
     """A preset name, a path to a JSON/TOML cluster file (registered as a preset), or a ``Cluster``."""
     if isinstance(cluster, Cluster):
         return cluster
-    if cluster in PRESETS:
+    if cluster in PRESETS or cluster == CALIBRATED:
         return cluster
     if cluster.endswith((".json", ".toml")):
         return load_preset(cluster)
-    raise ValueError(f"unknown cluster {cluster!r}: give a preset {sorted(PRESETS)} or the path of a .json/.toml "
-                     "cluster file (format: autopart.cost.cluster.load_preset)")
+    raise ValueError(f"unknown cluster {cluster!r}: give a preset {sorted(PRESETS)}, {CALIBRATED!r} (this machine, "
+                     "measured by autopart calibrate) or the path of a .json/.toml cluster file (format: "
+                     "autopart.cost.cluster.load_preset)")
 
 
 def devices_per_node(cluster: str | Cluster, gpus_per_node: int | None = None) -> int:

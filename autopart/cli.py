@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -93,22 +94,133 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _mesh_arg(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise argparse.ArgumentTypeError(f"{text!r}: write the mesh shape as device counts joined by 'x', e.g. 8 or "
+                                         "8x8 (nodes x GPUs per node) or 2x4x8")
+    return shape
+
+
+def _pairs(flag: str, items: list[str] | None, example: str) -> dict[str, str]:
+    """``--role dp=dp --role tp=tp`` -> {"dp": "dp", "tp": "tp"}; a malformed or repeated key is an error."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{flag} {item!r}: write NAME=VALUE, e.g. {flag} {example}")
+        if key.strip() in out:
+            raise ValueError(f"{flag} {item!r}: {key.strip()!r} was given twice ({out[key.strip()]!r} and "
+                             f"{value.strip()!r}); give it once")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _pipeline_arg(text: str | None) -> dict | str | None:
+    """``--pipeline``: None or "auto" (the solver decides), "off", or ``key=value,...`` over ``stages``,
+    ``micro_batches``, ``schedule``, ``virtual``, ``axis`` (``autopart.plan``'s ``pipeline`` dict)."""
+    if text is None or text == "auto":
+        return None
+    if text == "off":
+        return "off"
+    keys = {"stages": int, "micro_batches": int, "virtual": int, "schedule": str, "axis": str}
+    out: dict = {}
+    for item in text.split(","):
+        key, sep, value = (s.strip() for s in item.partition("="))
+        key = key.replace("-", "_")
+        if not sep or key not in keys or not value:
+            raise ValueError(f"--pipeline {text!r}: give auto, off, or comma-separated KEY=VALUE with keys "
+                             f"{sorted(keys)}, e.g. --pipeline stages=4,micro_batches=8,schedule=1f1b")
+        try:
+            out[key] = keys[key](value)
+        except ValueError:
+            raise ValueError(f"--pipeline {text!r}: {key} takes a whole number, got {value!r}") from None
+    return out
+
+
+def _is_cpu_cluster(cluster) -> bool:
+    from autopart.cost.cluster import CALIBRATED, PRESETS, Cluster
+
+    if cluster == CALIBRATED:  # autopart calibrate measures gloo ranks on this machine's CPUs
+        return True
+    if isinstance(cluster, Cluster):
+        return cluster.device.name == "cpu"
+    spec = PRESETS.get(cluster)
+    return spec is not None and spec.device.name == "cpu"
+
+
+def _default_seq(adv_mod, args: argparse.Namespace) -> int:
+    """The sequence length ``plan`` traces when ``--seq`` is not given: a preset's own ``max_seq_len`` (the tiny
+    models' 64, gpt-13b's 2048), 2048 for the published sizes (``advise.SIZES``: what ``advise`` plans) and
+    factories."""
+    if args.factory is not None:
+        return 2048
+    family, size = adv_mod._split_model(args.model, args.size)
+    if size and size.lower() in adv_mod.SIZES.get(family, {}):
+        return 2048
+    return int(getattr(adv_mod.model_config(family, size)[2], "max_seq_len", 2048))
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    import importlib
+
     import torch
 
     import autopart
-    from autopart.models import GPT, GPTConfig, Llama, LlamaConfig
 
-    family, _, size = args.model.partition(":")
-    cfg = (GPTConfig if family == "gpt" else LlamaConfig).preset(size or "tiny")
-    with torch.device("meta" if args.meta else "cpu"):
-        model = (GPT if family == "gpt" else Llama)(cfg)
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
-    shape = tuple(int(x) for x in args.mesh.split("x"))
-    names = tuple(args.names.split(",")) if args.names else tuple(f"axis{i}" for i in range(len(shape)))
-    roles = dict(kv.split("=") for kv in args.role) if args.role else {}
-    plan = autopart.plan(model, autopart.mesh(shape, names), (ids,), {"labels": ids}, cluster=args.cluster,
-                         roles=roles, memory_budget=args.memory_budget)
+    adv_mod = importlib.import_module("autopart.advise")
+    if args.factory is not None and args.model is not None:
+        raise ValueError(f"--factory {args.factory} replaces --model, but --model {args.model} was given too: give "
+                         "one of them")
+    if args.model is None and args.factory is None:
+        args.model = "gpt:tiny"
+    for name in ("batch", "seq"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name} {v}: give a whole number >= 1 (or leave it out for the default)")
+    if args.context < 0:
+        raise ValueError(f"--context {args.context}: the K/V cache per sequence is a number of tokens >= 0")
+    if args.context and not args.inference:
+        raise ValueError(f"--context {args.context} is the K/V cache of a decoding step: add --inference")
+    shape = args.mesh
+    if args.names:
+        names = tuple(n.strip() for n in args.names.split(","))
+        if len(names) != len(shape):
+            raise ValueError(f"--names {args.names!r} names {len(names)} axes but --mesh "
+                             f"{'x'.join(map(str, shape))} has {len(shape)}: give one name per axis")
+    else:
+        names = ("dp", "tp") if len(shape) == 2 else tuple(f"axis{i}" for i in range(len(shape)))
+    roles = _pairs("--role", args.role, f"{names[-1]}=tp")
+    for axis in roles:
+        if axis not in names:
+            raise ValueError(f"--role {axis}={roles[axis]}: the mesh's axes are {list(names)} (--names), not "
+                             f"{axis!r}")
+    pins = _pairs("--pin", args.pin, "lm_head.weight=RS(0)")
+    pipeline = _pipeline_arg(args.pipeline)
+    cluster = adv_mod.resolve_cluster(args.cluster)
+    dtype_name = args.dtype or ("fp32" if _is_cpu_cluster(cluster) else "bf16")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    opt_bytes = args.optimizer_bytes if args.optimizer_bytes is not None else \
+        (8.0 if dtype == torch.float32 else 12.0)
+    seq = args.seq or _default_seq(adv_mod, args)
+    batch = args.batch or max(8, math.prod(shape))
+    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    what, model, inputs, kwargs, _ = adv_mod.build(args.model, args.size, factory=args.factory, batch=batch,
+                                                   seq=seq, dtype=dtype, inference=args.inference, **overrides)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"planning {what} ({n / 1e9:.3g}B" if n >= 1e9 else f"planning {what} ({n / 1e6:.3g}M", end="")
+    print(f" parameters, {dtype_name}"
+          f"{', forward only' if args.inference else f', optimizer {opt_bytes:g} B/parameter'}), batch {batch} x "
+          f"{seq} tokens, for mesh {'x'.join(map(str, shape))} ({', '.join(names)}) on "
+          f"{cluster if isinstance(cluster, str) else cluster.name}", flush=True)
+    plan = autopart.plan(model, autopart.mesh(shape, names), inputs, kwargs, cluster=cluster, roles=roles,
+                         pins=pins, memory_budget=args.memory_budget, time_limit_s=args.time_limit,
+                         zero=args.zero, checkpoint=args.checkpoint, offload=args.offload, pipeline=pipeline,
+                         optimizer_bytes_per_param=opt_bytes, kv_cache_tokens=args.context,
+                         reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype], grad_dtype=_REDUCE_DTYPES[args.grad_dtype])
     print(plan)
     if args.explain:
         print()
@@ -122,7 +234,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from autopart.plan import Plan
 
-    print(Plan.load(args.plan).explain(args.node))
+    plan = Plan.load(args.plan)
+    print(plan.explain(args.node) if args.node else plan)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from autopart.plan import Plan
+
+    text = Plan.load(args.a).diff(Plan.load(args.b))
+    print(text if len(text.splitlines()) > 1 else f"no decision differs; {text}")  # its last line: the steps
     return 0
 
 
@@ -382,6 +503,33 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return 0 if a.fits else 2
 
 
+def _model_flags(p: argparse.ArgumentParser, default: str) -> None:
+    """The model a command plans: a family at a named size, with overrides, or a factory (``advise.build``)."""
+    p.add_argument("--model", default=None, help=f"family (gpt, llama, moe, mamba), or family:size, e.g. llama:70b "
+                                                 f"or gpt:gpt-13b (default {default})")
+    p.add_argument("--size", default=None, help="named size, e.g. 7b, 13b, 70b (llama); 1.3b, 175b, 1t (gpt); or "
+                                                "a preset of the family's config (tiny, llama-7b, gpt-13b)")
+    p.add_argument("--factory", default=None, help="'module:function' returning an nn.Module (or (module, "
+                                                   "example_inputs, example_kwargs)); replaces --model")
+    for flag, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("kv-heads", "key/value heads"), ("vocab", "vocabulary"), ("ffn", "MLP hidden size"),
+                       ("experts", "experts (moe)"), ("top-k", "experts per token (moe)")):
+        p.add_argument(f"--{flag}", type=int, default=None, help=f"override the {what}")
+
+
+def _precision_flags(p: argparse.ArgumentParser, optimizer_default: float | None, dtype_help: str,
+                     optimizer_help: str) -> None:
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help=dtype_help)
+    p.add_argument("--optimizer-bytes", type=float, default=optimizer_default, help=optimizer_help)
+    p.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
+                   help="sum the data-parallel gradient reduction in this dtype (fp32: Megatron-LM's default with "
+                        "bf16 weights); default: the gradients' own")
+    p.add_argument("--grad-dtype", default=None, choices=["fp32", "bf16"],
+                   help="keep and accumulate gradients in this dtype (fp32: Megatron-LM's main_grad of bf16 "
+                        "weights, 18 bytes of model state per parameter with --optimizer-bytes 12); default: the "
+                        "weights' own")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="autopart", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -391,37 +539,65 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("_demo_worker")
     w.add_argument("--steps", type=int, default=DEMO_STEPS)
     w.set_defaults(fn=lambda a: demo_worker(a.steps) or 0)
-    p = sub.add_parser("plan", help="plan a reference model (gpt:<preset> | llama:<preset>) for a mesh")
-    p.add_argument("--model", default="gpt:tiny")
-    p.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 8x8")
-    p.add_argument("--names", default="dp,tp")
-    p.add_argument("--cluster", default="cpu")
-    p.add_argument("--role", action="append", help="axis=role, e.g. tp=tp")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--memory-budget", default=None)
-    p.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory)")
-    p.add_argument("--explain", default=None, help="node or parameter to explain")
-    p.add_argument("--out", default=None, help="save the plan as JSON")
+    p = sub.add_parser("plan", help="plan a model (family:size or a factory) for a mesh and print the plan",
+                       description="Trace a model (built on the meta device: no weights are allocated) and plan it "
+                                   "for a mesh of a cluster, as autopart.plan does; print the plan. Exit status 1 "
+                                   "on bad input, 2 when no plan fits the memory budget.")
+    _model_flags(p, "gpt:tiny")
+    p.add_argument("--mesh", type=_mesh_arg, default=(2, 2), help="mesh shape, e.g. 8x8 (default 2x2)")
+    p.add_argument("--names", default=None, help="comma-separated axis names, one per mesh axis (default dp,tp for "
+                                                 "a 2-D mesh, else axis0,axis1,...); labels, the solver decides "
+                                                 "what each axis does unless --role pins it")
+    p.add_argument("--cluster", default="cpu", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb), "
+                                                    "'calibrated' (this machine, measured by autopart calibrate) or "
+                                                    "the path of a .json/.toml cluster file (default cpu)")
+    p.add_argument("--role", action="append", help="AXIS=ROLE pins what an axis does (dp, tp, pp, cp, ep), e.g. "
+                                                   "--role tp=tp; repeat for more axes")
+    p.add_argument("--pin", action="append", help="NAME=PLACEMENT fixes a parameter's or graph node's placement, "
+                                                  "e.g. --pin lm_head.weight=RS(0); repeat for more")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 8, or one per "
+                                                           "device when the mesh has more)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: a preset's max_seq_len, 2048 "
+                                                         "for the named sizes and factories)")
+    _precision_flags(p, optimizer_default=None,
+                     dtype_help="the weights' (default: bf16 on a GPU cluster, fp32 on cpu)",
+                     optimizer_help="optimizer state bytes per parameter (default: 12 for bf16/fp16 weights, Adam "
+                                    "with an fp32 master copy; 8 for fp32, Adam's two states)")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="force a ZeRO level on the data-parallel axes (default: the solver decides per parameter)")
+    p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
+                   help="force activation checkpointing of every layer (default: the solver decides per layer)")
+    p.add_argument("--offload", default=None, choices=["none", "optimizer", "activations", "both"],
+                   help="force CPU offload (default: the solver decides)")
+    p.add_argument("--pipeline", default=None,
+                   help="auto (default: the solver may split an axis into stages), off, or KEY=VALUE,... over "
+                        "stages, micro_batches, schedule (gpipe, 1f1b, interleaved), virtual, axis, e.g. "
+                        "stages=4,micro_batches=8,schedule=1f1b")
+    p.add_argument("--memory-budget", default=None, help="per device, e.g. 70GiB (default: the device's capacity "
+                                                         "less its reserve)")
+    p.add_argument("--inference", action="store_true", help="plan the frozen model forward-only (no gradients, "
+                                                            "no optimizer states)")
+    p.add_argument("--context", type=int, default=0, help="--inference: the K/V cache per sequence, in tokens, "
+                                                          "every attention holds and reads (decoding)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="the solver's limit per ILP, seconds")
+    p.add_argument("--meta", action="store_true", help=argparse.SUPPRESS)  # always so now; kept for old commands
+    p.add_argument("--explain", default=None, help="also explain this node's or parameter's decision")
+    p.add_argument("--out", default=None, help="save the plan as JSON (autopart explain / diff read it)")
     p.set_defaults(fn=cmd_plan)
-    e = sub.add_parser("explain", help="explain a decision of a saved plan")
-    e.add_argument("plan")
-    e.add_argument("node")
+    e = sub.add_parser("explain", help="print a saved plan, or explain one decision of it")
+    e.add_argument("plan", help="a plan saved by autopart plan --out or plan.save")
+    e.add_argument("node", nargs="?", default=None, help="a graph node or parameter (default: print the plan)")
     e.set_defaults(fn=cmd_explain)
+    df = sub.add_parser("diff", help="what differs between two saved plans")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.set_defaults(fn=cmd_diff)
     a = sub.add_parser("advise", help="what-if planning: a model by family and size (or a factory) on a cluster "
                                       "preset or file x node count; --sweep for the design guide",
                        description="Plan on the meta device, without a process group, and report step time, "
                                    "tokens/s, TFLOP/s per GPU, MFU, memory per GPU by kind and communication by "
                                    "kind. Exit status 2 when nothing fits.")
-    a.add_argument("--model", default=None, help="family (gpt, llama, moe, mamba), or family:size, e.g. llama:70b "
-                                                "(default llama)")
-    a.add_argument("--size", default=None, help="named size, e.g. 7b, 13b, 70b (llama); 1.3b, 175b, 1t (gpt)")
-    a.add_argument("--factory", default=None, help="'module:function' returning an nn.Module (or (module, "
-                                                   "example_inputs, example_kwargs)); replaces --model")
-    for flag, what in (("layers", "layers"), ("hidden", "hidden size"), ("heads", "attention heads"),
-                       ("kv-heads", "key/value heads"), ("vocab", "vocabulary"), ("ffn", "MLP hidden size"),
-                       ("experts", "experts (moe)"), ("top-k", "experts per token (moe)")):
-        a.add_argument(f"--{flag}", type=int, default=None, help=f"override the {what}")
+    _model_flags(a, "llama")
     a.add_argument("--cluster", default="h100-80gb", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb) or the "
                                                            "path of a .json/.toml cluster file")
     a.add_argument("--nodes", type=int, default=None, help="nodes (default 1)")
@@ -436,16 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--max-batch", type=int, default=None, help="--batch max: the largest batch tried (default "
                                                                    "1024)")
     a.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; 4096 for --sweep)")
-    a.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="the weights' (default bf16)")
-    a.add_argument("--optimizer-bytes", type=float, default=12.0, help="optimizer bytes per parameter (12: Adam "
-                                                                        "with an fp32 master copy)")
-    a.add_argument("--reduce-dtype", default=None, choices=["fp32", "bf16"],
-                   help="sum the data-parallel gradient reduction in this dtype (fp32: Megatron-LM's default with "
-                        "bf16 weights); default: the gradients' own")
-    a.add_argument("--grad-dtype", default=None, choices=["fp32", "bf16"],
-                   help="keep and accumulate gradients in this dtype (fp32: Megatron-LM's main_grad of bf16 "
-                        "weights, 18 bytes of model state per parameter with --optimizer-bytes 12); default: the "
-                        "weights' own")
+    _precision_flags(a, optimizer_default=12.0, dtype_help="the weights' (default bf16)",
+                     optimizer_help="optimizer bytes per parameter (12: Adam with an fp32 master copy)")
     a.add_argument("--inference", action="store_true",
                    help="serving: plan the frozen model forward-only (no gradients, no optimizer states); the step "
                         "is one batch's latency (--batch 1 for latency, larger for throughput)")
@@ -486,12 +654,17 @@ def main(argv: list[str] | None = None) -> int:
         return cli(args)
     c.set_defaults(fn=cmd_calibrate)
     args = ap.parse_args(argv)
+    if args.cmd in ("demo", "_demo_worker") or os.environ.get("AUTOPART_TRACEBACK"):
+        return int(args.fn(args) or 0)
+    from autopart.planner import NoPlanFits
+
     try:
         return int(args.fn(args) or 0)
-    except ValueError as e:
-        if args.cmd != "advise":
-            raise
-        print(f"autopart advise: {e}", file=sys.stderr)
+    except NoPlanFits as e:  # the input is fine, the budget is not: advise's "nothing fits" status
+        print(f"autopart {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # bad input (a size, a flag, a file): the message says what and how to fix
+        print(f"autopart {args.cmd}: {e}\n(AUTOPART_TRACEBACK=1 shows where)", file=sys.stderr)
         return 1
 
 

@@ -99,12 +99,18 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         data = json.loads(text)
+        if not isinstance(data, dict) or not {"version", "mesh_shape", "axis_names"} <= set(data):
+            raise ValueError("this JSON is not an autopart plan (no version, mesh_shape or axis_names): save one with "
+                             "plan.save(path) or autopart plan --out PATH")
         if data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version')} is not supported by this autopart "
                              f"(expects {PLAN_VERSION}); re-plan the model with this version")
         data["mesh_shape"] = tuple(data["mesh_shape"])
         data["axis_names"] = tuple(data["axis_names"])
-        return Plan(**data)
+        try:
+            return Plan(**data)
+        except TypeError as e:  # a field this version does not know, or one it needs missing
+            raise ValueError(f"this JSON is not an autopart plan of version {PLAN_VERSION}: {e}") from e
 
     def save(self, path: str) -> None:
         import os
