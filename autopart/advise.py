@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from autopart import forked
 from autopart.cost import Cluster
-from autopart.cost.cluster import CALIBRATED, PRESETS, load_preset
+from autopart.cost.cluster import PRESETS, load_preset
 from autopart.cost.cluster import preset as make_preset
 from autopart.cost.comm import collective_time
 from autopart.cost.compute import dtype_peak_flops
@@ -862,13 +862,12 @@ def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
     """A preset name, a path to a JSON/TOML cluster file (registered as a preset), or a ``Cluster``."""
     if isinstance(cluster, Cluster):
         return cluster
-    if cluster in PRESETS or cluster == CALIBRATED:
+    if cluster in PRESETS:
         return cluster
     if cluster.endswith((".json", ".toml")):
         return load_preset(cluster)
-    raise ValueError(f"unknown cluster {cluster!r}: give a preset {sorted(PRESETS)}, {CALIBRATED!r} (this machine, "
-                     "measured by autopart calibrate) or the path of a .json/.toml cluster file (format: "
-                     "autopart.cost.cluster.load_preset)")
+    raise ValueError(f"unknown cluster {cluster!r}: give a preset {sorted(PRESETS)} or the path of a .json/.toml "
+                     "cluster file (format: autopart.cost.cluster.load_preset)")
 
 
 def devices_per_node(cluster: str | Cluster, gpus_per_node: int | None = None) -> int:

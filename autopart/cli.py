@@ -170,6 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     import autopart
+    from autopart.cost.cluster import CALIBRATED
 
     adv_mod = importlib.import_module("autopart.advise")
     if args.factory is not None and args.model is not None:
@@ -200,7 +201,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                              f"{axis!r}")
     pins = _pairs("--pin", args.pin, "lm_head.weight=RS(0)")
     pipeline = _pipeline_arg(args.pipeline)
-    cluster = adv_mod.resolve_cluster(args.cluster)
+    # 'calibrated': this machine as autopart calibrate measured it, for this mesh (advise's what-if meshes have none)
+    cluster = args.cluster if args.cluster == CALIBRATED else adv_mod.resolve_cluster(args.cluster)
     dtype_name = args.dtype or ("fp32" if _is_cpu_cluster(cluster) else "bf16")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     opt_bytes = args.optimizer_bytes if args.optimizer_bytes is not None else \

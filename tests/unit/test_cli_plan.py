@@ -128,10 +128,8 @@ def test_files_that_are_not_plans(tmp_path, capsys) -> None:
         Plan.from_json(json.dumps({"version": PLAN_VERSION, "mesh_shape": [2], "axis_names": ["x"], "bogus": 1}))
 
 
-def test_the_calibrated_cluster_is_a_cluster_name() -> None:
-    import importlib
-
-    adv = importlib.import_module("autopart.advise")
-    assert adv.resolve_cluster("calibrated") == "calibrated"
-    with pytest.raises(ValueError, match="'calibrated'"):
-        adv.resolve_cluster("tpu-v5")
+def test_the_calibrated_cluster_says_how_to_measure_it(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("AUTOPART_CACHE", str(tmp_path))  # no calibration there
+    assert main(["plan", "--cluster", "calibrated"]) == 1
+    err = capsys.readouterr().err
+    assert "no calibration of this machine" in err and "autopart calibrate --nproc 4 --mesh 2x2" in err
