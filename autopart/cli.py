@@ -184,6 +184,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name} {v}: give a whole number >= 1 (or leave it out for the default)")
     if args.context < 0:
         raise ValueError(f"--context {args.context}: the K/V cache per sequence is a number of tokens >= 0")
+    if not (args.time_limit > 0 and 0 <= args.gap < 1):
+        raise ValueError(f"--time-limit {args.time_limit:g} / --gap {args.gap:g}: the solver's limit per ILP is a "
+                         "positive number of seconds, the gap a fraction in [0, 1)")
     if args.context and not args.inference:
         raise ValueError(f"--context {args.context} is the K/V cache of a decoding step: add --inference")
     shape = args.mesh
@@ -222,7 +225,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          pins=pins, memory_budget=args.memory_budget, time_limit_s=args.time_limit,
                          zero=args.zero, checkpoint=args.checkpoint, offload=args.offload, pipeline=pipeline,
                          optimizer_bytes_per_param=opt_bytes, kv_cache_tokens=args.context,
-                         reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype], grad_dtype=_REDUCE_DTYPES[args.grad_dtype])
+                         reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype], grad_dtype=_REDUCE_DTYPES[args.grad_dtype],
+                         relative_gap=args.gap)
     print(plan)
     if args.explain:
         print()
@@ -582,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=0, help="--inference: the K/V cache per sequence, in tokens, "
                                                           "every attention holds and reads (decoding)")
     p.add_argument("--time-limit", type=float, default=30.0, help="the solver's limit per ILP, seconds")
+    p.add_argument("--gap", type=float, default=1e-3, help="each ILP stops once its plan is proven within this "
+                                                           "fraction of the best (default 0.001; advise plans at "
+                                                           "0.01, faster)")
     p.add_argument("--meta", action="store_true", help=argparse.SUPPRESS)  # always so now; kept for old commands
     p.add_argument("--explain", default=None, help="also explain this node's or parameter's decision")
     p.add_argument("--out", default=None, help="save the plan as JSON (autopart explain / diff read it)")

@@ -35,7 +35,7 @@ def _ask(calls, *argv: str) -> dict:
 def test_flags_reach_the_planner(calls) -> None:
     c = _ask(calls, "--model", "llama:7b", "--mesh", "4x8", "--cluster", "h100-80gb", "--role", "tp=tp",
              "--pin", "lm_head.weight=RS(0)", "--pipeline", "stages=2,micro_batches=8,schedule=1f1b", "--zero", "1",
-             "--checkpoint", "selective", "--reduce-dtype", "fp32", "--memory-budget", "70GiB")
+             "--checkpoint", "selective", "--reduce-dtype", "fp32", "--memory-budget", "70GiB", "--gap", "0.01")
     # the published Llama-2-7B, built on meta in bf16 (a GPU cluster's default), one sequence per device
     cfg = c["model"].cfg
     assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size) == (32, 4096, 32, 32000)
@@ -47,7 +47,7 @@ def test_flags_reach_the_planner(calls) -> None:
     assert c["pipeline"] == {"stages": 2, "micro_batches": 8, "schedule": "1f1b"}
     assert (c["zero"], c["checkpoint"], c["offload"]) == (1, "selective", None)
     assert c["optimizer_bytes_per_param"] == 12.0 and c["reduce_dtype"] == "float32" and c["grad_dtype"] is None
-    assert c["memory_budget"] == "70GiB" and c["kv_cache_tokens"] == 0
+    assert c["memory_budget"] == "70GiB" and c["kv_cache_tokens"] == 0 and c["relative_gap"] == 0.01
 
 
 def test_defaults_follow_the_cluster_and_the_model(calls) -> None:
@@ -74,6 +74,7 @@ def test_defaults_follow_the_cluster_and_the_model(calls) -> None:
     (["--pipeline", "depth=2"], "keys ['axis', 'micro_batches'"),
     (["--context", "5"], "add --inference"),
     (["--batch", "0"], "--batch 0"),
+    (["--gap", "1"], "a fraction in [0, 1)"),
     (["--cluster", "tpu"], "unknown cluster 'tpu'"),
     (["--factory", "nosuch_module:fn"], "cannot import 'nosuch_module'"),
     (["--model", "llama", "--factory", "x:y"], "replaces --model"),
