@@ -796,9 +796,15 @@ def calibrate_spawn(nproc: int, mesh_shape: Sequence[int] | None = None, *, quic
 def cli(args: Any) -> int:
     """``autopart calibrate --nproc N [--mesh AxB] [--quick] [--cache DIR]``: spawn N gloo ranks on this host,
     calibrate, cache, and print what was measured."""
-    mesh_shape = tuple(int(x) for x in args.mesh.lower().split("x")) if args.mesh else (args.nproc,)
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: give the number of gloo ranks to spawn, >= 1")
+    mesh = args.mesh
+    if isinstance(mesh, str):
+        mesh = tuple(int(x) for x in mesh.lower().split("x"))
+    mesh_shape = tuple(mesh) if mesh else (args.nproc,)
     if math.prod(mesh_shape) != args.nproc:
-        raise ValueError(f"--mesh {args.mesh} holds {math.prod(mesh_shape)} ranks, --nproc is {args.nproc}")
+        raise ValueError(f"--mesh {'x'.join(map(str, mesh_shape))} holds {math.prod(mesh_shape)} ranks, --nproc is "
+                         f"{args.nproc}")
     t0 = time.perf_counter()
     cluster = calibrate_spawn(args.nproc, mesh_shape, quick=args.quick, directory=args.cache)
     fp = fingerprint("gloo", args.nproc, mesh_shape)

@@ -134,11 +134,25 @@ def _pipeline_arg(text: str | None) -> dict | str | None:
         if not sep or key not in keys or not value:
             raise ValueError(f"--pipeline {text!r}: give auto, off, or comma-separated KEY=VALUE with keys "
                              f"{sorted(keys)}, e.g. --pipeline stages=4,micro_batches=8,schedule=1f1b")
+        if key in out:
+            raise ValueError(f"--pipeline {text!r}: {key} is given twice; give it once")
         try:
             out[key] = keys[key](value)
         except ValueError:
             raise ValueError(f"--pipeline {text!r}: {key} takes a whole number, got {value!r}") from None
     return out
+
+
+def _check_factory_flags(args: argparse.Namespace, adv_mod) -> None:
+    """A factory builds its own model: --model, --size and the size overrides would be ignored."""
+    if args.factory is None:
+        return
+    given = [f for f, v in (("--model", args.model), ("--size", args.size)) if v is not None] + \
+        [_flag(k) for k in adv_mod.OVERRIDES if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: --factory {args.factory} builds its own model and would ignore "
+                         f"{'them' if len(given) > 1 else 'it'}; leave {'them' if len(given) > 1 else 'it'} out, or "
+                         "describe the model with --model instead of --factory")
 
 
 def _is_cpu_cluster(cluster) -> bool:
@@ -173,11 +187,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopart.cost.cluster import CALIBRATED
 
     adv_mod = importlib.import_module("autopart.advise")
-    if args.factory is not None and args.model is not None:
-        raise ValueError(f"--factory {args.factory} replaces --model, but --model {args.model} was given too: give "
-                         "one of them")
+    _check_factory_flags(args, adv_mod)
     if args.model is None and args.factory is None:
         args.model = "gpt:tiny"
+    if args.inference:
+        training_only = [f for f, v in (("--optimizer-bytes", args.optimizer_bytes), ("--grad-dtype", args.grad_dtype),
+                                        ("--reduce-dtype", args.reduce_dtype)) if v is not None] + \
+            (["--offload " + args.offload] if args.offload in ("optimizer", "both") else [])
+        if training_only:
+            raise ValueError(f"{', '.join(training_only)}: --inference plans forward only, without gradients or "
+                             f"optimizer states; leave {'them' if len(training_only) > 1 else 'it'} out")
+    if args.optimizer_bytes is not None and not args.optimizer_bytes >= 0:
+        raise ValueError(f"--optimizer-bytes {args.optimizer_bytes:g}: bytes of optimizer state per parameter, >= 0 "
+                         "(12: Adam with an fp32 master copy; 8: Adam's two states; 0: SGD)")
+    if args.out:
+        folder = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--out {args.out}: cannot write there ({folder} is not a writable folder); checked "
+                             "before planning, so that no plan is lost")
     for name in ("batch", "seq"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -192,6 +219,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     shape = args.mesh
     if args.names:
         names = tuple(n.strip() for n in args.names.split(","))
+        if not all(names):
+            raise ValueError(f"--names {args.names!r}: an axis name is empty; give one name per axis, e.g. dp,tp")
         if len(names) != len(shape):
             raise ValueError(f"--names {args.names!r} names {len(names)} axes but --mesh "
                              f"{'x'.join(map(str, shape))} has {len(shape)}: give one name per axis")
@@ -210,7 +239,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     opt_bytes = args.optimizer_bytes if args.optimizer_bytes is not None else \
         (8.0 if dtype == torch.float32 else 12.0)
-    seq = args.seq or _default_seq(adv_mod, args)
+    seq = args.seq or (1 if args.context else _default_seq(adv_mod, args))  # a decoding step: one new token
     batch = args.batch or max(8, math.prod(shape))
     overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
     what, model, inputs, kwargs, _ = adv_mod.build(args.model, args.size, factory=args.factory, batch=batch,
@@ -228,12 +257,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          reduce_dtype=_REDUCE_DTYPES[args.reduce_dtype], grad_dtype=_REDUCE_DTYPES[args.grad_dtype],
                          relative_gap=args.gap)
     print(plan)
+    if args.out:  # before explaining: a node the plan does not have must not cost the plan
+        plan.save(args.out)
+        print(f"\nplan saved to {args.out}")
     if args.explain:
         print()
         print(plan.explain(args.explain))
-    if args.out:
-        plan.save(args.out)
-        print(f"\nplan saved to {args.out}")
     return 0
 
 
@@ -375,12 +404,7 @@ def _check_advise_flags(args: argparse.Namespace, adv_mod) -> None:
                          "seconds")
     if args.max_plan_s < 0:
         raise ValueError(f"--max-plan-s {args.max_plan_s:g}: a cap on one plan's seconds, > 0 (0: no cap)")
-    if args.factory is not None and args.model is not None:
-        raise ValueError(f"--factory {args.factory} replaces --model, but --model {args.model} was given too: "
-                         "give one of them")
-    if args.factory is not None and args.size is not None:
-        raise ValueError(f"--size {args.size} names a size of a --model family; --factory {args.factory} builds "
-                         "its own model: leave --size out")
+    _check_factory_flags(args, adv_mod)
     if args.model is not None:
         adv_mod._split_model(args.model, args.size)  # a size in --model and another in --size: which one?
     overrides = [_flag(k) for k in adv_mod.OVERRIDES if getattr(args, k) is not None]
@@ -536,9 +560,21 @@ def _precision_flags(p: argparse.ArgumentParser, optimizer_default: float | None
                         "weights' own")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 1, as other bad input does: exit status 2 is "no plan fits" (plan, advise)."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(1, f"{self.prog}: error: {message}\n")
+
+
+def _traceback_wanted() -> bool:
+    return os.environ.get("AUTOPART_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="autopart", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="autopart", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     d = sub.add_parser("demo", help="plan a small GPT for a 2x2 CPU mesh and train it on 4 gloo ranks")
     d.add_argument("--steps", type=int, default=DEMO_STEPS)
     d.set_defaults(fn=cmd_demo)
@@ -557,20 +593,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default="cpu", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb), "
                                                     "'calibrated' (this machine, measured by autopart calibrate) or "
                                                     "the path of a .json/.toml cluster file (default cpu)")
-    p.add_argument("--role", action="append", help="AXIS=ROLE pins what an axis does (dp, tp, pp, cp, ep), e.g. "
-                                                   "--role tp=tp; repeat for more axes")
+    p.add_argument("--role", action="append", help="AXIS=ROLE pins what an axis does (dp: batch split, weights "
+                                                   "whole or ZeRO-sharded; tp: weights sharded; pp: pipeline stages), "
+                                                   "e.g. --role tp=tp; repeat for more axes")
     p.add_argument("--pin", action="append", help="NAME=PLACEMENT fixes a parameter's or graph node's placement, "
                                                   "e.g. --pin lm_head.weight=RS(0); repeat for more")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 8, or one per "
                                                            "device when the mesh has more)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: a preset's max_seq_len, 2048 "
-                                                         "for the named sizes and factories)")
+                                                         "for the named sizes and factories; 1 with --context, a "
+                                                         "decoding step)")
     _precision_flags(p, optimizer_default=None,
                      dtype_help="the weights' (default: bf16 on a GPU cluster, fp32 on cpu)",
                      optimizer_help="optimizer state bytes per parameter (default: 12 for bf16/fp16 weights, Adam "
                                     "with an fp32 master copy; 8 for fp32, Adam's two states)")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
-                   help="force a ZeRO level on the data-parallel axes (default: the solver decides per parameter)")
+                   help="force a ZeRO level on the data-parallel axes, which --role names (e.g. --role dp=dp); "
+                        "default: the solver decides per parameter")
     p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
                    help="force activation checkpointing of every layer (default: the solver decides per layer)")
     p.add_argument("--offload", default=None, choices=["none", "optimizer", "activations", "both"],
@@ -584,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inference", action="store_true", help="plan the frozen model forward-only (no gradients, "
                                                             "no optimizer states)")
     p.add_argument("--context", type=int, default=0, help="--inference: the K/V cache per sequence, in tokens, "
-                                                          "every attention holds and reads (decoding)")
-    p.add_argument("--time-limit", type=float, default=30.0, help="the solver's limit per ILP, seconds")
+                                                          "every attention holds and reads (decoding: --seq "
+                                                          "defaults to 1 with it)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="the solver's limit per ILP, seconds (default 30)")
     p.add_argument("--gap", type=float, default=1e-3, help="each ILP stops once its plan is proven within this "
                                                            "fraction of the best (default 0.001; advise plans at "
                                                            "0.01, faster)")
@@ -598,8 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("node", nargs="?", default=None, help="a graph node or parameter (default: print the plan)")
     e.set_defaults(fn=cmd_explain)
     df = sub.add_parser("diff", help="what differs between two saved plans")
-    df.add_argument("a")
-    df.add_argument("b")
+    df.add_argument("a", help="a saved plan (autopart plan --out, plan.save)")
+    df.add_argument("b", help="the plan to compare it with, of the same model")
     df.set_defaults(fn=cmd_diff)
     a = sub.add_parser("advise", help="what-if planning: a model by family and size (or a factory) on a cluster "
                                       "preset or file x node count; --sweep for the design guide",
@@ -653,7 +693,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="measure this machine on spawned gloo ranks (collectives per mesh axis, "
                                          "matmul, attention, memory bandwidth); cached for cluster='calibrated'")
     c.add_argument("--nproc", type=int, default=2, help="gloo ranks to spawn on this host")
-    c.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x2 (default: one axis of --nproc ranks)")
+    c.add_argument("--mesh", type=_mesh_arg, default=None, help="mesh shape, e.g. 2x2 (default: one axis of "
+                                                                "--nproc ranks)")
     c.add_argument("--quick", action="store_true", help="fewer sizes and shapes: a few seconds")
     c.add_argument("--cache", default=None, help="cache folder (default: $AUTOPART_CACHE or ~/.cache/autopart)")
 
@@ -663,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         return cli(args)
     c.set_defaults(fn=cmd_calibrate)
     args = ap.parse_args(argv)
-    if args.cmd in ("demo", "_demo_worker") or os.environ.get("AUTOPART_TRACEBACK"):
+    if args.cmd in ("demo", "_demo_worker") or _traceback_wanted():
         return int(args.fn(args) or 0)
     from autopart.planner import NoPlanFits
 
@@ -673,7 +714,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autopart {args.cmd}: {e}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:  # bad input (a size, a flag, a file): the message says what and how to fix
-        print(f"autopart {args.cmd}: {e}\n(AUTOPART_TRACEBACK=1 shows where)", file=sys.stderr)
+        text = str(e)
+        hint = "(AUTOPART_TRACEBACK=1 for where it was raised)"
+        print(f"autopart {args.cmd}: {text}" + ("\n" if "\n" in text else " ") + hint, file=sys.stderr)
         return 1
 
 

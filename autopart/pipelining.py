@@ -521,6 +521,8 @@ def _schedules(forced: dict) -> list:
         if s not in SCHEDULES:
             raise ValueError(f"pipeline schedule {s!r} is not one of {SCHEDULES}")
         return [(s, int(forced.get("virtual", 2))) if s == "interleaved" else s]
+    if int(forced.get("virtual", 1)) > 1:  # chunks per rank given: the interleaved schedule's
+        return [("interleaved", int(forced["virtual"]))]
     return ["gpipe", "1f1b", ("interleaved", 2)]
 
 

@@ -123,7 +123,11 @@ class Plan:
     @staticmethod
     def load(path: str) -> Plan:
         with open(path) as f:
-            return Plan.from_json(f.read())
+            text = f.read()
+        try:
+            return Plan.from_json(text)
+        except ValueError as e:  # a JSON error, or not a plan: say which file
+            raise ValueError(f"{path}: {e}") from e
 
     # ---- queries -------------------------------------------------------------------------------------------
     def axis_role(self, axis: int) -> str:

@@ -1289,6 +1289,46 @@ def check_inputs(opts: PlanOptions) -> None:
             raise PlanInputError(f"pipeline[{k!r}]={pp[k]!r}: give a whole number >= 1")
     if "schedule" in pp and pp["schedule"] not in SCHEDULES:
         raise PlanInputError(f"pipeline['schedule']={pp['schedule']!r}: schedules are {', '.join(SCHEDULES)}")
+    if pp.get("virtual", 1) > 1 and pp.get("schedule", "interleaved") != "interleaved":
+        raise PlanInputError(f"pipeline virtual={pp['virtual']} is the interleaved schedule's chunks per rank, but "
+                             f"schedule={pp['schedule']!r} runs one: drop virtual, or use schedule='interleaved'")
+
+
+def check_graph_inputs(traced: Traced, opts: PlanOptions, axis_names: tuple[str, ...],
+                       mesh_shape: tuple[int, ...]) -> None:
+    """Arguments no plan of this graph on this mesh can satisfy (``PlanInputError``, before any solve): recompute or
+    activation offload forced on a forward-only graph (it saves nothing for backward), pipeline stages forced where
+    no mesh axis may hold them or none divides into them."""
+    training = any(fqn not in traced.frozen for fqn in traced.params.values())
+    if not training:
+        modes = [opts.checkpoint] if isinstance(opts.checkpoint, str) else \
+            list(opts.checkpoint.values()) if isinstance(opts.checkpoint, dict) else []
+        if any(m != "none" for m in modes):
+            raise PlanInputError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
+                                 "gradient): recompute frees what forward saves for backward, and serving saves "
+                                 "nothing; plan it with checkpoint='none' (or leave it to the planner)")
+        if "activations" in (_forced_offload(opts) or ()):
+            raise PlanInputError(f"offload={opts.offload!r} on a forward-only graph (no parameter requires a "
+                                 "gradient): activation offload moves what forward saves for backward, and serving "
+                                 "saves nothing (a K/V cache stays on the device); plan it with offload='none' or "
+                                 "'optimizer'")
+    forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
+    stages = int(forced.get("stages", 1))
+    if stages <= 1:
+        return
+    roles = {axis_names.index(a): r for a, r in opts.roles.items() if a in axis_names}
+    if "axis" in forced and forced["axis"] in axis_names:
+        axes = [axis_names.index(forced["axis"])]
+    else:
+        axes = [i for i, r in roles.items() if r == "pp"] or \
+            [i for i, n in enumerate(mesh_shape) if i not in roles and n > 1]
+    if not axes:
+        raise PlanInputError(f"pipeline stages={stages} forced, but every mesh axis has a role (roles={opts.roles}) "
+                             "and stages split an axis without one: give an axis role 'pp', leave one unpinned, or "
+                             "name a data-parallel axis for them, pipeline={'axis': '<axis>', ...}")
+    if not any(mesh_shape[i] % stages == 0 for i in axes):
+        raise PlanInputError(f"pipeline stages={stages} forced, but it divides none of the mesh axes stages may "
+                             f"split: " + ", ".join(f"{axis_names[i]} ({mesh_shape[i]})" for i in axes))
 
 
 def _check_checkpoint_modes(checkpoint: str | dict | None) -> None:
@@ -2218,7 +2258,7 @@ def build_problem(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...],
     roles = {}
     for name, role in opts.roles.items():
         if name not in axis_names:
-            raise ValueError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
+            raise PlanInputError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
         roles[axis_names.index(name)] = role
     fqn_to_node = pin_names(traced)
     for key, pin in opts.pins.items():
@@ -2803,18 +2843,20 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
 
     for name in opts.roles:
         if name not in axis_names:
-            raise ValueError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
+            raise PlanInputError(f"role given for mesh axis {name!r}, but the mesh axes are {axis_names}")
     roles = {axis_names.index(a): r for a, r in opts.roles.items()}
     if opts.zero and "dp" not in roles.values():  # said once, not per pipeline stage candidate
-        raise ValueError(f"zero={opts.zero} slices model states over the data-parallel axes, but no mesh axis has "
+        raise PlanInputError(f"zero={opts.zero} slices model states over the data-parallel axes, but no mesh axis has "
                          f"role 'dp' (roles={opts.roles}): name one, roles={{'<axis>': 'dp'}}, or leave zero unset")
+    check_graph_inputs(traced, opts, axis_names, tuple(cluster.mesh_shape))
     pp_axes = [i for i, r in roles.items() if r == "pp"]
     forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
     free_axes = [i for i, n in enumerate(cluster.mesh_shape) if i not in roles and n > 1]
     if "axis" in forced and forced["axis"] in axis_names:
         if roles.get(axis_names.index(forced["axis"]), "dp") != "dp":
-            raise ValueError(f"pipeline axis {forced['axis']!r} has role {roles[axis_names.index(forced['axis'])]!r}; "
-                             "stages can split an unpinned or a data-parallel axis")
+            role = roles[axis_names.index(forced["axis"])]
+            raise PlanInputError(f"pipeline axis {forced['axis']!r} has role {role!r}; stages can split an unpinned "
+                                 "or a data-parallel axis")
         free_axes.append(axis_names.index(forced["axis"]))
     if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
         if pp_axes:

@@ -34,8 +34,10 @@ def _ask(calls, *argv: str) -> dict:
 
 def test_flags_reach_the_planner(calls) -> None:
     c = _ask(calls, "--model", "llama:7b", "--mesh", "4x8", "--cluster", "h100-80gb", "--role", "tp=tp",
-             "--pin", "lm_head.weight=RS(0)", "--pipeline", "stages=2,micro_batches=8,schedule=1f1b", "--zero", "1",
-             "--checkpoint", "selective", "--reduce-dtype", "fp32", "--memory-budget", "70GiB", "--gap", "0.01")
+             "--role", "dp=dp", "--pin", "lm_head.weight=RS(0)", "--pipeline",
+             "stages=2,micro_batches=8,schedule=1f1b,axis=dp", "--zero", "1", "--checkpoint", "selective",
+             "--offload", "optimizer", "--reduce-dtype", "fp32", "--memory-budget", "70GiB", "--gap", "0.01",
+             "--time-limit", "12")
     # the published Llama-2-7B, built on meta in bf16 (a GPU cluster's default), one sequence per device
     cfg = c["model"].cfg
     assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size) == (32, 4096, 32, 32000)
@@ -43,11 +45,13 @@ def test_flags_reach_the_planner(calls) -> None:
     assert p.device.type == "meta" and p.dtype == torch.bfloat16
     assert tuple(c["inputs"][0].shape) == (32, 2048) and c["kwargs"]["labels"] is c["inputs"][0]
     assert c["mesh"].shape == (4, 8) and c["mesh"].names == ("dp", "tp")
-    assert c["cluster"] == "h100-80gb" and c["roles"] == {"tp": "tp"} and c["pins"] == {"lm_head.weight": "RS(0)"}
-    assert c["pipeline"] == {"stages": 2, "micro_batches": 8, "schedule": "1f1b"}
-    assert (c["zero"], c["checkpoint"], c["offload"]) == (1, "selective", None)
+    assert c["cluster"] == "h100-80gb" and c["roles"] == {"tp": "tp", "dp": "dp"}
+    assert c["pins"] == {"lm_head.weight": "RS(0)"}
+    assert c["pipeline"] == {"stages": 2, "micro_batches": 8, "schedule": "1f1b", "axis": "dp"}
+    assert (c["zero"], c["checkpoint"], c["offload"]) == (1, "selective", "optimizer")
     assert c["optimizer_bytes_per_param"] == 12.0 and c["reduce_dtype"] == "float32" and c["grad_dtype"] is None
     assert c["memory_budget"] == "70GiB" and c["kv_cache_tokens"] == 0 and c["relative_gap"] == 0.01
+    assert c["time_limit_s"] == 12.0
 
 
 def test_defaults_follow_the_cluster_and_the_model(calls) -> None:
@@ -61,6 +65,10 @@ def test_defaults_follow_the_cluster_and_the_model(calls) -> None:
     c = _ask(calls, "--model", "llama:tiny", "--inference", "--context", "128", "--pipeline", "off")
     assert not any(p.requires_grad for p in c["model"].parameters())  # frozen: planned forward-only
     assert c["kwargs"] == {} and c["kv_cache_tokens"] == 128 and c["pipeline"] == "off"
+    assert tuple(c["inputs"][0].shape) == (8, 1)  # with a K/V cache: a decoding step, one new token a sequence
+    c = _ask(calls, "--model", "llama:tiny", "--cluster", "h100-80gb", "--dtype", "fp16", "--names", "data,model")
+    assert next(c["model"].parameters()).dtype == torch.float16 and c["optimizer_bytes_per_param"] == 12.0
+    assert c["mesh"].names == ("data", "model")
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -77,8 +85,19 @@ def test_defaults_follow_the_cluster_and_the_model(calls) -> None:
     (["--gap", "1"], "a fraction in [0, 1)"),
     (["--cluster", "tpu"], "unknown cluster 'tpu'"),
     (["--factory", "nosuch_module:fn"], "cannot import 'nosuch_module'"),
-    (["--model", "llama", "--factory", "x:y"], "replaces --model"),
+    (["--model", "llama", "--factory", "x:y"], "--model: --factory x:y builds its own model"),
     (["--pin", "no.such.param=RS(0)"], "no.such.param"),
+    (["--factory", "x:y", "--layers", "3"], "--layers: --factory x:y builds its own model"),
+    (["--pipeline", "stages=2,stages=4"], "stages is given twice"),
+    (["--inference", "--optimizer-bytes", "16"], "--optimizer-bytes: --inference plans forward only"),
+    (["--optimizer-bytes", "-1"], "--optimizer-bytes -1"),
+    (["--names", "dp,"], "an axis name is empty"),
+    (["--out", "/nonexistent-folder/p.json"], "checked before planning"),
+    # the planner's own checks, before any solve (PlanInputError), not "no plan fits"
+    (["--model", "llama:tiny", "--inference", "--checkpoint", "full"], "on a forward-only graph"),
+    (["--pipeline", "stages=3"], "divides none of the mesh axes stages may split: dp (2), tp (2)"),
+    (["--pipeline", "stages=2", "--role", "dp=dp", "--role", "tp=tp"], "every mesh axis has a role"),
+    (["--pipeline", "stages=2,virtual=2,schedule=1f1b"], "the interleaved schedule's chunks per rank"),
 ])
 def test_bad_input_is_one_clear_line(argv, says, capsys) -> None:
     assert main(["plan", *argv]) == 1
@@ -86,10 +105,27 @@ def test_bad_input_is_one_clear_line(argv, says, capsys) -> None:
     assert err.startswith("autopart plan: ") and says in err and "Traceback" not in err, err
 
 
-def test_a_malformed_mesh_is_a_usage_error(capsys) -> None:
-    with pytest.raises(SystemExit) as e:
-        main(["plan", "--mesh", "4xx8"])
-    assert e.value.code == 2 and "device counts joined by 'x'" in capsys.readouterr().err
+def test_usage_errors_exit_1_not_2(capsys) -> None:
+    """Exit status 2 is "no plan fits": argparse's usage errors exit 1, as other bad input does."""
+    for argv in (["plan", "--mesh", "4xx8"], ["plan", "--dtype", "fp8"], ["calibrate", "--mesh", "foo"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 1, argv
+    assert "device counts joined by 'x'" in capsys.readouterr().err
+    assert main(["calibrate", "--nproc", "0"]) == 1
+    assert "--nproc 0" in capsys.readouterr().err
+
+
+def test_a_factory_with_overrides_is_refused_by_advise_too(capsys) -> None:
+    assert main(["advise", "--factory", "x:y", "--layers", "2"]) == 1
+    assert "--layers: --factory x:y builds its own model" in capsys.readouterr().err
+
+
+def test_explain_of_a_missing_node_still_saves_the_plan(tmp_path, capsys) -> None:
+    out = tmp_path / "p.json"
+    assert main(["plan", "--pipeline", "off", "--explain", "nosuch", "--out", str(out)]) == 1
+    assert "no node or parameter 'nosuch'" in capsys.readouterr().err
+    assert Plan.load(str(out)).mesh_shape == (2, 2)
 
 
 def test_no_plan_fits_exits_2_with_the_planner_s_reasons(capsys) -> None:
@@ -120,7 +156,8 @@ def test_files_that_are_not_plans(tmp_path, capsys) -> None:
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"a": 1}))
     assert main(["explain", str(other)]) == 1
-    assert "not an autopart plan" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not an autopart plan" in err and str(other) in err  # the file is named
     assert main(["explain", str(tmp_path / "missing.json")]) == 1
     assert "No such file" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not an autopart plan"):

@@ -566,7 +566,8 @@ def test_bad_arguments_are_named_not_reported_as_no_fit(kw, match):
 
 def test_forced_stages_say_the_plan_without_them_was_not_planned():
     t = trace(_gpt(), (IDS,), {"labels": IDS})
-    with pytest.raises(ValueError, match=r"without pipeline: not planned \(pipeline stages=3 forced\)"):
+    # a stage count no axis divides: said before any solve (it was "no plan fits", with each axis' reason)
+    with pytest.raises(autopart.PlanInputError, match=r"stages=3 forced, but it divides none of the mesh axes"):
         autopart.plan(None, autopart.mesh((2, 2), ("dp", "tp")), traced=t, recipes=False, pipeline={"stages": 3})
     p = autopart.plan(None, autopart.mesh((4,), ("x",)), traced=t, recipes=False, pipeline={"stages": 2})
     assert "without pipeline: not planned (pipeline stages=2 forced)" in str(p)
