@@ -866,6 +866,10 @@ def resolve_cluster(cluster: str | Cluster) -> str | Cluster:
         return cluster
     if cluster.endswith((".json", ".toml")):
         return load_preset(cluster)
+    if cluster == "calibrated":
+        raise ValueError("cluster 'calibrated' is this machine as autopart calibrate measured it, for the one mesh it "
+                         "measured (autopart plan --cluster calibrated); advise plans clusters of any size: give a "
+                         f"preset {sorted(PRESETS)} or the path of a .json/.toml cluster file")
     raise ValueError(f"unknown cluster {cluster!r}: give a preset {sorted(PRESETS)} or the path of a .json/.toml "
                      "cluster file (format: autopart.cost.cluster.load_preset)")
 

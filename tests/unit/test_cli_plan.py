@@ -171,3 +171,8 @@ def test_the_calibrated_cluster_says_how_to_measure_it(tmp_path, monkeypatch, ca
     assert main(["plan", "--cluster", "calibrated"]) == 1
     err = capsys.readouterr().err
     assert "no calibration of this machine" in err and "autopart calibrate --nproc 4 --mesh 2x2" in err
+
+
+def test_advise_says_what_calibrated_is_for(capsys) -> None:
+    assert main(["advise", "--cluster", "calibrated", "--layers", "2"]) == 1
+    assert "autopart plan --cluster calibrated" in capsys.readouterr().err
