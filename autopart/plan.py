@@ -8,6 +8,7 @@ alternatives, diffs against another plan, and loads without executing code (plai
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
@@ -223,7 +224,8 @@ class Plan:
                                              if pred.get("optimizer_step_s") else "") + ";  memory/device "
             + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in pred["memory_bytes"].items())
             + (f";  peak at the {peak_moment(pred['memory_bytes'])}" if peak_moment(pred["memory_bytes"]) else ""),
-            "per layer: predicted time (compute + conversions, forward and backward), placements, collectives",
+            "per layer: predicted time (compute + conversions, forward and backward), placements, collectives; "
+            "consecutive blocks planned alike in one row (blocks.1..79: each of them that time)",
             f"solver {sol.get('backend')} {sol.get('status')}: objective {_fmt_time(sol.get('objective', 0))}, "
             f"bound {_fmt_time(sol.get('bound', 0))}, gap {sol.get('gap', 0):.2%}, {sol.get('wall_time_s', 0):.2f} s, "
             f"{sol.get('groups')} decision groups ({sol.get('graph_nodes')} nodes, {sol.get('tied_layers')} tied "
@@ -249,14 +251,24 @@ class Plan:
             layer_time[rec["layer"]] += rec["time_s"]
         lines.append(header)
         lines.append("-" * len(header))
+        rows: list[tuple[list[str], tuple, str]] = []  # (layers, what the row says but the layer's name, its text)
         for layer in self.layers():
             fwd, bwd = self.collective_counts(layer, "fwd"), self.collective_counts(layer, "bwd")
             coll = ", ".join(f"{k}@{a}x{v}" for (k, a), v in sorted(fwd.items())) or "-"
             coll += " (" + (", ".join(f"{k}@{a}x{v}" for (k, a), v in sorted(bwd.items())) or "-") + ")"
             w = " ".join(by_layer.get(layer, [])) or "-"
             a = " ".join(acts.get(layer, [])) or "-"
-            lines.append(f"{layer or '(top)':<14} {_fmt_time(layer_time[layer]):>9} {_clip(w, 56):<56} "
-                         f"{_clip(a, 44):<44} {coll}")
+            same = (_layer_run(layer), _fmt_time(layer_time[layer]), w, re.sub(r"_\d+:", ":", a), coll)
+            if rows and rows[-1][1] == same and same[0] is not None:  # a repeated block planned the same way
+                rows[-1][0].append(layer)
+                continue
+            rows.append(([layer], same, f"{_fmt_time(layer_time[layer]):>9} {_clip(w, 56):<56} {_clip(a, 44):<44} "
+                                        f"{coll}"))
+        for layers, _, text in rows:
+            name = layers[0] or "(top)"
+            if len(layers) > 1:  # blocks.1..79: the first one's activations shown, each of them that time
+                name = f"{layers[0]}..{layers[-1].rsplit('.', 1)[1]}"
+            lines.append(f"{name:<14} {text}")
         if self.reduced:
             axes = Counter(tuple(self.axis_names[i] for i in v) for v in self.reduced.values())
             lines.append("")
@@ -443,6 +455,12 @@ def spec_axis(spec: str, axis: int) -> str:
     from autopart.placement import parse_spec
 
     return str(parse_spec(spec)[axis])
+
+
+def _layer_run(layer: str) -> str | None:
+    """What numbered blocks of one stack share (``blocks.3`` -> ``blocks``); None for a layer that is not one."""
+    head, dot, index = layer.rpartition(".")
+    return head if dot and index.isdigit() else None
 
 
 def _param_layer(fqn: str) -> str:
