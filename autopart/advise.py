@@ -239,12 +239,13 @@ def _vocab_of(model: nn.Module) -> int:
 
 def build(model: str | None = "llama", size: str | None = None, *, factory: str | Callable | None = None,
           batch: int = 8, seq: int = 2048, dtype: torch.dtype = torch.bfloat16, inference: bool = False,
-          **overrides) -> tuple:
-    """(description, module on ``meta``, example_inputs, example_kwargs, config or None). ``inference``: the
-    module frozen (``requires_grad_(False)``: planned forward-only) and called without labels, returning logits
-    (a factory's own example kwargs are kept)."""
+          device: str | torch.device = "meta", **overrides) -> tuple:
+    """(description, module on ``device`` (``meta``: no memory; ``cpu`` for real weights, as ``autopart verify``
+    runs them), example_inputs, example_kwargs, config or None). ``inference``: the module frozen
+    (``requires_grad_(False)``: planned forward-only) and called without labels, returning logits (a factory's own
+    example kwargs are kept)."""
     cfg = None
-    with torch.device("meta"):
+    with torch.device(device):
         if factory is not None:
             fn = load_factory(factory) if isinstance(factory, str) else factory
             out = fn()
@@ -255,7 +256,7 @@ def build(model: str | None = "llama", size: str | None = None, *, factory: str 
                 module, inputs, kwargs = out, None, None
             if not isinstance(module, nn.Module):
                 raise ValueError(f"factory {factory!r} returned {type(module).__name__}, not an nn.Module")
-            module = module.to(device="meta", dtype=dtype)
+            module = module.to(device=device, dtype=dtype)
             if inputs is None:
                 ids = torch.randint(0, _vocab_of(module), (batch, seq))
                 inputs, kwargs = (ids,), {"labels": ids}

@@ -1,4 +1,4 @@
-"""``autopart plan | explain | advise | demo`` — the command line."""
+"""``autopart plan | explain | diff | verify | advise | calibrate | demo`` — the command line."""
 
 from __future__ import annotations
 
@@ -143,6 +143,28 @@ def _pipeline_arg(text: str | None) -> dict | str | None:
     return out
 
 
+def _layout_args(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[str, ...], dict, dict, dict | str | None]:
+    """--mesh, --names, --role, --pin, --pipeline: (shape, names, roles, pins, pipeline), checked."""
+    shape = args.mesh
+    if args.names:
+        names = tuple(n.strip() for n in args.names.split(","))
+        if not all(names):
+            raise ValueError(f"--names {args.names!r}: an axis name is empty; give one name per axis, e.g. dp,tp")
+        if len(names) != len(shape):
+            raise ValueError(f"--names {args.names!r} names {len(names)} axes but --mesh "
+                             f"{'x'.join(map(str, shape))} has {len(shape)}: give one name per axis")
+    else:
+        names = ("dp", "tp") if len(shape) == 2 else tuple(f"axis{i}" for i in range(len(shape)))
+    roles = _pairs("--role", args.role, f"{names[-1]}=tp")
+    for axis in roles:
+        if axis not in names:
+            raise ValueError(f"--role {axis}={roles[axis]}: the mesh's axes are {list(names)} (--names), not "
+                             f"{axis!r}")
+    pins = _pairs("--pin", args.pin, "lm_head.weight=RS(0)")
+    pipeline = _pipeline_arg(args.pipeline)
+    return shape, names, roles, pins, pipeline
+
+
 def _check_factory_flags(args: argparse.Namespace, adv_mod) -> None:
     """A factory builds its own model: --model, --size and the size overrides would be ignored."""
     if args.factory is None:
@@ -216,23 +238,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "positive number of seconds, the gap a fraction in [0, 1)")
     if args.context and not args.inference:
         raise ValueError(f"--context {args.context} is the K/V cache of a decoding step: add --inference")
-    shape = args.mesh
-    if args.names:
-        names = tuple(n.strip() for n in args.names.split(","))
-        if not all(names):
-            raise ValueError(f"--names {args.names!r}: an axis name is empty; give one name per axis, e.g. dp,tp")
-        if len(names) != len(shape):
-            raise ValueError(f"--names {args.names!r} names {len(names)} axes but --mesh "
-                             f"{'x'.join(map(str, shape))} has {len(shape)}: give one name per axis")
-    else:
-        names = ("dp", "tp") if len(shape) == 2 else tuple(f"axis{i}" for i in range(len(shape)))
-    roles = _pairs("--role", args.role, f"{names[-1]}=tp")
-    for axis in roles:
-        if axis not in names:
-            raise ValueError(f"--role {axis}={roles[axis]}: the mesh's axes are {list(names)} (--names), not "
-                             f"{axis!r}")
-    pins = _pairs("--pin", args.pin, "lm_head.weight=RS(0)")
-    pipeline = _pipeline_arg(args.pipeline)
+    shape, names, roles, pins, pipeline = _layout_args(args)
     # 'calibrated': this machine as autopart calibrate measured it, for this mesh (advise's what-if meshes have none)
     cluster = args.cluster if args.cluster == CALIBRATED else adv_mod.resolve_cluster(args.cluster)
     dtype_name = args.dtype or ("fp32" if _is_cpu_cluster(cluster) else "bf16")
@@ -533,6 +539,164 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return 0 if a.fits else 2
 
 
+# ---- verify: a model's plan against one process, on gloo ranks of this machine ---------------------------------
+# AdamW as the parity tests run it (tests/multiproc/parity.py says why eps 1e-3: float noise in entries whose
+# gradient is about eps would otherwise be amplified past the 1e-5 tolerance)
+VERIFY_OPT = {"lr": 1e-2, "eps": 1e-3}
+VERIFY_MISMATCH = 3  # exit status: the run differs from one process (1: bad input, 2: no plan fits)
+
+
+def _verify_flags(p: argparse.ArgumentParser) -> None:
+    _model_flags(p, "gpt:tiny")
+    p.add_argument("--mesh", type=_mesh_arg, default=(2, 2), help="mesh shape, e.g. 2x2 (default): one gloo rank a "
+                                                                  "device")
+    p.add_argument("--names", default=None, help="comma-separated axis names (default dp,tp for a 2-D mesh)")
+    p.add_argument("--role", action="append", help="AXIS=ROLE, as autopart plan takes it (e.g. --role tp=tp)")
+    p.add_argument("--pin", action="append", help="NAME=PLACEMENT, as autopart plan takes it")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="force a ZeRO level (with an axis "
+                                                                                "pinned dp)")
+    p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
+                   help="force activation checkpointing of every layer")
+    p.add_argument("--pipeline", default=None, help="auto, off, or KEY=VALUE,... as autopart plan takes it")
+    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps compared (default 3)")
+    p.add_argument("--atol", type=float, default=1e-5, help="largest difference of a loss or a parameter that "
+                                                            "counts as equal (default 1e-5, fp32)")
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # the worker's answer to the launcher
+
+
+def _verify_model(args: argparse.Namespace, adv_mod):
+    """The model in fp32 on the CPU with seed 0 (every rank and the reference build the same), and the batches of
+    each step: fresh token ids per step for a family model, the factory's own inputs every step for a factory."""
+    import torch
+
+    torch.manual_seed(0)
+    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    what, model, inputs, kwargs, cfg = adv_mod.build(args.model, args.size, factory=args.factory, batch=args.batch,
+                                                     seq=args.seq, dtype=torch.float32, device="cpu", **overrides)
+    model.train()
+    if args.factory is not None:
+        return what, model, [(inputs, kwargs)] * args.steps
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+        steps.append(((ids,), {"labels": ids}))
+    return what, model, steps
+
+
+def _loss_of(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(f"the model returned {type(out).__name__}, not a scalar loss (a tensor, or an output with "
+                         "a .loss): verify trains it; return the loss when called with labels")
+    return loss
+
+
+def verify_worker(args: argparse.Namespace) -> None:
+    """Runs on every rank under torchrun: the plan's run, then (rank 0) one process of the same model, compared."""
+    import importlib
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import autopart
+
+    torch.set_num_threads(1)
+    adv_mod = importlib.import_module("autopart.advise")
+    shape, names, roles, pins, pipeline = _layout_args(args)
+    what, model, steps = _verify_model(args, adv_mod)
+    inputs, kwargs = steps[0]
+    pm = autopart.parallelize(model, autopart.mesh(shape, names), inputs, kwargs, roles=roles, pins=pins,
+                              zero=args.zero, checkpoint=args.checkpoint, pipeline=pipeline)
+    opt = pm.optimizer(torch.optim.AdamW, **VERIFY_OPT)
+    losses = []
+    for inp, kw in steps:
+        losses.append(pm.forward_backward(*inp, **kw).item())
+        opt.step()
+        opt.zero_grad()
+    full = pm.full_state_dict()
+    if dist.get_rank() == 0:
+        print(pm.plan, flush=True)
+        _, ref_model, _ = _verify_model(args, adv_mod)
+        ref_opt = torch.optim.AdamW(ref_model.parameters(), **VERIFY_OPT)
+        ref_losses = []
+        for inp, kw in steps:
+            loss = _loss_of(ref_model(*inp, **kw))
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(loss.item())
+        diffs = {name: (full[name] - p.detach()).abs().max().item() if name in full else float("inf")
+                 for name, p in ref_model.named_parameters()}
+        worst = max(diffs, key=diffs.get) if diffs else ""
+        result = {"model": what, "mesh": list(shape), "names": list(names), "losses": losses, "reference": ref_losses,
+                  "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                  "param_diff": diffs.get(worst, 0.0), "worst_param": worst, "missing": sorted(
+                      n for n, d in diffs.items() if d == float("inf")), "params": len(diffs),
+                  "steps": len(steps), "plan": pm.plan.to_json()}
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    import importlib
+    import json
+    import tempfile
+
+    adv_mod = importlib.import_module("autopart.advise")
+    _check_factory_flags(args, adv_mod)
+    if args.model is None and args.factory is None:
+        args.model = "gpt:tiny"
+    for name in ("batch", "seq", "steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+    if not args.atol >= 0:
+        raise ValueError(f"--atol {args.atol:g}: a difference, >= 0")
+    shape, names, roles, pins, pipeline = _layout_args(args)  # checked here, before any rank starts
+    ranks = math.prod(shape)
+    what, model, _ = _verify_model(args, adv_mod)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    print(f"verifying {what} ({n / 1e6:.3g}M parameters, fp32 on the CPU) on mesh {'x'.join(map(str, shape))} "
+          f"({', '.join(names)}): {ranks} gloo ranks against one process, {args.steps} AdamW steps of batch "
+          f"{args.batch} x {args.seq} tokens", flush=True)
+    with tempfile.TemporaryDirectory(prefix="autopart-verify-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "-m", "autopart.cli", "_verify_worker", *args.argv_rest, "--result", out]
+        rc = subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if rc != 0 or not os.path.exists(out):
+            print(f"autopart verify: the {ranks}-rank run failed (torchrun exit status {rc}); its ranks' output is "
+                  "above", file=sys.stderr)
+            return 1
+        with open(out) as f:
+            r = json.load(f)
+    print(f"\n{'step':>4}  {f'autopart ({ranks} ranks)':>18}  {'one process':>14}  {'|diff|':>8}")
+    for i, (a, b) in enumerate(zip(r["losses"], r["reference"])):
+        print(f"{i:>4}  {a:>18.6f}  {b:>14.6f}  {abs(a - b):>8.1e}")
+    ok = r["loss_diff"] <= args.atol and r["param_diff"] <= args.atol and not r["missing"]
+    print(f"\nmax |loss difference| {r['loss_diff']:.2e}; max |parameter difference| after {r['steps']} steps "
+          f"{r['param_diff']:.2e} ({r['worst_param']}, of {r['params']} parameters); tolerance {args.atol:g}: "
+          + ("parity" if ok else "MISMATCH"))
+    if r["missing"]:
+        print(f"parameters missing from the run's full_state_dict: {', '.join(r['missing'])}")
+    if not ok:
+        print("autopart verify: the run differs from one process. A model with randomness in training (dropout, "
+              "noise) cannot match: set it off for the check; otherwise this is autopart's bug: please report it "
+              "with the plan above and this command", file=sys.stderr)
+    return 0 if ok else VERIFY_MISMATCH
+
+
 def _model_flags(p: argparse.ArgumentParser, default: str) -> None:
     """The model a command plans: a family at a named size, with overrides, or a factory (``advise.build``)."""
     p.add_argument("--model", default=None, help=f"family (gpt, llama, moe, mamba), or family:size, e.g. llama:70b "
@@ -637,6 +801,17 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("plan", help="a plan saved by autopart plan --out or plan.save")
     e.add_argument("node", nargs="?", default=None, help="a graph node or parameter (default: print the plan)")
     e.set_defaults(fn=cmd_explain)
+    v = sub.add_parser("verify", help="train a model's plan on gloo ranks of this machine and compare its losses "
+                                      "and parameters with one process",
+                       description="Plan a model (small: it runs in fp32 on the CPU, one process a device), train it "
+                                   "a few AdamW steps on gloo ranks launched with torchrun, train the same model in "
+                                   "one process, and compare the losses and the parameters. Exit status 0 on parity, "
+                                   "1 on bad input, 2 when no plan fits, 3 when the run differs.")
+    _verify_flags(v)
+    v.set_defaults(fn=cmd_verify)
+    vw = sub.add_parser("_verify_worker")
+    _verify_flags(vw)
+    vw.set_defaults(fn=lambda a: verify_worker(a) or 0)
     df = sub.add_parser("diff", help="what differs between two saved plans")
     df.add_argument("a", help="a saved plan (autopart plan --out, plan.save)")
     df.add_argument("b", help="the plan to compare it with, of the same model")
@@ -703,8 +878,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli(args)
     c.set_defaults(fn=cmd_calibrate)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
-    if args.cmd in ("demo", "_demo_worker") or _traceback_wanted():
+    args.argv_rest = argv[1:]  # verify hands its flags to its ranks
+    if args.cmd in ("demo", "_demo_worker", "_verify_worker") or _traceback_wanted():
         return int(args.fn(args) or 0)
     from autopart.planner import NoPlanFits
 
