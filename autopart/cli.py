@@ -664,9 +664,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ValueError(f"--atol {args.atol:g}: a difference, >= 0")
     shape, names, roles, pins, pipeline = _layout_args(args)  # checked here, before any rank starts
     ranks = math.prod(shape)
-    what, model, _ = _verify_model(args, adv_mod)
+    import torch
+
+    from autopart.forked import available_memory
+
+    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    what, model, *_ = adv_mod.build(args.model, args.size, factory=args.factory, batch=args.batch, seq=args.seq,
+                                    dtype=torch.float32, **overrides)  # on meta: its size, no memory
     n = sum(p.numel() for p in model.parameters())
     del model
+    # every rank builds the whole fp32 model before sharding it; rank 0 also trains one with AdamW (weights,
+    # gradients, two states): (ranks + 4) copies at least, activations aside
+    need, free = 4 * n * (ranks + 4), available_memory()
+    if free is not None and need > 0.8 * free:
+        raise ValueError(f"{what} has {n / 1e9:.3g}B parameters: verifying it on {ranks} ranks holds at least "
+                         f"{need / 2**30:.1f} GiB in fp32 ((ranks + 4) copies of the weights), more than this "
+                         f"machine's {free / 2**30:.1f} GiB available. verify checks how a plan computes, which a "
+                         "small variant of the model shows: e.g. --layers 2 --hidden 256 --heads 4 --ffn 512")
     print(f"verifying {what} ({n / 1e6:.3g}M parameters, fp32 on the CPU) on mesh {'x'.join(map(str, shape))} "
           f"({', '.join(names)}): {ranks} gloo ranks against one process, {args.steps} AdamW steps of batch "
           f"{args.batch} x {args.seq} tokens", flush=True)

@@ -33,5 +33,6 @@ def test_verify_catches_a_run_that_differs(capfd) -> None:
 def test_verify_checks_its_flags_before_starting_ranks(capfd) -> None:
     assert main(["verify", "--steps", "0"]) == 1
     assert main(["verify", "--role", "zz=tp"]) == 1
+    assert main(["verify", "--model", "llama:70b"]) == 1  # refused before building it: 70B fp32 copies per rank
     err = capfd.readouterr().err
-    assert "--steps 0" in err and "the mesh's axes are ['dp', 'tp']" in err
+    assert "--steps 0" in err and "the mesh's axes are ['dp', 'tp']" in err and "--layers 2 --hidden 256" in err
