@@ -558,65 +558,105 @@ def _verify_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
                    help="force activation checkpointing of every layer")
     p.add_argument("--pipeline", default=None, help="auto, off, or KEY=VALUE,... as autopart plan takes it")
-    p.add_argument("--batch", type=int, default=8, help="global batch in sequences (default 8)")
-    p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 8; a factory's own "
+                                                           "inputs are used as they are)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 32)")
     p.add_argument("--steps", type=int, default=3, help="AdamW steps compared (default 3)")
-    p.add_argument("--atol", type=float, default=1e-5, help="largest difference of a loss or a parameter that "
-                                                            "counts as equal (default 1e-5, fp32)")
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # the worker's answer to the launcher
+    p.add_argument("--atol", type=float, default=1e-5, help="largest difference of a loss, a parameter or a buffer "
+                                                            "that counts as equal (default 1e-5, fp32)")
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)  # the launcher's folder: plan in, answer out
 
 
-def _verify_model(args: argparse.Namespace, adv_mod):
-    """The model in fp32 on the CPU with seed 0 (every rank and the reference build the same), and the batches of
-    each step: fresh token ids per step for a family model, the factory's own inputs every step for a factory."""
+def _verify_model(args: argparse.Namespace, adv_mod, device: str = "cpu"):
+    """(description, the model in fp32 with seed 0 on ``device`` (every rank and the reference build the same),
+    the batches of each step, whether a factory gave its own inputs): fresh token ids per step for a family model,
+    the factory's own inputs every step where it gives them."""
     import torch
 
     torch.manual_seed(0)
     overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
-    what, model, inputs, kwargs, cfg = adv_mod.build(args.model, args.size, factory=args.factory, batch=args.batch,
-                                                     seq=args.seq, dtype=torch.float32, device="cpu", **overrides)
+    batch, seq = args.batch or 8, args.seq or 32
+    family = args.model if args.model is not None or args.factory is not None else "gpt:tiny"  # --model's default
+    what, model, inputs, kwargs, cfg = adv_mod.build(family, args.size, factory=args.factory, batch=batch,
+                                                     seq=seq, dtype=torch.float32, device=device, **overrides)
     model.train()
     if args.factory is not None:
-        return what, model, [(inputs, kwargs)] * args.steps
+        own = not (set(kwargs) == {"labels"} and inputs and kwargs["labels"] is inputs[0]
+                   and tuple(inputs[0].shape) == (batch, seq))
+        return what, model, [(inputs, kwargs)] * args.steps, own
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(args.steps):
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g, device=device)
         steps.append(((ids,), {"labels": ids}))
-    return what, model, steps
+    return what, model, steps, False
 
 
 def _loss_of(out):
     import torch
 
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
         return out
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         loss = out[0]
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ValueError(f"the model returned {type(out).__name__}, not a scalar loss (a tensor, or an output with "
-                         "a .loss): verify trains it; return the loss when called with labels")
+        shape = f" of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else ""
+        raise ValueError(f"the model returned {type(out).__name__}{shape}, not a scalar loss (a 0-d tensor, or an "
+                         "output whose .loss is one): verify trains the model; have it return its loss when called "
+                         "with labels (a factory can wrap it)")
     return loss
 
 
+def _differs(a, b) -> float:
+    """Largest |a - b|; inf where the shapes differ or either holds a NaN or an infinity (never 'equal')."""
+
+    if tuple(a.shape) != tuple(b.shape):
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    d = (a.detach().double() - b.detach().double()).abs().max().item()
+    return d if math.isfinite(d) else float("inf")
+
+
 def verify_worker(args: argparse.Namespace) -> None:
-    """Runs on every rank under torchrun: the plan's run, then (rank 0) one process of the same model, compared."""
-    import importlib
+    """Runs on every rank under torchrun: the launcher's plan run, then (rank 0) one process of the same model,
+    compared; an exception is written for the launcher to show before it is raised."""
     import json
+    import traceback
+
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = _verify_rank(args)
+    except BaseException as e:
+        with open(os.path.join(args.work, f"rank{rank}.err"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        raise
+    if result is not None:
+        with open(os.path.join(args.work, "result.json"), "w") as f:
+            json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _verify_rank(args: argparse.Namespace) -> dict | None:
+    import importlib
 
     import torch
     import torch.distributed as dist
 
     import autopart
+    from autopart.plan import Plan
 
     torch.set_num_threads(1)
     adv_mod = importlib.import_module("autopart.advise")
-    shape, names, roles, pins, pipeline = _layout_args(args)
-    what, model, steps = _verify_model(args, adv_mod)
+    shape, names, *_ = _layout_args(args)
+    what, model, steps, _ = _verify_model(args, adv_mod)
     inputs, kwargs = steps[0]
-    pm = autopart.parallelize(model, autopart.mesh(shape, names), inputs, kwargs, roles=roles, pins=pins,
-                              zero=args.zero, checkpoint=args.checkpoint, pipeline=pipeline)
+    plan = Plan.load(os.path.join(args.work, "plan.json"))
+    pm = autopart.parallelize(model, autopart.mesh(shape, names), inputs, kwargs, plan=plan)
     opt = pm.optimizer(torch.optim.AdamW, **VERIFY_OPT)
     losses = []
     for inp, kw in steps:
@@ -624,28 +664,28 @@ def verify_worker(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
     full = pm.full_state_dict()
-    if dist.get_rank() == 0:
-        print(pm.plan, flush=True)
-        _, ref_model, _ = _verify_model(args, adv_mod)
-        ref_opt = torch.optim.AdamW(ref_model.parameters(), **VERIFY_OPT)
-        ref_losses = []
-        for inp, kw in steps:
-            loss = _loss_of(ref_model(*inp, **kw))
-            loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            ref_losses.append(loss.item())
-        diffs = {name: (full[name] - p.detach()).abs().max().item() if name in full else float("inf")
-                 for name, p in ref_model.named_parameters()}
-        worst = max(diffs, key=diffs.get) if diffs else ""
-        result = {"model": what, "mesh": list(shape), "names": list(names), "losses": losses, "reference": ref_losses,
-                  "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                  "param_diff": diffs.get(worst, 0.0), "worst_param": worst, "missing": sorted(
-                      n for n, d in diffs.items() if d == float("inf")), "params": len(diffs),
-                  "steps": len(steps), "plan": pm.plan.to_json()}
-        with open(args.result, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    if dist.get_rank() != 0:
+        return None
+    _, ref, _, _ = _verify_model(args, adv_mod)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **VERIFY_OPT)
+    ref_losses = []
+    for inp, kw in steps:
+        loss = _loss_of(ref(*inp, **kw))
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    # every name of every parameter (tied ones under each) and every buffer a checkpoint holds
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    want.update((k, v) for k, v in ref.state_dict().items() if k not in want)
+    diffs = {name: _differs(full[name], t) if name in full else float("inf") for name, t in want.items()}
+    loss_diffs = [abs(a - b) if math.isfinite(a - b) else float("inf") for a, b in zip(losses, ref_losses)]
+    worst = max(diffs, key=lambda k: diffs[k]) if diffs else ""
+    return {"model": what, "losses": losses, "reference": ref_losses, "loss_diff": max(loss_diffs),
+            "param_diff": diffs.get(worst, 0.0), "worst_param": worst, "compared": len(diffs),
+            "missing": sorted(n for n in want if n not in full),
+            "buffers": sorted(set(want) - {n for n, _ in ref.named_parameters(remove_duplicate=False)}),
+            "steps": len(steps)}
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -653,26 +693,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import json
     import tempfile
 
+    import autopart
+    from autopart.forked import available_memory
+
     adv_mod = importlib.import_module("autopart.advise")
     _check_factory_flags(args, adv_mod)
-    if args.model is None and args.factory is None:
-        args.model = "gpt:tiny"
     for name in ("batch", "seq", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} {getattr(args, name)}: give a whole number >= 1")
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"--{name} {v}: give a whole number >= 1")
     if not args.atol >= 0:
         raise ValueError(f"--atol {args.atol:g}: a difference, >= 0")
     shape, names, roles, pins, pipeline = _layout_args(args)  # checked here, before any rank starts
     ranks = math.prod(shape)
-    import torch
-
-    from autopart.forked import available_memory
-
-    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
-    what, model, *_ = adv_mod.build(args.model, args.size, factory=args.factory, batch=args.batch, seq=args.seq,
-                                    dtype=torch.float32, **overrides)  # on meta: its size, no memory
+    what, model, steps, own = _verify_model(args, adv_mod, device="meta")  # its size and graph, no memory
+    if own and (args.batch or args.seq):
+        raise ValueError("--batch/--seq: the factory gives its own inputs, which verify uses as they are; leave "
+                         "them out (or have the factory return the module alone)")
     n = sum(p.numel() for p in model.parameters())
-    del model
     # every rank builds the whole fp32 model before sharding it; rank 0 also trains one with AdamW (weights,
     # gradients, two states): (ranks + 4) copies at least, activations aside
     need, free = 4 * n * (ranks + 4), available_memory()
@@ -680,36 +718,66 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ValueError(f"{what} has {n / 1e9:.3g}B parameters: verifying it on {ranks} ranks holds at least "
                          f"{need / 2**30:.1f} GiB in fp32 ((ranks + 4) copies of the weights), more than this "
                          f"machine's {free / 2**30:.1f} GiB available. verify checks how a plan computes, which a "
-                         "small variant of the model shows: e.g. --layers 2 --hidden 256 --heads 4 --ffn 512")
+                         "small variant of the model shows: e.g. --layers 2 --hidden 256 (and --heads, --ffn where "
+                         "the family has them)")
+    del model
+    what, model, steps, _ = _verify_model(args, adv_mod)  # it fits: on the CPU, traced as the ranks trace it
+    inputs, kwargs = steps[0]
+    try:  # a model that returns no loss is said before ranks start
+        out = model(*inputs, **kwargs)
+    except Exception:  # noqa: BLE001  (whatever else fails, the ranks' own run says it)
+        out = None
+    if out is not None:
+        _loss_of(out)
+    plan = autopart.plan(model, autopart.mesh(shape, names), inputs, kwargs, roles=roles, pins=pins,
+                         zero=args.zero, checkpoint=args.checkpoint, pipeline=pipeline)
+    del model
+    shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in zip(
+        ("input",) * len(inputs) + tuple(kwargs), list(inputs) + list(kwargs.values())) if hasattr(v, "shape"))
     print(f"verifying {what} ({n / 1e6:.3g}M parameters, fp32 on the CPU) on mesh {'x'.join(map(str, shape))} "
-          f"({', '.join(names)}): {ranks} gloo ranks against one process, {args.steps} AdamW steps of batch "
-          f"{args.batch} x {args.seq} tokens", flush=True)
-    with tempfile.TemporaryDirectory(prefix="autopart-verify-") as tmp:
-        out = os.path.join(tmp, "result.json")
+          f"({', '.join(names)}): {ranks} gloo ranks against one process, {args.steps} AdamW steps ({shapes})\n",
+          flush=True)
+    print(plan, flush=True)
+    with tempfile.TemporaryDirectory(prefix="autopart-verify-") as work:
+        plan.save(os.path.join(work, "plan.json"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "-m", "autopart.cli", "_verify_worker", *args.argv_rest, "--result", out]
-        rc = subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+               "-m", "autopart.cli", "_verify_worker", *args.argv_rest, "--work", work]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if _traceback_wanted():
+            rc = subprocess.call(cmd, env=env)
+        else:  # the ranks' output kept: shown only if they fail
+            with open(os.path.join(work, "ranks.log"), "w") as log:
+                rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        out = os.path.join(work, "result.json")
         if rc != 0 or not os.path.exists(out):
-            print(f"autopart verify: the {ranks}-rank run failed (torchrun exit status {rc}); its ranks' output is "
-                  "above", file=sys.stderr)
-            return 1
+            errs = sorted(f for f in os.listdir(work) if f.endswith(".err"))
+            if errs:
+                with open(os.path.join(work, errs[0])) as f:
+                    first = f.read().split("\n\n", 1)[0]
+                why = f"{errs[0][:-4].replace('rank', 'rank ')} raised {first}"
+            else:
+                log = os.path.join(work, "ranks.log")
+                tail = open(log).read().strip().splitlines()[-15:] if os.path.exists(log) else []
+                why = "no rank said why; their output ended:\n" + "\n".join(tail)
+            raise RuntimeError(f"the {ranks}-rank run failed (torchrun exit status {rc}): {why}\n"
+                               "(AUTOPART_TRACEBACK=1 shows every rank's output)")
         with open(out) as f:
             r = json.load(f)
     print(f"\n{'step':>4}  {f'autopart ({ranks} ranks)':>18}  {'one process':>14}  {'|diff|':>8}")
     for i, (a, b) in enumerate(zip(r["losses"], r["reference"])):
         print(f"{i:>4}  {a:>18.6f}  {b:>14.6f}  {abs(a - b):>8.1e}")
     ok = r["loss_diff"] <= args.atol and r["param_diff"] <= args.atol and not r["missing"]
-    print(f"\nmax |loss difference| {r['loss_diff']:.2e}; max |parameter difference| after {r['steps']} steps "
-          f"{r['param_diff']:.2e} ({r['worst_param']}, of {r['params']} parameters); tolerance {args.atol:g}: "
-          + ("parity" if ok else "MISMATCH"))
+    buffers = f" and {len(r['buffers'])} buffers" if r["buffers"] else ""
+    print(f"\nmax |loss difference| {r['loss_diff']:.2e}; max |difference| after {r['steps']} steps "
+          f"{r['param_diff']:.2e} ({r['worst_param']}; parameters{buffers}, {r['compared']} in all); tolerance "
+          f"{args.atol:g}: " + ("parity" if ok else "MISMATCH"))
     if r["missing"]:
-        print(f"parameters missing from the run's full_state_dict: {', '.join(r['missing'])}")
+        print(f"missing from the run's full_state_dict: {', '.join(r['missing'])}")
     if not ok:
         print("autopart verify: the run differs from one process. A model with randomness in training (dropout, "
               "noise) cannot match: set it off for the check; otherwise this is autopart's bug: please report it "
               "with the plan above and this command", file=sys.stderr)
     return 0 if ok else VERIFY_MISMATCH
-
 
 def _model_flags(p: argparse.ArgumentParser, default: str) -> None:
     """The model a command plans: a family at a named size, with overrides, or a factory (``advise.build``)."""
@@ -904,6 +972,11 @@ def main(argv: list[str] | None = None) -> int:
     except NoPlanFits as e:  # the input is fine, the budget is not: advise's "nothing fits" status
         print(f"autopart {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if args.cmd != "verify":
+            raise
+        print(f"autopart verify: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:  # bad input (a size, a flag, a file): the message says what and how to fix
         text = str(e)
         hint = "(AUTOPART_TRACEBACK=1 for where it was raised)"

@@ -2858,7 +2858,10 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
             raise PlanInputError(f"pipeline axis {forced['axis']!r} has role {role!r}; stages can split an unpinned "
                                  "or a data-parallel axis")
         free_axes.append(axis_names.index(forced["axis"]))
-    if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1:
+    # no repeated blocks to split (a model without numbered layers): nothing to pipeline unless asked for
+    blockless = not forced and not pp_axes and len({_layer_of(n, traced) for n in traced.graph.nodes
+                                                     if n.op == "call_function"} - {""}) < 2
+    if opts.pipeline == "off" or not (pp_axes or free_axes) or int(forced.get("stages", 2)) == 1 or blockless:
         if pp_axes:
             raise ValueError(f"mesh axis {axis_names[pp_axes[0]]!r} has role 'pp' but pipeline is off")
         m = int(forced.get("micro_batches", 1)) if int(forced.get("stages", 2)) == 1 else opts.micro_batches

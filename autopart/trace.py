@@ -125,6 +125,59 @@ def _writes_into_intermediates(gm: fx.GraphModule) -> list[fx.Node]:
             if any(isinstance(a, fx.Node) and a.op != "placeholder" for a in _mutated_args(n))]
 
 
+def _inline_no_grad(ep) -> bool:
+    """Inline ``torch.no_grad()`` blocks of the forward (export's ``wrap_with_set_grad_enabled(False, body, *args)``
+    higher-order op) into the graph, each value entering a block detached: the same values, no gradient through
+    them, as under ``no_grad``. The block's ops then get sharding rules like any other, and its in-place writes
+    (a running statistic updated under ``no_grad``) are seen: as one opaque node without outputs, dead-code
+    elimination had dropped such a block and its buffer update with it. A block that turns gradients back on
+    inside an outer ``no_grad`` is left as it is. Returns whether anything was inlined."""
+    import operator
+
+    gm = ep.graph_module
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    done = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=hop)) if hop is not None else ():
+        enabled, sub, *operands = node.args
+        if enabled or not isinstance(sub, fx.Node) or sub.op != "get_attr":
+            continue
+        body = getattr(gm, sub.target)
+        if any(n.op == "get_attr" for n in body.graph.nodes):  # a block holding another block: left as it is
+            continue
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        outputs: Any = ()
+        with gm.graph.inserting_before(node):
+            for ph, arg in zip(placeholders, operands):
+                val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+                if isinstance(val, torch.Tensor) and (arg.op != "placeholder" or val.requires_grad):
+                    detached = gm.graph.call_function(torch.ops.aten.detach.default, (arg,))
+                    detached.meta.update(arg.meta)
+                    env[ph] = detached
+                else:  # a buffer, a constant, a number: nothing to cut
+                    env[ph] = arg
+            for b in body.graph.nodes:
+                if b.op == "output":
+                    outputs = b.args[0]
+                elif b.op != "placeholder":
+                    env[b] = gm.graph.node_copy(b, lambda x, env=env: env[x])
+        results = [env[o] if isinstance(o, fx.Node) else o for o in (outputs or ())]
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(results[user.args[1]])
+                gm.graph.erase_node(user)
+        if node.users:  # used whole (not through getitem): keep the block as it was
+            continue
+        gm.graph.erase_node(node)
+        if not sub.users:
+            gm.graph.erase_node(sub)
+            delattr(gm, sub.target)
+        done = True
+    if done:
+        gm.recompile()
+    return done
+
+
 def _functionalize(ep):
     """``ep`` with in-place ops replaced by their functional forms (``copy_`` into a slice: ``slice_scatter``), as
     ``ExportedProgram.run_decompositions({})`` gives (no op decomposed). That turns writes into buffers and user
@@ -215,6 +268,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: di
             + (f"  at {where}\n" if where else "")
             + f"  {hint}"
         ) from exc
+    _inline_no_grad(ep)
     if _writes_into_intermediates(ep.graph_module):
         ep = _functionalize(ep)
     export_seconds = time.perf_counter() - t0
