@@ -75,6 +75,7 @@ def demo_worker(steps: int) -> None:
         print("\nrank 0's program (first lines):")
         print("\n".join(pm.program().splitlines()[:12]))
     dist.destroy_process_group()
+    _exit_rank()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -639,6 +640,17 @@ def verify_worker(args: argparse.Namespace) -> None:
             json.dump(result, f)
     if dist.is_initialized():
         dist.destroy_process_group()
+    _exit_rank()
+
+
+def _exit_rank() -> None:
+    """Leave a torchrun rank whose work is done without interpreter teardown: destroying torch's static objects at
+    exit sometimes finds a C++ thread still joinable ("terminate called without an active exception", SIGABRT),
+    which torchrun reports as the run failing (seen in CI on a rank that had finished; tests/multiproc/harness.py
+    leaves its ranks the same way)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _verify_rank(args: argparse.Namespace) -> dict | None:
@@ -755,10 +767,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 with open(os.path.join(work, errs[0])) as f:
                     first = f.read().split("\n\n", 1)[0]
                 why = f"{errs[0][:-4].replace('rank', 'rank ')} raised {first}"
-            else:
+            else:  # killed or aborted outside Python: the lines that say why, else the output's end
                 log = os.path.join(work, "ranks.log")
-                tail = open(log).read().strip().splitlines()[-15:] if os.path.exists(log) else []
-                why = "no rank said why; their output ended:\n" + "\n".join(tail)
+                lines = open(log).read().strip().splitlines() if os.path.exists(log) else []
+                said = [ln for ln in lines if any(k in ln for k in ("terminate called", "what()", "Error", "error:",
+                                                                     "Killed", "Signal"))]
+                why = "no rank raised a Python exception; their output says:\n" + "\n".join((said or lines)[-15:])
             raise RuntimeError(f"the {ranks}-rank run failed (torchrun exit status {rc}): {why}\n"
                                "(AUTOPART_TRACEBACK=1 shows every rank's output)")
         with open(out) as f:
