@@ -834,7 +834,8 @@ def _traceback_wanted() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = _Parser(prog="autopart", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser,  # the _workers: torchrun's, not listed
+                            metavar="{plan,explain,diff,verify,advise,calibrate,demo}")
     d = sub.add_parser("demo", help="plan a small GPT for a 2x2 CPU mesh and train it on 4 gloo ranks")
     d.add_argument("--steps", type=int, default=DEMO_STEPS)
     d.set_defaults(fn=cmd_demo)
