@@ -10,6 +10,7 @@ import sys
 
 DEMO_STEPS = 20
 _REDUCE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", None: None}  # --reduce-dtype -> PlanOptions.reduce_dtype
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype -> the torch dtype's name
 
 
 def _demo_model():
@@ -144,6 +145,29 @@ def _pipeline_arg(text: str | None) -> dict | str | None:
     return out
 
 
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    """How a model is laid out on the mesh (``plan``, ``verify``): what ``_layout_args`` reads, with the forced
+    ZeRO level and checkpointing."""
+    p.add_argument("--mesh", type=_mesh_arg, default=(2, 2), help="mesh shape, e.g. 8x8 (default 2x2)")
+    p.add_argument("--names", default=None, help="comma-separated axis names, one per mesh axis (default dp,tp for "
+                                                 "a 2-D mesh, else axis0,axis1,...); labels, the solver decides "
+                                                 "what each axis does unless --role pins it")
+    p.add_argument("--role", action="append", help="AXIS=ROLE pins what an axis does (dp: batch split, weights "
+                                                   "whole or ZeRO-sharded; tp: weights sharded; pp: pipeline stages), "
+                                                   "e.g. --role tp=tp; repeat for more axes")
+    p.add_argument("--pin", action="append", help="NAME=PLACEMENT fixes a parameter's or graph node's placement, "
+                                                  "e.g. --pin lm_head.weight=RS(0); repeat for more")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="force a ZeRO level on the data-parallel axes, which --role names (e.g. --role dp=dp); "
+                        "default: the solver decides per parameter")
+    p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
+                   help="force activation checkpointing of every layer (default: the solver decides per layer)")
+    p.add_argument("--pipeline", default=None,
+                   help="auto (default: the solver may split an axis into stages), off, or KEY=VALUE,... over "
+                        "stages, micro_batches, schedule (gpipe, 1f1b, interleaved), virtual, axis, e.g. "
+                        "stages=4,micro_batches=8,schedule=1f1b")
+
+
 def _layout_args(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[str, ...], dict, dict, dict | str | None]:
     """--mesh, --names, --role, --pin, --pipeline: (shape, names, roles, pins, pipeline), checked."""
     shape = args.mesh
@@ -164,6 +188,11 @@ def _layout_args(args: argparse.Namespace) -> tuple[tuple[int, ...], tuple[str, 
     pins = _pairs("--pin", args.pin, "lm_head.weight=RS(0)")
     pipeline = _pipeline_arg(args.pipeline)
     return shape, names, roles, pins, pipeline
+
+
+def _overrides(args: argparse.Namespace, adv_mod) -> dict:
+    """--layers, --hidden, ... as ``advise.build`` takes them (None: not given)."""
+    return {k: getattr(args, k) for k in adv_mod.OVERRIDES}
 
 
 def _check_factory_flags(args: argparse.Namespace, adv_mod) -> None:
@@ -228,10 +257,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"--out {args.out}: cannot write there ({folder} is not a writable folder); checked "
                              "before planning, so that no plan is lost")
-    for name in ("batch", "seq"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name} {v}: give a whole number >= 1 (or leave it out for the default)")
+    _check_counts(args, "batch", "seq")
     if args.context < 0:
         raise ValueError(f"--context {args.context}: the K/V cache per sequence is a number of tokens >= 0")
     if not (args.time_limit > 0 and 0 <= args.gap < 1):
@@ -243,12 +269,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # 'calibrated': this machine as autopart calibrate measured it, for this mesh (advise's what-if meshes have none)
     cluster = args.cluster if args.cluster == CALIBRATED else adv_mod.resolve_cluster(args.cluster)
     dtype_name = args.dtype or ("fp32" if _is_cpu_cluster(cluster) else "bf16")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = getattr(torch, _DTYPES[dtype_name])
     opt_bytes = args.optimizer_bytes if args.optimizer_bytes is not None else \
         (8.0 if dtype == torch.float32 else 12.0)
     seq = args.seq or (1 if args.context else _default_seq(adv_mod, args))  # a decoding step: one new token
     batch = args.batch or max(8, math.prod(shape))
-    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    overrides = _overrides(args, adv_mod)
     what, model, inputs, kwargs, _ = adv_mod.build(args.model, args.size, factory=args.factory, batch=batch,
                                                    seq=seq, dtype=dtype, inference=args.inference, **overrides)
     n = sum(p.numel() for p in model.parameters())
@@ -390,6 +416,14 @@ def _gpus_arg(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_counts(args: argparse.Namespace, *names: str) -> None:
+    """Flags that count something (sequences, nodes, steps): a whole number >= 1 where given."""
+    for name in names:
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ValueError(f"{_flag(name)} {v}: give a whole number >= 1 (or leave it out for the default)")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -397,10 +431,7 @@ def _flag(name: str) -> str:
 def _check_advise_flags(args: argparse.Namespace, adv_mod) -> None:
     """Flags that would be ignored, contradict each other or are out of range: an error naming them, not a plan of
     something else."""
-    for name in ("nodes", "gpus_per_node", "seq", "max_batch", "batch_per_gpu"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"{_flag(name)} {v}: give a whole number >= 1 (or leave it out for the default)")
+    _check_counts(args, "nodes", "gpus_per_node", "seq", "max_batch", "batch_per_gpu")
     if isinstance(args.batch, int) and args.batch < 1:
         raise ValueError(f"--batch {args.batch}: give a whole number >= 1 of sequences in the global batch (default: "
                          "one per GPU), or 'max' with --inference")
@@ -450,7 +481,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
     console = Console()
     _check_advise_flags(args, adv_mod)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or "bf16"]
+    dtype = getattr(torch, _DTYPES[args.dtype or "bf16"])
     cluster = adv_mod.resolve_cluster(args.cluster)
     gap = adv_mod.ADVISE_GAP if args.gap is None else args.gap
     if args.sweep:
@@ -494,7 +525,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
             if not args.json:
                 console.print(f"wrote {args.out}/design_guide.md, .json and {png}")
         return 0
-    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    overrides = _overrides(args, adv_mod)
     if args.batch == "max" or args.max_latency_ms is not None:
         if args.batch != "max":
             raise ValueError("--max-latency-ms bounds the serving search: pass it with --inference --batch max")
@@ -549,16 +580,7 @@ VERIFY_MISMATCH = 3  # exit status: the run differs from one process (1: bad inp
 
 def _verify_flags(p: argparse.ArgumentParser) -> None:
     _model_flags(p, "gpt:tiny")
-    p.add_argument("--mesh", type=_mesh_arg, default=(2, 2), help="mesh shape, e.g. 2x2 (default): one gloo rank a "
-                                                                  "device")
-    p.add_argument("--names", default=None, help="comma-separated axis names (default dp,tp for a 2-D mesh)")
-    p.add_argument("--role", action="append", help="AXIS=ROLE, as autopart plan takes it (e.g. --role tp=tp)")
-    p.add_argument("--pin", action="append", help="NAME=PLACEMENT, as autopart plan takes it")
-    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3], help="force a ZeRO level (with an axis "
-                                                                                "pinned dp)")
-    p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
-                   help="force activation checkpointing of every layer")
-    p.add_argument("--pipeline", default=None, help="auto, off, or KEY=VALUE,... as autopart plan takes it")
+    _layout_flags(p)  # a gloo rank a device of --mesh
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 8; a factory's own "
                                                            "inputs are used as they are)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 32)")
@@ -575,7 +597,7 @@ def _verify_model(args: argparse.Namespace, adv_mod, device: str = "cpu"):
     import torch
 
     torch.manual_seed(0)
-    overrides = {k: getattr(args, k) for k in adv_mod.OVERRIDES}
+    overrides = _overrides(args, adv_mod)
     batch, seq = args.batch or 8, args.seq or 32
     family = args.model if args.model is not None or args.factory is not None else "gpt:tiny"  # --model's default
     what, model, inputs, kwargs, cfg = adv_mod.build(family, args.size, factory=args.factory, batch=batch,
@@ -710,10 +732,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     adv_mod = importlib.import_module("autopart.advise")
     _check_factory_flags(args, adv_mod)
-    for name in ("batch", "seq", "steps"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise ValueError(f"--{name} {v}: give a whole number >= 1")
+    _check_counts(args, "batch", "seq", "steps")
     if not args.atol >= 0:
         raise ValueError(f"--atol {args.atol:g}: a difference, >= 0")
     shape, names, roles, pins, pipeline = _layout_args(args)  # checked here, before any rank starts
@@ -847,18 +866,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "for a mesh of a cluster, as autopart.plan does; print the plan. Exit status 1 "
                                    "on bad input, 2 when no plan fits the memory budget.")
     _model_flags(p, "gpt:tiny")
-    p.add_argument("--mesh", type=_mesh_arg, default=(2, 2), help="mesh shape, e.g. 8x8 (default 2x2)")
-    p.add_argument("--names", default=None, help="comma-separated axis names, one per mesh axis (default dp,tp for "
-                                                 "a 2-D mesh, else axis0,axis1,...); labels, the solver decides "
-                                                 "what each axis does unless --role pins it")
+    _layout_flags(p)
     p.add_argument("--cluster", default="cpu", help="a preset (cpu, a100-80gb, h100-80gb, h200-141gb), "
                                                     "'calibrated' (this machine, measured by autopart calibrate) or "
                                                     "the path of a .json/.toml cluster file (default cpu)")
-    p.add_argument("--role", action="append", help="AXIS=ROLE pins what an axis does (dp: batch split, weights "
-                                                   "whole or ZeRO-sharded; tp: weights sharded; pp: pipeline stages), "
-                                                   "e.g. --role tp=tp; repeat for more axes")
-    p.add_argument("--pin", action="append", help="NAME=PLACEMENT fixes a parameter's or graph node's placement, "
-                                                  "e.g. --pin lm_head.weight=RS(0); repeat for more")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 8, or one per "
                                                            "device when the mesh has more)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: a preset's max_seq_len, 2048 "
@@ -868,17 +879,8 @@ def main(argv: list[str] | None = None) -> int:
                      dtype_help="the weights' (default: bf16 on a GPU cluster, fp32 on cpu)",
                      optimizer_help="optimizer state bytes per parameter (default: 12 for bf16/fp16 weights, Adam "
                                     "with an fp32 master copy; 8 for fp32, Adam's two states)")
-    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
-                   help="force a ZeRO level on the data-parallel axes, which --role names (e.g. --role dp=dp); "
-                        "default: the solver decides per parameter")
-    p.add_argument("--checkpoint", default=None, choices=["full", "selective", "none"],
-                   help="force activation checkpointing of every layer (default: the solver decides per layer)")
     p.add_argument("--offload", default=None, choices=["none", "optimizer", "activations", "both"],
                    help="force CPU offload (default: the solver decides)")
-    p.add_argument("--pipeline", default=None,
-                   help="auto (default: the solver may split an axis into stages), off, or KEY=VALUE,... over "
-                        "stages, micro_batches, schedule (gpipe, 1f1b, interleaved), virtual, axis, e.g. "
-                        "stages=4,micro_batches=8,schedule=1f1b")
     p.add_argument("--memory-budget", default=None, help="per device, e.g. 70GiB (default: the device's capacity "
                                                          "less its reserve)")
     p.add_argument("--inference", action="store_true", help="plan the frozen model forward-only (no gradients, "
