@@ -464,8 +464,6 @@ def _layer_run(layer: str) -> str | None:
 
 
 def _param_layer(fqn: str) -> str:
-    import re
-
     m = re.match(r"^(.*?)\.(\d+)(?:\.|$)", fqn)
     return f"{m.group(1)}.{m.group(2)}" if m else ""
 

@@ -1294,47 +1294,30 @@ def check_inputs(opts: PlanOptions) -> None:
                              f"schedule={pp['schedule']!r} runs one: drop virtual, or use schedule='interleaved'")
 
 
-def check_graph_inputs(traced: Traced, opts: PlanOptions, axis_names: tuple[str, ...],
-                       mesh_shape: tuple[int, ...]) -> None:
-    """Arguments no plan of this graph on this mesh can satisfy (``PlanInputError``, before any solve): recompute or
-    activation offload forced on a forward-only graph (it saves nothing for backward), pipeline stages forced where
-    no mesh axis may hold them or none divides into them."""
-    training = any(fqn not in traced.frozen for fqn in traced.params.values())
-    if not training:
-        modes = [opts.checkpoint] if isinstance(opts.checkpoint, str) else \
-            list(opts.checkpoint.values()) if isinstance(opts.checkpoint, dict) else []
-        if any(m != "none" for m in modes):
-            raise PlanInputError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
-                                 "gradient): recompute frees what forward saves for backward, and serving saves "
-                                 "nothing; plan it with checkpoint='none' (or leave it to the planner)")
-        if "activations" in (_forced_offload(opts) or ()):
-            raise PlanInputError(f"offload={opts.offload!r} on a forward-only graph (no parameter requires a "
-                                 "gradient): activation offload moves what forward saves for backward, and serving "
-                                 "saves nothing (a K/V cache stays on the device); plan it with offload='none' or "
-                                 "'optimizer'")
-    forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
-    stages = int(forced.get("stages", 1))
-    if stages <= 1:
+def _check_forward_only(traced: Traced, opts: PlanOptions) -> None:
+    """Recompute or activation offload forced on a forward-only graph (it saves nothing for backward): no plan can
+    honour it (``PlanInputError``, before any solve)."""
+    if any(fqn not in traced.frozen for fqn in traced.params.values()):
         return
-    roles = {axis_names.index(a): r for a, r in opts.roles.items() if a in axis_names}
-    if "axis" in forced and forced["axis"] in axis_names:
-        axes = [axis_names.index(forced["axis"])]
-    else:
-        axes = [i for i, r in roles.items() if r == "pp"] or \
-            [i for i, n in enumerate(mesh_shape) if i not in roles and n > 1]
-    if not axes:
-        raise PlanInputError(f"pipeline stages={stages} forced, but every mesh axis has a role (roles={opts.roles}) "
-                             "and stages split an axis without one: give an axis role 'pp', leave one unpinned, or "
-                             "name a data-parallel axis for them, pipeline={'axis': '<axis>', ...}")
-    if not any(mesh_shape[i] % stages == 0 for i in axes):
-        raise PlanInputError(f"pipeline stages={stages} forced, but it divides none of the mesh axes stages may "
-                             f"split: " + ", ".join(f"{axis_names[i]} ({mesh_shape[i]})" for i in axes))
+    if any(m != "none" for m in _checkpoint_modes(opts.checkpoint)):
+        raise PlanInputError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
+                             "gradient): recompute frees what forward saves for backward, and serving saves "
+                             "nothing; plan it with checkpoint='none' (or leave it to the planner)")
+    if "activations" in (_forced_offload(opts) or ()):
+        raise PlanInputError(f"offload={opts.offload!r} on a forward-only graph (no parameter requires a "
+                             "gradient): activation offload moves what forward saves for backward, and serving "
+                             "saves nothing (a K/V cache stays on the device); plan it with offload='none' or "
+                             "'optimizer'")
+
+
+def _checkpoint_modes(checkpoint: str | dict | None) -> list[str]:
+    """The modes a ``checkpoint`` argument names: one for every layer, or one per layer of a dict."""
+    return [checkpoint] if isinstance(checkpoint, str) else \
+        list(checkpoint.values()) if isinstance(checkpoint, dict) else []
 
 
 def _check_checkpoint_modes(checkpoint: str | dict | None) -> None:
-    modes = [checkpoint] if isinstance(checkpoint, str) else \
-        list(checkpoint.values()) if isinstance(checkpoint, dict) else []
-    for mode in modes:
+    for mode in _checkpoint_modes(checkpoint):
         if mode not in ("full", "selective", "none"):
             raise PlanInputError(f"checkpoint={checkpoint!r}: modes are 'full', 'selective' or 'none' (one for "
                                  "every layer, or a dict layer -> mode)")
@@ -2848,7 +2831,7 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
     if opts.zero and "dp" not in roles.values():  # said once, not per pipeline stage candidate
         raise PlanInputError(f"zero={opts.zero} slices model states over the data-parallel axes, but no mesh axis has "
                          f"role 'dp' (roles={opts.roles}): name one, roles={{'<axis>': 'dp'}}, or leave zero unset")
-    check_graph_inputs(traced, opts, axis_names, tuple(cluster.mesh_shape))
+    _check_forward_only(traced, opts)
     pp_axes = [i for i, r in roles.items() if r == "pp"]
     forced = opts.pipeline if isinstance(opts.pipeline, dict) else {}
     free_axes = [i for i, n in enumerate(cluster.mesh_shape) if i not in roles and n > 1]
@@ -2858,6 +2841,19 @@ def _make_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...], op
             raise PlanInputError(f"pipeline axis {forced['axis']!r} has role {role!r}; stages can split an unpinned "
                                  "or a data-parallel axis")
         free_axes.append(axis_names.index(forced["axis"]))
+    stages = int(forced.get("stages", 1))
+    if stages > 1:  # forced stages: an axis that holds them (the search's: the named one, 'pp' ones, else free)
+        mesh = cluster.mesh_shape
+        axes = [axis_names.index(forced["axis"])] if "axis" in forced and forced["axis"] in axis_names else \
+            pp_axes or free_axes
+        if not axes:
+            raise PlanInputError(f"pipeline stages={stages} forced, but every mesh axis has a role "
+                                 f"(roles={opts.roles}) and stages split an axis without one: give an axis role "
+                                 "'pp', leave one unpinned, or name a data-parallel axis for them, "
+                                 "pipeline={'axis': '<axis>', ...}")
+        if not any(mesh[i] % stages == 0 for i in axes):
+            raise PlanInputError(f"pipeline stages={stages} forced, but it divides none of the mesh axes stages may "
+                                 f"split: " + ", ".join(f"{axis_names[i]} ({mesh[i]})" for i in axes))
     # no repeated blocks to split (a model without numbered layers): nothing to pipeline unless asked for
     blockless = not forced and not pp_axes and len({_layer_of(n, traced) for n in traced.graph.nodes
                                                      if n.op == "call_function"} - {""}) < 2
@@ -3153,15 +3149,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
     def working(choice) -> float:
         return working_of(wvec, choice) if wvec is not None and choice is not None else 0.0
-    if not training:
-        if any(m != "none" for m in base_modes.values()):
-            raise ValueError(f"checkpoint={opts.checkpoint!r} on a forward-only graph (no parameter requires a "
-                             "gradient): recompute frees what forward saves for backward, and serving saves "
-                             "nothing; plan it with checkpoint='none' (or leave it to the planner)")
-        if "activations" in base_off:
-            raise ValueError(f"offload={opts.offload!r} on a forward-only graph (no parameter requires a gradient): "
-                             "activation offload moves what forward saves for backward, and serving saves nothing "
-                             "(a K/V cache stays on the device); plan it with offload='none'")
+    if not training:  # (recompute or activation offload forced: refused before, ``_check_forward_only``)
+        assert not any(m != "none" for m in base_modes.values()) and "activations" not in base_off
     warm_hint = warm_start_choice(opts.warm_start, prob)
 
     def recompute_bytes(modes: dict[str, str], ckpt_mem: list[np.ndarray], choice) -> float:
