@@ -48,9 +48,13 @@ def _ilp_lines(sol: dict) -> list[str]:
     ilp = sol.get("ilp")
     if not ilp:
         return []
+    screen, cut = ilp.get("screening") or {}, ilp.get("cut_off") or {}
     lines = [f"ILP solves while planning: {ilp['solves']} ({ilp['optimal']} optimal, {ilp['reused']} more answered "
-             f"from problems already solved), {ilp['solve_s']:.2f} s; largest optimality gap (best bound vs "
-             f"objective) {ilp['max_gap']:.2%}"]
+             f"from problems already solved"
+             + (f", {cut['solves']} more ended by their LP bound" if cut.get("solves") else "")
+             + f"), {ilp['solve_s']:.2f} s; largest optimality gap (best bound vs objective) {ilp['max_gap']:.2%}"
+             + (f"; {screen['solves']} screening solve{'s' if screen['solves'] > 1 else ''} to "
+                f"{screen['tolerance']:.0%} (largest gap {screen['max_gap']:.2%})" if screen.get("solves") else "")]
     warm = ilp.get("warm_started", [])
     if warm:
         src = f" (the search from recipe {sol['warm_start_from']})" if sol.get("warm_start_from") else ""

@@ -38,7 +38,7 @@ MODELS = {
     "llama-7b": lambda: Llama(LlamaConfig.preset("llama-7b")),
     "llama-70b": lambda: Llama(LlamaConfig.preset("llama-70b")),
 }
-MESHES = {"8": (8,), "8x8": (8, 8), "128x8": (128, 8)}
+MESHES = {"8": (8,), "8x8": (8, 8), "16x8": (16, 8), "128x8": (128, 8)}
 SEQ = 2048
 
 

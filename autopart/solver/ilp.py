@@ -232,6 +232,10 @@ class SolverOptions:
     # HiGHS, given a warm start: solve the MIP's LP relaxation first, and where its optimum is integral take it (it
     # is the MIP's optimum, proven: the relaxation's bound is its own objective); else the MIP (``_run_mathopt``)
     lp_first: bool = True
+    # an objective the caller already has from elsewhere (another variant of the problem): where the MIP's LP
+    # relaxation bounds every choice above it, ``solve`` raises ``SolverCutoff`` instead of solving the MIP, which
+    # could only prove a worse optimum (HiGHS; "cp-sat" and "scip" solve as without it)
+    cutoff: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -264,6 +268,7 @@ class Solution:
     # started from
     hint: str = "none"
     hint_objective: float | None = None
+    tolerance: float | None = None  # the relative gap it was solved to (``SolverOptions.relative_gap``)
 
     def __str__(self) -> str:
         return (
@@ -284,6 +289,7 @@ class Solution:
             "num_constraints": self.num_constraints,
             "hint": self.hint,
             "hint_objective": self.hint_objective,
+            "tolerance": self.tolerance,
         }
 
     @staticmethod
@@ -300,11 +306,30 @@ class Solution:
             num_constraints=int(d["num_constraints"]),
             hint=str(d.get("hint", "none")),
             hint_objective=d.get("hint_objective"),
+            tolerance=d.get("tolerance"),
         )
 
 
 class SolverTimeout(RuntimeError):
     """The backend found no feasible assignment within its time limit (the problem may be feasible)."""
+
+
+class SolverCutoff(Exception):
+    """No choice beats ``SolverOptions.cutoff``: the LP relaxation's bound on every choice's objective (``bound``,
+    the fixed groups' costs included) is above it; the MIP was not solved."""
+
+    def __init__(self, bound: float, cutoff: float):
+        super().__init__(f"LP relaxation bound {bound:.6g} above the cutoff {cutoff:.6g}")
+        self.bound = bound
+        self.cutoff = cutoff
+
+    def __reduce__(self):
+        return type(self), (self.bound, self.cutoff)
+
+
+# a cutoff prunes where the LP bound exceeds it by more than this (relative): the relaxation's bound carries the
+# LP's tolerances, and a problem that ties is solved
+CUTOFF_REL_TOL = 1e-6
 
 
 class InfeasibleError(ValueError):
@@ -821,6 +846,7 @@ class _RawResult:
     infeasible: bool
     bound: float
     relaxation: bool = False  # the LP relaxation's optimum, integral (``SolverOptions.lp_first``): no MIP solved
+    cutoff: bool = False  # the LP relaxation's bound is above ``SolverOptions.cutoff``: no MIP solved
 
 
 # HiGHS's own presolve on a problem with this many variables or more costs more than it saves: the edge variables
@@ -927,7 +953,10 @@ def _run_mathopt(
         values[np.array(sparse.ids, dtype=np.int64)] = np.array(sparse.values)
         return values
 
-    if backend == "highs" and options.lp_first and hint is not None and integer.any():
+    # the cutoff (of the MIP's own part: ``solve``) in the model's scaled units
+    cutoff = None if options.cutoff is None else options.cutoff * cost_scale
+    first = options.lp_first and hint is not None
+    if backend == "highs" and (first or cutoff is not None) and integer.any():
         # The LP relaxation first (dual simplex, no presolve). These problems' relaxations are tight: on the 89
         # HiGHS problems of eight plans (Llama-70B on 1024 H100s, GPT-2 on 64 A100s, MoE-64e, Mamba-1.4B, CPU
         # clusters, ZeRO-3; 300 to 57k variables) every optimum was integral, with the MIP's objective, in 3.4 s
@@ -946,9 +975,14 @@ def _run_mathopt(
             lp_algorithm=mathopt.LPAlgorithm.DUAL_SIMPLEX)
         result = _native_solve(backend, model, solver_type.value, init, lp_params.to_proto(),
                                model_parameters_pb2.ModelSolveParametersProto(), None, callbacks, None, None)
-        values = values_of(result) \
-            if mathopt.TerminationReason(result.termination.reason) == mathopt.TerminationReason.OPTIMAL else None
-        if values is not None and np.all(np.abs(values[integer] - np.round(values[integer])) <= LP_INTEGRAL_TOL):
+        solved = mathopt.TerminationReason(result.termination.reason) == mathopt.TerminationReason.OPTIMAL
+        values = values_of(result) if solved else None
+        if solved and cutoff is not None:
+            bound = result.termination.objective_bounds.dual_bound
+            if bound > cutoff:
+                return _RawResult(None, False, False, bound / cost_scale, cutoff=True), cost_scale
+        if first and values is not None and \
+                np.all(np.abs(values[integer] - np.round(values[integer])) <= LP_INTEGRAL_TOL):
             bound = result.termination.objective_bounds.dual_bound
             # among optimal choices the caller's start, as the MIP kept it when nothing beat it (a tie)
             lhs = np.bincount(rows, weights=vals * hint[cols], minlength=len(lb))
@@ -1214,10 +1248,19 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         if backend_used == "cp-sat":
             raw, _ = _run_cpsat(mip, sub, options, time_left, hint_vec)
         else:
-            raw, _ = _run_mathopt(mip, sub, backend_used, options, time_left, hint_vec)
+            # the cutoff of the MIP's part: less the fixed groups' costs. Only where the MIP holds every free group
+            # (a memory row couples them); without one the tree DP's components are exact and outside it
+            cut = None if options.cutoff is None or red.memory_limit is None else \
+                options.cutoff - red.offset + CUTOFF_REL_TOL * abs(options.cutoff)
+            raw, _ = _run_mathopt(mip, sub, backend_used, dataclasses.replace(options, cutoff=cut), time_left,
+                                  hint_vec)
             if raw.relaxation and problem.hint is not None:  # (the relaxation runs only with a start)
                 hint_state = "not needed"  # the relaxation, integral, needs no start
         num_vars, num_rows = mip.num_vars, len(mip.row_names)
+        if raw.cutoff:
+            if _SOLVE_LOG is not None:
+                _SOLVE_LOG.cutoffs.append((red.offset + raw.bound, options.cutoff, time.perf_counter() - start))
+            raise SolverCutoff(red.offset + raw.bound, options.cutoff)
         if raw.values is None:
             if raw.infeasible:
                 if sub.memory_limit is not None:
@@ -1270,6 +1313,7 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
         num_constraints=num_rows,
         hint=hint_state,
         hint_objective=hint_objective,
+        tolerance=options.relative_gap,
     )
     if _SOLVE_LOG is not None:
         _SOLVE_LOG.append(sol)
@@ -1278,13 +1322,22 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
     return sol
 
 
-_SOLVE_LOG: list[Solution] | None = None
+class SolveLog(list):
+    """The ``Solution`` of every solve inside ``record_solves``; ``cutoffs``: the solves ended by their cutoff instead
+    (``SolverCutoff``), as (LP bound, cutoff, seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cutoffs: list[tuple[float, float, float]] = []
+
+
+_SOLVE_LOG: SolveLog | None = None
 
 
 def _content_key(problem: Problem, options: SolverOptions) -> bytes:
     """What decides a solve's answer, hashed: costs and edges, the memory model when a limit makes it count, and the
     solver options. Names, labels and the hint are left out (a hint only seeds the search)."""
-    h = hashlib.sha1(repr(options).encode())
+    h = hashlib.sha1(repr(dataclasses.replace(options, cutoff=None)).encode())  # an optimum holds whatever cutoff
     for c in problem.node_cost:
         a = np.ascontiguousarray(c, dtype=float)
         h.update(a.shape[0].to_bytes(4, "little"))
@@ -1319,7 +1372,7 @@ class _Shared:
         return Solution(choice=known.choice, status=known.status, objective=objective, bound=known.bound,
                         gap=known.gap, wall_time_s=time.perf_counter() - start, backend=known.backend,
                         num_variables=known.num_variables, num_constraints=known.num_constraints, hint="reused",
-                        hint_objective=hint_objective)
+                        hint_objective=hint_objective, tolerance=known.tolerance)
 
 
 _SHARED: _Shared | None = None
@@ -1344,12 +1397,13 @@ def record_solves():
     """Collect every ``Solution`` that ``solve`` returns inside the block (the planner reports their statuses and
     optimality gaps: a plan rests on many solves -- candidates, recipes, variants -- not only the one it records)."""
     global _SOLVE_LOG
-    outer, _SOLVE_LOG = _SOLVE_LOG, []
+    outer, _SOLVE_LOG = _SOLVE_LOG, SolveLog()
     try:
         yield _SOLVE_LOG
     finally:
         if outer is not None:
             outer.extend(_SOLVE_LOG)
+            outer.cutoffs.extend(_SOLVE_LOG.cutoffs)
         _SOLVE_LOG = outer
 
 
