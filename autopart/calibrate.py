@@ -793,6 +793,19 @@ def calibrate_spawn(nproc: int, mesh_shape: Sequence[int] | None = None, *, quic
             return Cluster.from_json(json.load(f))
 
 
+def _check_writable(directory: str) -> None:
+    """Raise ``ValueError`` (what, why, how to fix) unless a calibration can be cached under ``directory``."""
+    import tempfile
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot cache a calibration in {directory!r}: {e.strerror or e}; give a folder you can "
+                         "write with --cache DIR, or set $AUTOPART_CACHE") from e
+
+
 def cli(args: Any) -> int:
     """``autopart calibrate --nproc N [--mesh AxB] [--quick] [--cache DIR]``: spawn N gloo ranks on this host,
     calibrate, cache, and print what was measured."""
@@ -805,6 +818,7 @@ def cli(args: Any) -> int:
     if math.prod(mesh_shape) != args.nproc:
         raise ValueError(f"--mesh {'x'.join(map(str, mesh_shape))} holds {math.prod(mesh_shape)} ranks, --nproc is "
                          f"{args.nproc}")
+    _check_writable(cache_dir(args.cache))  # before a minute of measuring, not after it in a rank
     t0 = time.perf_counter()
     cluster = calibrate_spawn(args.nproc, mesh_shape, quick=args.quick, directory=args.cache)
     fp = fingerprint("gloo", args.nproc, mesh_shape)

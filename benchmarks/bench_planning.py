@@ -12,7 +12,8 @@ recipes / search = the two parts of ``make_plan`` (scoring the standard recipes;
 stages); ILP solves / max gap = every solve made while planning and the largest optimality gap among them.
 ``--breakdown`` prints the CPU time of every sharding problem solved on the way; ``--profile N`` profiles each plan
 call (cProfile on CPU time) and prints its N functions of largest cumulative time.
-Global batch: one sequence per device of the first mesh axis (at least 8), full context length of the model.
+Global batch: one sequence per device of the first mesh axis (at least 8; ``--per-device``: per device, as
+``autopart plan`` traces), full context length of the model.
 The models are in bf16 with Adam's fp32 master weights and states (``optimizer_bytes_per_param=12``), as they
 train on GPUs: an fp32 model is priced at the GPU's fp32 matmul rate (``Device.fp32_flops``; before that existed
 these plans were of fp32 models priced at the bf16 rate).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import pstats
 import time
 
@@ -47,7 +49,7 @@ def _seq_len(model) -> int:
 
 
 def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict | None = None,
-          cluster: str = "a100-80gb", repeat: int = 1, profile: int = 0) -> list[dict]:
+          cluster: str = "a100-80gb", repeat: int = 1, profile: int = 0, per_device: bool = False) -> list[dict]:
     extra = extra or {}
     rows = []
     for name in models:
@@ -59,7 +61,7 @@ def bench(models: list[str], meshes: list[str], time_limit_s: float, extra: dict
         traced: dict[int, object] = {}
         for mname in meshes:
             shape = MESHES[mname]
-            batch = max(8, shape[0])
+            batch = max(8, math.prod(shape) if per_device else shape[0])
             with torch.device("meta"):
                 ids = torch.randint(0, vocab, (batch, _seq_len(model)))
             if batch not in traced:
@@ -148,6 +150,9 @@ def main() -> None:
                     help="print the CPU time of every sharding problem solved (planner._sharding_plan) as it ends")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="cProfile every plan call (CPU time) and print its N functions of largest cumulative time")
+    ap.add_argument("--per-device", action="store_true",
+                    help="one sequence per device (at least 8), as `autopart plan` traces by default, not per "
+                         "device of the first mesh axis")
     ap.add_argument("--sharding-only", action="store_true",
                     help="decide shardings (ZeRO placements included) but no checkpointing or offload variants")
     a = ap.parse_args()
@@ -166,7 +171,7 @@ def main() -> None:
         _print_each_solve()
     extra = {"checkpoint": "none", "offload": "none"} if a.sharding_only else {}
     print("decisions:", "shardings only" if a.sharding_only else "all (shardings, ZeRO, checkpointing, offload)")
-    bench(models, meshes, a.time_limit, extra, a.cluster, a.repeat, a.profile)
+    bench(models, meshes, a.time_limit, extra, a.cluster, a.repeat, a.profile, a.per_device)
 
 
 if __name__ == "__main__":

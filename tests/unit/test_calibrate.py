@@ -464,3 +464,21 @@ def test_gemm_form_fits_rate_and_latency_and_floors_small_gemms():
     per_flop_at_min = (fmin / rate + lat) / fmin
     assert roofline_time(tiny, 0, dev, mm) - dev.op_latency == pytest.approx(tiny * per_flop_at_min, rel=1e-9)
     assert roofline_time(tiny, 0, dev, mm) < lat / 100
+
+
+def test_calibrate_cli_refuses_a_cache_it_cannot_write_before_measuring(tmp_path, capsys, monkeypatch):
+    """``autopart calibrate --cache DIR`` where DIR cannot be made (under a file): exit 1 with the folder and the fix,
+    before any rank is spawned; it ended in a rank's traceback after the measurements."""
+    import importlib
+
+    from autopart.cli import main
+
+    cal = importlib.import_module("autopart.calibrate")  # (the package's ``calibrate`` is the function)
+    spawned = []
+    monkeypatch.setattr(cal, "calibrate_spawn", lambda *a, **k: spawned.append(a))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["calibrate", "--nproc", "2", "--cache", str(blocker / "cache")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot cache a calibration in" in err and str(blocker / "cache") in err and "--cache DIR" in err
+    assert not spawned
