@@ -803,7 +803,7 @@ def _check_writable(directory: str) -> None:
             pass
     except OSError as e:
         raise ValueError(f"cannot cache a calibration in {directory!r}: {e.strerror or e}; give a folder you can "
-                         "write with --cache DIR, or set $AUTOPART_CACHE") from e
+                         "write with --cache DIR (without it: $AUTOPART_CACHE, else ~/.cache/autopart)") from e
 
 
 def cli(args: Any) -> int:

@@ -53,7 +53,7 @@ def _ilp_lines(sol: dict) -> list[str]:
              f"from problems already solved"
              + (f", {cut['solves']} more ended by their LP bound" if cut.get("solves") else "")
              + f"), {ilp['solve_s']:.2f} s; largest optimality gap (best bound vs objective) {ilp['max_gap']:.2%}"
-             + (f"; {screen['solves']} screening solve{'s' if screen['solves'] > 1 else ''} to "
+             + (f"; {screen['solves']} more screening solve{'s' if screen['solves'] > 1 else ''} to "
                 f"{screen['tolerance']:.0%} (largest gap {screen['max_gap']:.2%})" if screen.get("solves") else "")]
     warm = ilp.get("warm_started", [])
     if warm:

@@ -2702,6 +2702,8 @@ class _Session:
             self.plans[key] = (e, opts.explain_infeasible)
             self.keep.append(traced)
             raise
+        if plan.solver.get("pruned_by_cutoff"):  # the cutoff decided more than pruning: not the problem's plan
+            return plan
         self.plans[key] = (plan, opts.explain_infeasible)
         self.keep.append(traced)
         return dataclasses.replace(plan, solver=dict(plan.solver))
@@ -2771,8 +2773,8 @@ def solve_summary(solves: list, reused: int = 0, gap: float | None = None) -> di
     apart = {id(s) for s in screened}
     cutoffs = getattr(solves, "cutoffs", [])
     return {
-        "solves": len(solves), "reused": reused,
-        "optimal": sum(s.status == "optimal" for s in solves),
+        "solves": len(solves) - len(screened), "reused": reused,
+        "optimal": sum(s.status == "optimal" for s in solves if id(s) not in apart),
         "max_gap": max((s.gap for s in solves if id(s) not in apart), default=0.0),
         "screening": {"solves": len(screened), "max_gap": max((s.gap for s in screened), default=0.0),
                       "tolerance": max((s.tolerance for s in screened), default=0.0)},
@@ -3158,6 +3160,15 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         """What a variant must beat to matter: the best variant so far, and the caller's cutoff."""
         known = [r[0].objective for r in results.values()] + [opts.objective_cutoff]
         return min((x for x in known if x is not None), default=None)
+
+    # variants pruned by the caller's cutoff alone (below every variant solved so far): the variants after them
+    # (the offload gate, their warm starts) may then differ from a solve without the cutoff, so the plan is not
+    # stored as the problem's (``_Session``)
+    by_caller: set[str] = set()
+
+    def by_caller_cut() -> bool:
+        best = min((r[0].objective for r in results.values()), default=math.inf)
+        return opts.objective_cutoff is not None and opts.objective_cutoff < best
     timeouts: dict[str, SolverTimeout] = {}
 
     # forward-only (serving): nothing is saved for backward, so neither recompute nor activation offload frees
@@ -3260,6 +3271,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             errors[label] = exc
         except SolverCutoff as exc:
             pruned[label] = exc.bound
+            if above is None and by_caller_cut():
+                by_caller.add(label)
         except SolverTimeout as exc:
             if not bounded:
                 raise
@@ -3320,6 +3333,8 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             bound, cut = pruned.pop(first), bar()
             if cut is not None and bound > cut + CUTOFF_REL_TOL * abs(cut):
                 pruned[first] = bound
+                if by_caller_cut():
+                    by_caller.add(first)
             else:
                 run(first, base_modes, base_off, repair=True)
     if forced_off is None and cluster.device.name != "cpu" and binds and training and (
@@ -3331,8 +3346,10 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         run("offload-optimizer+activations", base_modes, frozenset({"optimizer", "activations"}))
     timings["solve_s"] = time.perf_counter() - t0
     timings["checkpoint_variants"] = sorted(set(results) | set(errors) | set(timeouts) | set(pruned))
-    if pruned:  # variants not solved: their LP bound is above a variant's plan
+    if pruned:  # variants not solved: their LP bound is above a variant's plan (or the caller's cutoff)
         timings["pruned_variants"] = dict(pruned)
+    if by_caller:
+        timings["pruned_by_cutoff"] = sorted(by_caller)
     if timeouts:
         timings["unsolved_variants"] = {label: str(exc) for label, exc in timeouts.items()}
         if not results:
@@ -3373,7 +3390,11 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             f"instead of {cluster.world_size}; replicated terms do not shrink, so that is a lower bound), or pin "
             f"roles that shard more (zero=3, a tensor-parallel axis).",
             min_memory=exc.min_memory, limit=limit, binding=exc.binding, terms=terms) from exc
-    label = min(results, key=lambda k: results[k][0].objective)
+    # exact ties go to the variant that recomputes and offloads least (the order they are listed in; the plan
+    # without recompute may be solved after the others, ``pruned``)
+    order = [first, "selective", "full", "offload-optimizer", "full+offload-optimizer",
+             "offload-optimizer+activations"]
+    label = min(results, key=lambda k: (results[k][0].objective, order.index(k) if k in order else len(order)))
 
     def record(label: str):
         sol, modes, cost, mem, offload, ckpt_mem, ebytes, step = results[label]
@@ -3412,13 +3433,16 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             gap=NO_ZERO_SCREEN_GAP)
         if nz in results:
             other = record(nz)
-            if other.predicted["step_time_s"] < plan.predicted["step_time_s"] and \
-                    results[nz][0].gap > opts.relative_gap:
+            gap = results[nz][0].gap
+            # where it wins, or loses by less than the gap its screen left (the exact answer might win)
+            if gap > opts.relative_gap and other.predicted["step_time_s"] * (1 - gap) < plan.predicted["step_time_s"]:
                 start = list(results.pop(nz)[0].choice)
                 run(nz, modes, offload, sliced_states=False, compete=False, start=start)
                 other = record(nz) if nz in results else None
             if other is not None and other.predicted["step_time_s"] < plan.predicted["step_time_s"]:
                 plan = other
+        if nz in pruned:
+            plan.solver["pruned_variants"] = {**plan.solver.get("pruned_variants", {}), nz: pruned[nz]}
     return plan
 
 
