@@ -2769,13 +2769,14 @@ def solve_summary(solves: list, reused: int = 0, gap: float | None = None) -> di
     plan's tolerance; the solves made to a looser one (screening: ``NO_ZERO_SCREEN_GAP``) are counted apart, not in
     ``max_gap``. ``cut_off``: the solves ended by their LP bound, without a MIP (``SolverCutoff``)."""
     hinted = [s for s in solves if s.hint != "none"]
-    screened = [s for s in solves if gap is not None and s.tolerance is not None and s.tolerance > gap]
-    apart = {id(s) for s in screened}
+    loose = [gap is not None and s.tolerance is not None and s.tolerance > gap for s in solves]
+    own = [s for s, x in zip(solves, loose) if not x]
+    screened = [s for s, x in zip(solves, loose) if x]
     cutoffs = getattr(solves, "cutoffs", [])
     return {
-        "solves": len(solves) - len(screened), "reused": reused,
-        "optimal": sum(s.status == "optimal" for s in solves if id(s) not in apart),
-        "max_gap": max((s.gap for s in solves if id(s) not in apart), default=0.0),
+        "solves": len(own), "reused": reused,
+        "optimal": sum(s.status == "optimal" for s in own),
+        "max_gap": max((s.gap for s in own), default=0.0),
         "screening": {"solves": len(screened), "max_gap": max((s.gap for s in screened), default=0.0),
                       "tolerance": max((s.tolerance for s in screened), default=0.0)},
         "cut_off": {"solves": len(cutoffs), "solve_s": sum(c[2] for c in cutoffs)},
@@ -3090,7 +3091,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     """Price every option, solve, and return the ``Plan`` (raises ``ValueError`` if no plan fits)."""
     from autopart.solver import InfeasibleError, SolverOptions, solve
     from autopart.solver import Problem as IlpProblem
-    from autopart.solver.ilp import CUTOFF_REL_TOL, SolverCutoff, SolverTimeout, forest_bound
+    from autopart.solver.ilp import SolverCutoff, SolverTimeout, cutoff_threshold, forest_bound
 
     timings = {}
     t0 = time.perf_counter()
@@ -3156,10 +3157,16 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     pruned: dict[str, float] = {}
     errors: dict[str, InfeasibleError] = {}
 
+    attempted: dict[str, int] = {}  # each variant's place in the order they were first tried
+
+    def best() -> float:
+        """The best variant's objective so far (inf: none solved)."""
+        return min((r[0].objective for r in results.values()), default=math.inf)
+
     def bar() -> float | None:
         """What a variant must beat to matter: the best variant so far, and the caller's cutoff."""
-        known = [r[0].objective for r in results.values()] + [opts.objective_cutoff]
-        return min((x for x in known if x is not None), default=None)
+        cut = min(best(), math.inf if opts.objective_cutoff is None else opts.objective_cutoff)
+        return cut if math.isfinite(cut) else None
 
     # variants pruned by the caller's cutoff alone (below every variant solved so far): the variants after them
     # (the offload gate, their warm starts) may then differ from a solve without the cutoff, so the plan is not
@@ -3167,8 +3174,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
     by_caller: set[str] = set()
 
     def by_caller_cut() -> bool:
-        best = min((r[0].objective for r in results.values()), default=math.inf)
-        return opts.objective_cutoff is not None and opts.objective_cutoff < best
+        return opts.objective_cutoff is not None and opts.objective_cutoff < best()
     timeouts: dict[str, SolverTimeout] = {}
 
     # forward-only (serving): nothing is saved for backward, so neither recompute nor activation offload frees
@@ -3199,6 +3205,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         MIP is not solved (``pruned``: the bound). ``repair``: start from the free optimum repaired into the
         budget, not from the best plan so far (which need not fit a variant that recomputes less); ``start``: from
         this choice. ``gap``: solved to this relative gap where it is looser than the plan's (screening)."""
+        attempted.setdefault(label, len(attempted))
         cost, ckpt_mem = apply_checkpoint(prob, modes)
 
         def recompute_of(choice) -> float:
@@ -3320,10 +3327,7 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
 
     def tight() -> bool:
         """Memory binds and costs: no plan fits yet, or fitting made the best one over 2% slower than free."""
-        if not binds:
-            return False
-        best = min((r[0].objective for r in results.values()), default=math.inf)
-        return best > 1.02 * sol0.objective
+        return binds and best() > 1.02 * sol0.objective
 
     if recompute_variants and tight():
         # memory binds: recompute may buy a cheaper sharding or make the model fit at all
@@ -3331,14 +3335,14 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         run("full", {lay: "full" for lay in layers}, base_off)
         if first in pruned:  # deferred above: its bound against the best variant (the same problem, the same LP)
             bound, cut = pruned.pop(first), bar()
-            if cut is not None and bound > cut + CUTOFF_REL_TOL * abs(cut):
+            if cut is not None and bound > cutoff_threshold(cut):
                 pruned[first] = bound
                 if by_caller_cut():
                     by_caller.add(first)
             else:
                 run(first, base_modes, base_off, repair=True)
     if forced_off is None and cluster.device.name != "cpu" and binds and training and (
-            not results or min(r[0].objective for r in results.values()) > 1.3 * sol0.objective):
+            best() > 1.3 * sol0.objective):
         # still binding: host memory (offload never pays on a CPU cluster, where host memory is device memory)
         full = base_modes or {lay: "full" for lay in layers}
         run("offload-optimizer", base_modes, frozenset({"optimizer"}))
@@ -3354,9 +3358,9 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
         timings["unsolved_variants"] = {label: str(exc) for label, exc in timeouts.items()}
         if not results:
             raise next(iter(timeouts.values()))
-    if pruned and min(pruned.values()) < min((r[0].objective for r in results.values()), default=math.inf):
+    if pruned and min(pruned.values()) < best():
         # a variant pruned by the caller's cutoff alone might have been the plan: none is below the cutoff
-        raise Pruned(min([*pruned.values(), *(r[0].objective for r in results.values())]))
+        raise Pruned(min(*pruned.values(), best()))
     if not results:
         from autopart.plan import _fmt_bytes
 
@@ -3390,11 +3394,9 @@ def _sharding_plan(traced: Traced, cluster: Cluster, axis_names: tuple[str, ...]
             f"instead of {cluster.world_size}; replicated terms do not shrink, so that is a lower bound), or pin "
             f"roles that shard more (zero=3, a tensor-parallel axis).",
             min_memory=exc.min_memory, limit=limit, binding=exc.binding, terms=terms) from exc
-    # exact ties go to the variant that recomputes and offloads least (the order they are listed in; the plan
-    # without recompute may be solved after the others, ``pruned``)
-    order = [first, "selective", "full", "offload-optimizer", "full+offload-optimizer",
-             "offload-optimizer+activations"]
-    label = min(results, key=lambda k: (results[k][0].objective, order.index(k) if k in order else len(order)))
+    # exact ties go to the variant tried first, which recomputes and offloads least (the plan without recompute may
+    # be solved after the others: ``pruned``)
+    label = min(results, key=lambda k: (results[k][0].objective, attempted[k]))
 
     def record(label: str):
         sol, modes, cost, mem, offload, ckpt_mem, ebytes, step = results[label]

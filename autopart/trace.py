@@ -144,6 +144,8 @@ def _inline_no_grad(ep) -> bool:
         body = getattr(gm, sub.target)
         if any(n.op == "get_attr" for n in body.graph.nodes):  # a block holding another block: left as it is
             continue
+        if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users):
+            continue  # used whole (not through getitem): the block stays as it is
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
         outputs: Any = ()
@@ -162,12 +164,9 @@ def _inline_no_grad(ep) -> bool:
                 elif b.op != "placeholder":
                     env[b] = gm.graph.node_copy(b, lambda x, env=env: env[x])
         results = [env[o] if isinstance(o, fx.Node) else o for o in (outputs or ())]
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(results[user.args[1]])
-                gm.graph.erase_node(user)
-        if node.users:  # used whole (not through getitem): keep the block as it was
-            continue
+        for user in list(node.users):  # each a getitem (checked above)
+            user.replace_all_uses_with(results[user.args[1]])
+            gm.graph.erase_node(user)
         gm.graph.erase_node(node)
         if not sub.users:
             gm.graph.erase_node(sub)

@@ -340,6 +340,11 @@ class SolverCutoff(Exception):
 CUTOFF_REL_TOL = 1e-6
 
 
+def cutoff_threshold(cutoff: float) -> float:
+    """The bound above which ``cutoff`` prunes (``SolverOptions.cutoff``; the planner compares a bound it kept)."""
+    return cutoff + CUTOFF_REL_TOL * abs(cutoff)
+
+
 class InfeasibleError(ValueError):
     """No choice satisfies the memory limit (or the forbidden pairs); says by how much and what dominates memory."""
 
@@ -1259,16 +1264,17 @@ def solve(problem: Problem, options: SolverOptions = SolverOptions()) -> Solutio
             # the cutoff of the MIP's part: less the fixed groups' costs. Only where the MIP holds every free group
             # (a memory row couples them); without one the tree DP's components are exact and outside it
             cut = None if options.cutoff is None or red.memory_limit is None else \
-                options.cutoff - red.offset + CUTOFF_REL_TOL * abs(options.cutoff)
+                cutoff_threshold(options.cutoff) - red.offset
             raw, _ = _run_mathopt(mip, sub, backend_used, dataclasses.replace(options, cutoff=cut), time_left,
                                   hint_vec)
             if raw.relaxation and problem.hint is not None:  # (the relaxation runs only with a start)
                 hint_state = "not needed"  # the relaxation, integral, needs no start
         num_vars, num_rows = mip.num_vars, len(mip.row_names)
         if raw.cutoff:
+            bound = red.offset + raw.bound
             if _SOLVE_LOG is not None:
-                _SOLVE_LOG.cutoffs.append((red.offset + raw.bound, options.cutoff, time.perf_counter() - start))
-            raise SolverCutoff(red.offset + raw.bound, options.cutoff)
+                _SOLVE_LOG.cutoffs.append((bound, options.cutoff, time.perf_counter() - start))
+            raise SolverCutoff(bound, options.cutoff)
         if raw.values is None:
             if raw.infeasible:
                 if sub.memory_limit is not None:
